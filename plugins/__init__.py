@@ -1,0 +1,1 @@
+"""Loom's built-in plugins, registered through the ``loom`` entry-point group like any other."""

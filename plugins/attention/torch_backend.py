@@ -1,0 +1,275 @@
+"""The ``torch`` attention backend: ``scaled_dot_product_attention`` over the paged KV cache.
+
+Runs wherever PyTorch does and is the reference the other backends are checked against, and
+the CPU fast path. One step is planned once (which rows decode, which prefill, the gather
+indices and masks) and the plan is cached on the step's :class:`AttentionMetadata`, so all
+layers of the model reuse it. Per layer the work is then:
+
+* write the new K/V into the pool at ``slot_mapping``;
+* all pure-decode sequences (``query_len == 1``) together: gather their blocks into one padded
+  ``[Bd, Hkv, L, D]`` batch and run a single SDPA call, with an additive mask hiding padding;
+* each prefill sequence (``query_len > 1``) with its own SDPA call: plain causal when it has no
+  cached context, otherwise an explicit bottom-right-aligned causal mask over its gathered K/V.
+
+A sequence's result does not depend on the rest of the batch: padding keys get weight exactly 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from loom.layers.attention import AttentionBackend, AttentionMetadata
+
+# Attribute under which the step plan is cached on the metadata object. The runner builds a
+# fresh AttentionMetadata per step, so the plan lives exactly as long as the step.
+_PLAN_ATTR = "_torch_attention_plan"
+
+_MaskKey = tuple[int | None, torch.dtype]
+
+# SDPA's enable_gqa arrived in torch 2.5; on older versions prefill expands K/V instead.
+_SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+@dataclass
+class _DecodeGroup:
+    """All ``query_len == 1`` sequences of the step, attended in one padded batch."""
+
+    num_seqs: int
+    # Their token rows: a (start, stop) slice when they are consecutive, else an index tensor.
+    row_slice: tuple[int, int] | None
+    row_index: torch.Tensor | None  # [Bd] int64
+    block_ids: torch.Tensor  # [Bd * nblk] ids of the blocks to gather, row-major per sequence
+    blocks_per_seq: int  # nblk: enough blocks for the longest sequence of the group
+    padded_len: int  # L: the longest sequence's length; shorter ones are padded to it
+    seq_lens: torch.Tensor  # [Bd] int, on device
+    masks: dict[_MaskKey, torch.Tensor] = field(default_factory=dict)  # [Bd, 1, 1, L] additive
+
+
+@dataclass
+class _Prefill:
+    """One ``query_len > 1`` sequence."""
+
+    start: int  # its token rows are start:start + query_len
+    query_len: int
+    seq_len: int
+    block_ids: torch.Tensor | None  # [nblk] blocks holding its K/V; None without cached context
+    masks: dict[_MaskKey, torch.Tensor | None] = field(default_factory=dict)  # [Lq, Lk] or None
+
+    @property
+    def context_len(self) -> int:
+        return self.seq_len - self.query_len
+
+
+@dataclass
+class _StepPlan:
+    decode: _DecodeGroup | None
+    prefills: list[_Prefill]
+
+
+def _plan_step(meta: AttentionMetadata) -> _StepPlan:
+    """Split the step into the decode group and the prefills, from host-side lists only."""
+    bs = meta.block_size
+    device = meta.block_tables.device
+    starts: list[int] = []
+    acc = 0
+    for ql in meta.query_lens_cpu:
+        starts.append(acc)
+        acc += ql
+
+    dec_seqs = [i for i, ql in enumerate(meta.query_lens_cpu) if ql == 1]
+    decode: _DecodeGroup | None = None
+    if dec_seqs:
+        nd = len(dec_seqs)
+        max_len = max(meta.seq_lens_cpu[i] for i in dec_seqs)
+        nblk = -(-max_len // bs)
+        if nblk > meta.block_tables.shape[1]:
+            raise ValueError(f"block_tables has {meta.block_tables.shape[1]} columns, need {nblk}")
+        if nd == meta.num_seqs:  # the common pure-decode step: no row selection at all
+            tables = meta.block_tables[:, :nblk]
+            seq_lens = meta.seq_lens
+        else:
+            seq_idx = torch.tensor(dec_seqs, dtype=torch.int64, device=device)
+            tables = meta.block_tables.index_select(0, seq_idx)[:, :nblk]
+            seq_lens = meta.seq_lens.index_select(0, seq_idx)
+        rows = [starts[i] for i in dec_seqs]
+        consecutive = rows == list(range(rows[0], rows[0] + nd))
+        decode = _DecodeGroup(
+            num_seqs=nd,
+            row_slice=(rows[0], rows[0] + nd) if consecutive else None,
+            row_index=None if consecutive else torch.tensor(rows, dtype=torch.int64, device=device),
+            # Padding columns of a short sequence point at whatever block the table holds there
+            # (0 by default): readable memory whose keys the mask then hides.
+            block_ids=tables.reshape(-1),
+            blocks_per_seq=nblk,
+            padded_len=max_len,
+            seq_lens=seq_lens,
+        )
+
+    prefills: list[_Prefill] = []
+    for i, ql in enumerate(meta.query_lens_cpu):
+        if ql <= 1:
+            continue
+        sl = meta.seq_lens_cpu[i]
+        block_ids = meta.block_tables[i, : -(-sl // bs)] if sl > ql else None
+        prefills.append(_Prefill(start=starts[i], query_len=ql, seq_len=sl, block_ids=block_ids))
+    return _StepPlan(decode=decode, prefills=prefills)
+
+
+def _decode_mask(group: _DecodeGroup, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:
+    """[Bd, 1, 1, L] additive mask: 0 for each sequence's valid keys, -inf elsewhere."""
+    key = (sliding_window, dtype)
+    mask = group.masks.get(key)
+    if mask is None:
+        pos = torch.arange(group.padded_len, device=group.seq_lens.device)  # [L]
+        lens = group.seq_lens.to(torch.int64)[:, None]  # [Bd, 1]
+        valid = pos[None, :] < lens  # [Bd, L]
+        if sliding_window is not None:
+            # HF semantic: the query at position lens-1 sees keys p > (lens-1) - window.
+            valid &= pos[None, :] >= lens - sliding_window
+        mask = torch.zeros(valid.shape, dtype=dtype, device=valid.device)
+        mask.masked_fill_(~valid, float("-inf"))
+        mask = mask[:, None, None, :]
+        group.masks[key] = mask
+    return mask
+
+
+def _prefill_mask(
+    pre: _Prefill, sliding_window: int | None, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor | None:
+    """[Lq, Lk] additive mask, or None when plain ``is_causal`` is exact (no context, no window)."""
+    key = (sliding_window, dtype)
+    if key in pre.masks:
+        return pre.masks[key]
+    mask: torch.Tensor | None = None
+    if pre.context_len > 0 or sliding_window is not None:
+        q_pos = pre.context_len + torch.arange(pre.query_len, device=device)[:, None]  # [Lq, 1]
+        k_pos = torch.arange(pre.seq_len, device=device)[None, :]  # [1, Lk]
+        valid = k_pos <= q_pos  # [Lq, Lk]
+        if sliding_window is not None:
+            valid &= k_pos > q_pos - sliding_window
+        mask = torch.zeros(valid.shape, dtype=dtype, device=device)
+        mask.masked_fill_(~valid, float("-inf"))
+    pre.masks[key] = mask
+    return mask
+
+
+def get_step_plan(meta: AttentionMetadata) -> _StepPlan:
+    """The step's plan, built on the first layer's call and reused by the others."""
+    plan: _StepPlan | None = getattr(meta, _PLAN_ATTR, None)
+    if plan is None:
+        plan = _plan_step(meta)
+        setattr(meta, _PLAN_ATTR, plan)
+    return plan
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Paged attention with ``torch.nn.functional.scaled_dot_product_attention``.
+
+    Slot ``-1`` in ``slot_mapping`` (skip the write) is not supported: every new token's K/V is
+    written.
+    """
+
+    name = "torch"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, dtype, device)
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        self.group_size = num_heads // num_kv_heads
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        _, num_blocks, bs, hkv, d = kv_cache.shape
+        # (1) Write the new K/V: the pool viewed as flat slots [num_blocks * block_size, Hkv, D].
+        kv_cache[0].view(num_blocks * bs, hkv, d).index_copy_(0, meta.slot_mapping, k)
+        kv_cache[1].view(num_blocks * bs, hkv, d).index_copy_(0, meta.slot_mapping, v)
+
+        plan = get_step_plan(meta)
+        group = plan.decode
+        if group is not None and not plan.prefills and group.row_slice == (0, q.shape[0]):
+            return self._decode(q, kv_cache, group, scale, sliding_window)
+
+        out = torch.empty_like(q)  # [T, Hq, D]
+        if group is not None:
+            if group.row_slice is not None:
+                lo, hi = group.row_slice
+                out[lo:hi] = self._decode(q[lo:hi], kv_cache, group, scale, sliding_window)
+            else:
+                assert group.row_index is not None
+                dec_q = q.index_select(0, group.row_index)
+                out.index_copy_(0, group.row_index,
+                                self._decode(dec_q, kv_cache, group, scale, sliding_window))
+        for pre in plan.prefills:
+            lo, hi = pre.start, pre.start + pre.query_len
+            out[lo:hi] = self._prefill(q[lo:hi], k[lo:hi], v[lo:hi], kv_cache, pre, scale, sliding_window)
+        return out
+
+    def _decode(
+        self,
+        q: torch.Tensor,  # [Bd, Hq, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        group: _DecodeGroup,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:  # [Bd, Hq, D]
+        bd, hkv, d, g = group.num_seqs, self.num_kv_heads, self.head_dim, self.group_size
+        # One gather for K and V together, whole blocks at a time (far fewer, larger copies than
+        # gathering slot by slot).
+        kv = kv_cache.index_select(1, group.block_ids)  # [2, Bd * nblk, bs, Hkv, D]
+        kv = kv.view(2, bd, group.blocks_per_seq * kv_cache.shape[2], hkv, d)
+        kv = kv[:, :, : group.padded_len]  # [2, Bd, L, Hkv, D]
+        keys = kv[0].transpose(1, 2)  # [Bd, Hkv, L, D] (strided view; SDPA reads it in place)
+        values = kv[1].transpose(1, 2)  # [Bd, Hkv, L, D]
+        # GQA without expanding K/V: the g query heads sharing a KV head (HF order: head h uses
+        # KV head h // g) become g query rows of that head. One query token per sequence, so
+        # all rows share the sequence's padding mask.
+        qg = q.reshape(bd, hkv, g, d)  # [Bd, Hkv, g, D]
+        mask = _decode_mask(group, sliding_window, q.dtype)  # [Bd, 1, 1, L]
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
+        return out.reshape(bd, hkv * g, d)  # [Bd, Hq, D]
+
+    def _prefill(
+        self,
+        q: torch.Tensor,  # [Lq, Hq, D]
+        k: torch.Tensor,  # [Lq, Hkv, D]
+        v: torch.Tensor,  # [Lq, Hkv, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        pre: _Prefill,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:  # [Lq, Hq, D]
+        if pre.block_ids is None:
+            # No cached context: the new K/V are the whole sequence; no need to read the pool.
+            keys, values = k, v  # [Lk, Hkv, D]
+        else:
+            kv = kv_cache.index_select(1, pre.block_ids)  # [2, nblk, bs, Hkv, D]
+            kv = kv.view(2, -1, self.num_kv_heads, self.head_dim)[:, : pre.seq_len]  # [2, Lk, Hkv, D]
+            keys, values = kv[0], kv[1]
+        gqa = self.group_size > 1
+        if gqa and not _SDPA_HAS_GQA:
+            keys = keys.repeat_interleave(self.group_size, dim=1)  # [Lk, Hq, D]
+            values = values.repeat_interleave(self.group_size, dim=1)
+            gqa = False
+        extra = {"enable_gqa": True} if gqa else {}
+        mask = _prefill_mask(pre, sliding_window, q.dtype, q.device)  # [Lq, Lk] or None
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],  # [1, Hq, Lq, D]
+            keys.transpose(0, 1)[None],  # [1, Hkv, Lk, D] (Hq when expanded)
+            values.transpose(0, 1)[None],  # [1, Hkv, Lk, D]
+            attn_mask=mask,
+            is_causal=mask is None,  # Lq == Lk here, so top-left causal is the right alignment
+            scale=scale,
+            **extra,
+        )  # [1, Hq, Lq, D]
+        return out[0].transpose(0, 1)  # [Lq, Hq, D]

@@ -1,0 +1,175 @@
+"""Llama-family decoder with fused projections: Llama and Mistral here, Qwen2/Qwen3 subclass it.
+
+Flat token layout: ``forward`` takes ``input_ids [T]`` and ``positions [T]`` of every sequence in
+the step at once; which token belongs to which sequence only matters inside the attention
+backend, through the step's forward context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loom.layers.activation import SiluAndMul
+from loom.layers.attention import Attention
+from loom.layers.norm import RMSNorm
+from loom.layers.rotary import RotaryEmbedding, get_rope
+from loom.model_loader.hf_config import SlidingWindowRule, head_dim_of, layer_sliding_windows, num_kv_heads_of
+
+from .weights import FusedLayout, load_fused_weights
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from transformers import PretrainedConfig
+
+
+@dataclass(frozen=True)
+class LlamaVariant:
+    """What differs between the members of the family."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k before RoPE
+    sliding_window_rule: SlidingWindowRule = "none"
+
+
+class LlamaAttentionBlock(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_idx: int, variant: LlamaVariant,
+                 sliding_window: int | None) -> None:
+        super().__init__()
+        self.num_heads = int(config.num_attention_heads)
+        self.num_kv_heads = num_kv_heads_of(config)
+        self.head_dim = head_dim_of(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        hidden = int(config.hidden_size)
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=variant.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=variant.o_bias)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if variant.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim,
+                              self.head_dim**-0.5, sliding_window)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                rotary: RotaryEmbedding) -> torch.Tensor:  # [T, H] -> [T, H]
+        T = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)  # [T, (Hq + 2*Hkv) * D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        out = self.attn(q.reshape(T, self.q_size), k.reshape(T, self.kv_size), v)  # [T, Hq*D]
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: PretrainedConfig, bias: bool) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (only 'silu')")
+        hidden, inter = int(config.hidden_size), int(config.intermediate_size)
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)  # [gate | up]
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_idx: int, variant: LlamaVariant,
+                 sliding_window: int | None) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttentionBlock(config, layer_idx, variant, sliding_window)
+        self.mlp = LlamaMLP(config, variant.mlp_bias)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                rotary: RotaryEmbedding) -> torch.Tensor:  # [T, H] -> [T, H]
+        # Residual adds in the activation dtype, in HF's order, so half precision matches too.
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rotary)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: PretrainedConfig, variant: LlamaVariant) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        windows = layer_sliding_windows(config, variant.sliding_window_rule)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, variant, windows[i]) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = get_rope(config, head_dim_of(config))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [T, H]
+        for layer in self.layers:
+            hidden = layer(positions, hidden, self.rotary_emb)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The model contract the engine relies on: forward, compute_logits, load_weights."""
+
+    @classmethod
+    def variant(cls, config: PretrainedConfig) -> LlamaVariant:
+        bias = bool(getattr(config, "attention_bias", False))
+        return LlamaVariant(qkv_bias=bias, o_bias=bias, mlp_bias=bool(getattr(config, "mlp_bias", False)))
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, self.variant(config))
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        # Tied: the logits reuse the embedding matrix, so no second [V, H] tensor is allocated.
+        self.lm_head: nn.Linear | None = None
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids [T], positions [T] (int64) -> final-normed hidden states [T, H]."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] float32
+        weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
+        return F.linear(hidden, weight).float()
+
+    def fused_layout(self) -> FusedLayout:
+        """Where each HF projection lives inside the fused parameters: (fused, offset, rows)."""
+        head_dim = head_dim_of(self.config)
+        q_size = int(self.config.num_attention_heads) * head_dim
+        kv_size = num_kv_heads_of(self.config) * head_dim
+        inter = int(self.config.intermediate_size)
+        return {
+            "q_proj": ("qkv_proj", 0, q_size),
+            "k_proj": ("qkv_proj", q_size, kv_size),
+            "v_proj": ("qkv_proj", q_size + kv_size, kv_size),
+            "gate_proj": ("gate_up_proj", 0, inter),
+            "up_proj": ("gate_up_proj", inter, inter),
+        }
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named checkpoint tensors into the (fused) parameters; refuse unknown names."""
+        skip = {"lm_head.weight"} if self.tie_word_embeddings else set()
+        load_fused_weights(self, weights, self.fused_layout(), skip)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral is Llama with an optional sliding window on every layer and no biases."""
+
+    @classmethod
+    def variant(cls, config: PretrainedConfig) -> LlamaVariant:
+        return LlamaVariant(sliding_window_rule="all")

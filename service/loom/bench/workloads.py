@@ -1,0 +1,68 @@
+"""Benchmark workloads (definitions shared with the peers; see docs/benchmarks.md).
+
+A workload is a list of (prompt token ids, new tokens) with greedy decoding and EOS ignored, so
+every run generates exactly the tokens asked for.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    requests: list[tuple[list[int], int]]  # (prompt ids, max_new_tokens)
+    description: str
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(n for _, n in self.requests)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p, _ in self.requests)
+
+
+def equal_batch(name: str, batch: int, prompt: int, new: int) -> Workload:
+    """``batch`` prompts of ``prompt`` ids drawn like the peer (torch seed 0, ids in [100, 40000))."""
+    ids = torch.randint(100, 40000, (batch, prompt), generator=torch.Generator().manual_seed(0))
+    return Workload(name, [(row, new) for row in ids.tolist()],
+                    f"{batch} request(s) x {prompt} prompt tokens, {new} new tokens")
+
+
+def mixed_c2(n_req: int = 64) -> Workload:
+    """C2: per request, prompt length U[16,512], new tokens U[16,256], ids U[100,40000] (Random(3))."""
+    rng = random.Random(3)
+    reqs = []
+    for _ in range(n_req):
+        p, n = rng.randint(16, 512), rng.randint(16, 256)
+        reqs.append(([rng.randint(100, 40000) for _ in range(p)], n))
+    return Workload("C2", reqs, f"{n_req} requests, prompt U[16,512], new U[16,256]")
+
+
+def serving_w2(n_req: int, new: int = 256, seed: int = 2) -> Workload:
+    """W2/W3 lengths: prompt U[128,1024] then ids U[10,1000] request by request (Random(2))."""
+    rng = random.Random(seed)
+    reqs = []
+    for _ in range(n_req):
+        p = rng.randint(128, 1024)
+        reqs.append(([rng.randint(10, 1000) for _ in range(p)], new))
+    return Workload("W2", reqs, f"{n_req} requests, prompt U[128,1024], {new} new tokens")
+
+
+def cpu_workload(name: str, quick: bool = False) -> Workload:
+    """C0, C1, C2; ``quick`` shrinks them (for smoke tests of the harness, not for figures)."""
+    if name == "C0":
+        return equal_batch("C0", 1, 16 if quick else 128, 8 if quick else 128)
+    if name == "C1":
+        return equal_batch("C1", 4 if quick else 32, 16 if quick else 128, 8 if quick else 128)
+    if name == "C2":
+        w = mixed_c2(8 if quick else 64)
+        if quick:
+            w = Workload("C2", [(p[:24], min(n, 8)) for p, n in w.requests], w.description + " (quick)")
+        return w
+    raise ValueError(f"unknown CPU workload {name!r}; choose C0, C1 or C2")

@@ -1,0 +1,51 @@
+"""Engine configuration: one frozen dataclass, validated in one place.
+
+Flag names follow TGI's launcher where the concept is the same; every flag can also be set by a
+``LOOM_<FLAG>`` environment variable (see :mod:`loom.cli`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A configuration a user must change; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_id: str | None = None  # HF model dir or .gguf file; None = the embedded SmolLM2 default
+    dtype: str = "auto"  # auto: fp32 on CPU, the checkpoint's bf16/fp16 on GPU
+    device: str = "auto"  # auto: cuda if available else cpu
+    attention_backend: str | None = None  # None: the available backend of highest priority
+    block_size: int = 16
+    # KV pool size in tokens; None: sized from memory (GPU) or a CPU default.
+    max_batch_total_tokens: int | None = None
+    max_input_tokens: int | None = None  # None: max_total_tokens - 1
+    max_total_tokens: int | None = None  # None: min(model's max positions, 4096)
+    max_batch_prefill_tokens: int = 4096
+    max_batch_size: int | None = None  # running sequences at once; None: unbounded (KV bounds it)
+    waiting_served_ratio: float = 0.3
+    max_waiting_tokens: int = 20
+    cpu_kv_cache_tokens: int = 65536  # the pool size on CPU when max_batch_total_tokens is unset
+    cuda_memory_fraction: float = 0.9
+    num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
+    seed: int = 0  # base of the engine's draws for unseeded sampled requests
+    extra_plugins: tuple[str, ...] = field(default=())  # "module:object" registered at start-up
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"--block-size must be a positive power of two, got {self.block_size}")
+        if self.max_batch_prefill_tokens <= 0:
+            raise ConfigError("--max-batch-prefill-tokens must be positive")
+        if not 0.0 <= self.waiting_served_ratio:
+            raise ConfigError("--waiting-served-ratio must be >= 0")
+        if self.max_waiting_tokens < 0:
+            raise ConfigError("--max-waiting-tokens must be >= 0")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ConfigError(f"--dtype must be one of auto, float32, float16, bfloat16; got {self.dtype!r}")
+        if self.max_batch_size is not None and self.max_batch_size <= 0:
+            raise ConfigError("--max-batch-size must be positive")
+        if not 0.0 < self.cuda_memory_fraction <= 1.0:
+            raise ConfigError("--cuda-memory-fraction must be in (0, 1]")

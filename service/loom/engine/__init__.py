@@ -1,0 +1,1 @@
+"""The engine core: sequences, KV block manager, scheduler, model runner, sampler, step loop."""

@@ -1,0 +1,202 @@
+"""The engine core in its own process, and the asyncio client the front end talks to.
+
+The engine process runs :class:`LLMEngine`'s step loop; it blocks on its input pipe only when it
+has nothing to do, otherwise it drains new requests and aborts between steps. Each step's
+outputs go back as one message. The front end's :class:`AsyncEngineClient` reads that pipe from
+the event loop (``add_reader``, no thread) and routes outputs to per-request queues.
+
+Messages front end -> engine: ``("add", EngineRequest)``, ``("abort", request_id)``,
+``("stats", None)``, ``("shutdown", None)``. Engine -> front end: ``("ready", EngineInfo)``,
+``("fatal", str)``, ``("outputs", list[EngineOutput])``, ``("stats", EngineStats)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing as mp
+import os
+import signal
+import traceback
+from collections.abc import AsyncIterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+import structlog
+
+from loom.config import EngineConfig
+
+from .types import EngineInfo, EngineOutput, EngineRequest, EngineStats, FinishReason
+
+log = structlog.get_logger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process exited; no request can be served until the server restarts."""
+
+
+def run_engine_core(config: EngineConfig, conn: Connection, log_json: bool = False) -> None:
+    """Entry point of the engine process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when we stop
+    from loom.logging_setup import configure_logging
+
+    configure_logging(json_output=log_json, process="engine")
+    try:
+        from .llm_engine import LLMEngine
+
+        engine = LLMEngine(config)
+    except Exception as exc:
+        conn.send(("fatal", f"{type(exc).__name__}: {exc}"))
+        log.error("engine failed to start", error=traceback.format_exc())
+        return
+    conn.send(("ready", engine.info))
+    while True:
+        # Block only when idle; otherwise pick up whatever arrived during the last step.
+        if not engine.has_unfinished():
+            conn.poll(None)
+        while conn.poll(0):
+            kind, payload = conn.recv()
+            if kind == "add":
+                try:
+                    engine.add_request(payload)
+                except ValueError as exc:
+                    conn.send(("outputs", [EngineOutput(payload.request_id, 0, [], [],
+                                                        finish_reason=FinishReason.ERROR, error=str(exc))]))
+            elif kind == "abort":
+                engine.abort(payload)
+            elif kind == "stats":
+                conn.send(("stats", engine.stats()))
+            elif kind == "shutdown":
+                return
+        if engine.has_unfinished():
+            outputs = engine.step()
+            if outputs:
+                conn.send(("outputs", outputs))
+
+
+class AsyncEngineClient:
+    """Starts the engine process and multiplexes requests over its pipe (asyncio side)."""
+
+    def __init__(self, config: EngineConfig, log_json: bool = False) -> None:
+        self.config = config
+        self._log_json = log_json
+        self._conn: Connection | None = None
+        self._proc: Any = None
+        self._queues: dict[str, asyncio.Queue[EngineOutput | Exception]] = {}
+        self._stats_waiters: list[asyncio.Future[EngineStats]] = []
+        self.info: EngineInfo | None = None
+        self.dead: str | None = None
+
+    async def start(self) -> EngineInfo:
+        """Spawn the engine process and wait until it has loaded the model."""
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe(duplex=True)
+        self._proc = ctx.Process(target=run_engine_core, args=(self.config, child, self._log_json),
+                                 name="loom-engine", daemon=True)
+        self._proc.start()
+        child.close()
+        self._conn = parent
+        loop = asyncio.get_running_loop()
+        while not await loop.run_in_executor(None, parent.poll, 0.5):
+            if not self._proc.is_alive():
+                raise EngineDeadError(f"engine process exited with code {self._proc.exitcode} during start-up")
+        kind, payload = parent.recv()
+        if kind == "fatal":
+            self._proc.join(5)
+            raise EngineDeadError(f"engine failed to start: {payload}")
+        self.info = payload
+        loop.add_reader(parent.fileno(), self._on_readable)
+        return payload
+
+    def _on_readable(self) -> None:
+        assert self._conn is not None
+        try:
+            while self._conn.poll(0):
+                kind, payload = self._conn.recv()
+                if kind == "outputs":
+                    for out in payload:
+                        q = self._queues.get(out.request_id)
+                        if q is not None:
+                            q.put_nowait(out)
+                elif kind == "stats":
+                    if self._stats_waiters:
+                        self._stats_waiters.pop(0).set_result(payload)
+        except (EOFError, OSError) as exc:
+            self._fail_all(f"engine process died: {exc!r}")
+
+    def _fail_all(self, reason: str) -> None:
+        self.dead = reason
+        log.error("engine process lost", reason=reason)
+        with contextlib.suppress(Exception):
+            asyncio.get_running_loop().remove_reader(self._conn.fileno())  # type: ignore[union-attr]
+        for q in self._queues.values():
+            q.put_nowait(EngineDeadError(reason))
+        for fut in self._stats_waiters:
+            fut.set_exception(EngineDeadError(reason))
+        self._stats_waiters.clear()
+
+    def _send(self, msg: tuple[str, Any]) -> None:
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        assert self._conn is not None, "engine not started"
+        try:
+            self._conn.send(msg)
+        except (BrokenPipeError, OSError) as exc:
+            self._fail_all(f"engine pipe broken: {exc!r}")
+            raise EngineDeadError(self.dead or "engine died") from exc
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        """Stream the outputs of ``request`` until all its completions finished.
+
+        Leaving the iteration early (client cancel, deadline, stop string found) aborts the
+        request in the engine, which frees its KV blocks at once.
+        """
+        if request.request_id in self._queues:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        q: asyncio.Queue[EngineOutput | Exception] = asyncio.Queue()
+        self._queues[request.request_id] = q
+        remaining = max(1, request.n)
+        try:
+            self._send(("add", request))
+            while remaining:
+                item = await q.get()
+                if isinstance(item, Exception):
+                    raise item
+                if item.finished:
+                    remaining -= 1
+                    if item.finish_reason is FinishReason.ERROR and item.index == 0 and not item.token_ids:
+                        remaining = 0  # rejected by the engine as a whole
+                yield item
+        finally:
+            del self._queues[request.request_id]
+            if remaining and not self.dead:
+                with contextlib.suppress(EngineDeadError):
+                    self._send(("abort", request.request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    async def stats(self) -> EngineStats:
+        fut: asyncio.Future[EngineStats] = asyncio.get_running_loop().create_future()
+        self._stats_waiters.append(fut)
+        self._send(("stats", None))
+        return await fut
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._queues)
+
+    def is_alive(self) -> bool:
+        return self.dead is None and self._proc is not None and self._proc.is_alive()
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(self._conn.fileno())
+            with contextlib.suppress(Exception):
+                self._conn.send(("shutdown", None))
+        if self._proc is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._proc.join, timeout)
+            if self._proc.is_alive():
+                os.kill(self._proc.pid, signal.SIGKILL)
+        self.dead = self.dead or "engine shut down"

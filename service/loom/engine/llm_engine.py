@@ -1,0 +1,215 @@
+"""The in-process engine: load the model, size the KV pool, and run the step loop.
+
+``LLMEngine`` is synchronous and single-threaded: ``add_request`` / ``abort`` / ``step``.
+The server never calls it directly; :mod:`loom.engine.core_process` runs it in its own process
+so the step loop never shares an interpreter lock with request handling.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import structlog
+import torch
+
+from loom.config import ConfigError, EngineConfig
+from loom.plugin_api import PluginRegistry, default_registry
+
+from .block_manager import BlockManager
+from .model_runner import ModelRunner, StepResult
+from .scheduler import Scheduler, SchedulerConfig
+from .sequence import Sequence, SequenceStatus
+from .types import EngineInfo, EngineOutput, EngineRequest, EngineStats, FinishReason
+
+log = structlog.get_logger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+    """fp32 on CPU; on GPU the checkpoint's half type (bf16 when it says fp32 or nothing)."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    if checkpoint_dtype in (torch.float16, torch.bfloat16):
+        return checkpoint_dtype
+    return torch.bfloat16
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, registry: PluginRegistry | None = None) -> None:
+        from loom.model_loader import eos_token_ids, load_hf_config, load_model, model_dims, resolve_model_dir
+
+        self.config = config
+        registry = registry or default_registry()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = resolve_device(config.device)
+        model_dir = resolve_model_dir(config.model_id)
+        hf_config = load_hf_config(model_dir)
+        ckpt_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if isinstance(ckpt_dtype, str):
+            ckpt_dtype = _DTYPES.get(ckpt_dtype)
+        self.dtype = resolve_dtype(config.dtype, self.device, ckpt_dtype)
+        loaded = load_model(model_dir, self.dtype, self.device, registry)
+        shape = model_dims(loaded.hf_config)
+        if config.attention_backend:
+            backend_spec = registry.attention_backend(config.attention_backend)
+        else:
+            backend_spec = registry.default_attention_backend(self.device.type)
+        backend = backend_spec.load()(shape.num_heads, shape.num_kv_heads, shape.head_dim, self.dtype, self.device)
+
+        bs = config.block_size
+        num_blocks = self._num_blocks(shape.num_layers, shape.num_kv_heads, shape.head_dim)
+        pool_tokens = num_blocks * bs
+        self.max_model_len = config.max_total_tokens or min(shape.max_position_embeddings, 4096, pool_tokens)
+        if self.max_model_len > pool_tokens:
+            raise ConfigError(
+                f"--max-total-tokens {self.max_model_len} does not fit the KV pool of {pool_tokens} tokens; "
+                "lower --max-total-tokens or raise --max-batch-total-tokens"
+            )
+        kv_caches = backend.allocate_kv_cache(shape.num_layers, num_blocks, bs)
+        self.eos_token_ids = eos_token_ids(model_dir)
+        self.vocab_size = shape.vocab_size
+        self.block_manager = BlockManager(num_blocks, bs)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_batch_prefill_tokens=config.max_batch_prefill_tokens,
+                max_batch_size=config.max_batch_size,
+                waiting_served_ratio=config.waiting_served_ratio,
+                max_waiting_tokens=config.max_waiting_tokens,
+            ),
+            self.block_manager,
+        )
+        self.runner = ModelRunner(loaded.model, backend, kv_caches, bs, shape.vocab_size, self.device,
+                                  self.eos_token_ids)
+        self.requests: dict[str, list[Sequence]] = {}
+        self._rng = random.Random()
+        self.num_steps = 0
+        self.info = EngineInfo(
+            model_id=config.model_id or "SmolLM2-135M-Instruct (embedded default)",
+            architecture=loaded.architecture,
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.device),
+            attention_backend=backend_spec.name,
+            block_size=bs,
+            num_blocks=num_blocks,
+            max_batch_total_tokens=pool_tokens,
+            max_model_len=self.max_model_len,
+            vocab_size=shape.vocab_size,
+            eos_token_ids=self.eos_token_ids,
+        )
+        log.info("engine ready", model_dir=str(model_dir), architecture=loaded.architecture,
+                 dtype=self.info.dtype, device=self.info.device, attention_backend=backend_spec.name,
+                 kv_blocks=num_blocks, block_size=bs, max_batch_total_tokens=pool_tokens,
+                 max_total_tokens=self.max_model_len)
+
+    def _num_blocks(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+        bs = self.config.block_size
+        if self.config.max_batch_total_tokens:
+            return max(1, self.config.max_batch_total_tokens // bs)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            elem = torch.empty((), dtype=self.dtype).element_size()
+            per_block = 2 * num_layers * bs * num_kv_heads * head_dim * elem
+            return max(1, int(free * self.config.cuda_memory_fraction) // per_block)
+        return max(1, self.config.cpu_kv_cache_tokens // bs)
+
+    # -- requests ---------------------------------------------------------------------------------
+    def add_request(self, request: EngineRequest) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if not request.prompt_token_ids:
+            raise ValueError("empty prompt")
+        seed = request.sampling.seed
+        if seed is None and request.sampling.do_sample:
+            seed = self._rng.getrandbits(63)
+        seqs = [Sequence(request, i, seed) for i in range(max(1, request.n))]
+        self.requests[request.request_id] = seqs
+        self.scheduler.add(seqs[0], seqs[1:])
+
+    def abort(self, request_id: str) -> None:
+        for seq in self.requests.pop(request_id, []):
+            if not seq.is_finished:
+                self.scheduler.remove(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_free_blocks=self.block_manager.num_free_blocks,
+            num_blocks=self.block_manager.num_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self.num_steps,
+        )
+
+    # -- the step -----------------------------------------------------------------------------------
+    def step(self) -> list[EngineOutput]:
+        """Schedule, run one forward, sample, and report the new tokens of every request."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        self.num_steps += 1
+        result = self.runner.execute(sched)
+        for seq, n in zip(sched.seqs, sched.num_new_tokens, strict=True):
+            seq.num_computed_tokens += n
+        for child, parent in sched.forks:
+            child.num_computed_tokens = parent.num_computed_tokens
+        return self._process_result(result)
+
+    def _process_result(self, result: StepResult) -> list[EngineOutput]:
+        outputs = []
+        now = time.monotonic()
+        for i, seq in enumerate(result.seqs):
+            token = result.token_ids[i]
+            lp = result.logprobs[i]
+            seq.token_ids.append(token)
+            seq.cumulative_logprob += lp
+            reason = self._finish_reason(seq, token, now)
+            out = EngineOutput(
+                request_id=seq.request_id,
+                index=seq.index,
+                token_ids=[token],
+                logprobs=[lp],
+                top_tokens=[result.top_tokens[i]] if result.top_tokens is not None else None,
+                finish_reason=reason,
+                seed=seq.seed,
+                num_prompt_tokens=seq.num_prompt_tokens,
+                num_cached_tokens=seq.num_cached_tokens,
+            )
+            if seq.seq_id in result.prompt_logprobs:
+                out.prompt_logprobs = result.prompt_logprobs[seq.seq_id]
+                seq.prompt_logprobs_sent = True
+            outputs.append(out)
+            if reason is not None:
+                self._finish(seq, reason)
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, token: int, now: float) -> FinishReason | None:
+        st = seq.stopping
+        past_min = seq.num_output_tokens >= st.min_new_tokens
+        if past_min and not st.ignore_eos and token in self.eos_token_ids:
+            return FinishReason.EOS_TOKEN
+        if past_min and token in st.stop_token_ids:
+            return FinishReason.STOP_SEQUENCE
+        if seq.num_output_tokens >= st.max_new_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        seq.finish_reason = reason
+        self.scheduler.remove(seq)
+        seqs = self.requests.get(seq.request_id, [])
+        if all(s.status is SequenceStatus.FINISHED for s in seqs):
+            self.requests.pop(seq.request_id, None)

@@ -1,0 +1,150 @@
+"""The model runner: turns a scheduled step into one flattened forward and samples from it.
+
+It owns the model, the attention backend and the KV pool. It lays out the step's tokens
+(``input_ids`` and ``positions`` of every scheduled row, prefill and decode alike), the slots
+their K/V go to and the block tables, sets the forward context the attention layers read, runs
+the model once, computes logits only for the rows that are sampled (plus prompt rows whose
+logprobs were asked for) and hands them to the sampler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from loom.layers.attention import AttentionBackend, AttentionMetadata, ForwardContext, forward_context
+
+from .sampler import Sampler, build_sampling_batch, prompt_logprobs
+from .scheduler import SchedulerOutput
+from .sequence import Sequence
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    sample_seqs: list[Sequence]  # rows that choose a token this step
+    sample_rows: list[int]  # their row in the flat batch (forks reuse the parent's row)
+    prompt_rows: list[tuple[Sequence, int, int]] = field(default_factory=list)  # (seq, start, len)
+
+
+@dataclass
+class StepResult:
+    seqs: list[Sequence]
+    token_ids: list[int]
+    logprobs: list[float]
+    top_tokens: list[list[tuple[int, float]]] | None
+    prompt_logprobs: dict[int, list[float | None]]  # seq_id -> logprob per prompt token
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, backend: AttentionBackend, kv_caches: list[torch.Tensor],
+                 block_size: int, vocab_size: int, device: torch.device,
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.model = model
+        self.backend = backend
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.device = device
+        self.eos_token_ids = eos_token_ids
+        self.sampler = Sampler()
+
+    def prepare(self, sched: SchedulerOutput) -> StepInputs:
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        seq_lens: list[int] = []
+        sample_seqs: list[Sequence] = []
+        sample_rows: list[int] = []
+        prompt_rows: list[tuple[Sequence, int, int]] = []
+        row_of: dict[int, int] = {}
+        for seq, n in zip(sched.seqs, sched.num_new_tokens, strict=True):
+            start = seq.num_computed_tokens
+            end = start + n
+            table = seq.block_table
+            ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if seq.sampling.prompt_logprobs and not seq.prompt_logprobs_sent and start == 0:
+                prompt_rows.append((seq, query_start[-1], min(n, seq.num_prompt_tokens)))
+            query_start.append(query_start[-1] + n)
+            seq_lens.append(end)
+            if end == seq.num_tokens:  # the whole context is computed: choose the next token
+                sample_seqs.append(seq)
+                sample_rows.append(query_start[-1] - 1)
+                row_of[seq.seq_id] = query_start[-1] - 1
+        for child, parent in sched.forks:
+            sample_seqs.append(child)
+            sample_rows.append(row_of[parent.seq_id])
+        max_blocks = max(len(s.block_table) for s in sched.seqs)
+        tables = torch.zeros((len(sched.seqs), max_blocks), dtype=torch.int32)
+        for i, seq in enumerate(sched.seqs):
+            tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+        dev = self.device
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32).to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev),
+            block_tables=tables.to(dev),
+            query_lens_cpu=list(sched.num_new_tokens),
+            seq_lens_cpu=seq_lens,
+            max_query_len=max(sched.num_new_tokens),
+            max_seq_len=max(seq_lens),
+            block_size=bs,
+        )
+        return StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.int64).to(dev),
+            positions=torch.tensor(positions, dtype=torch.int64).to(dev),
+            meta=meta,
+            sample_seqs=sample_seqs,
+            sample_rows=sample_rows,
+            prompt_rows=prompt_rows,
+        )
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate whole blocks in every layer's pool."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        for cache in self.kv_caches:  # [2, num_blocks, block_size, Hkv, D]
+            cache[:, dst] = cache[:, src]
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> StepResult:
+        self.copy_blocks(sched.blocks_to_copy)
+        inputs = self.prepare(sched)
+        with forward_context(ForwardContext(self.backend, self.kv_caches, inputs.meta)):
+            hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
+        rows = torch.tensor(inputs.sample_rows, dtype=torch.int64, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))  # [N, V] fp32
+        batch = build_sampling_batch(inputs.sample_seqs, self.vocab_size, self.device, self.eos_token_ids)
+        out = self.sampler(logits, batch)
+        prompt_lps = self._prompt_logprobs(hidden, inputs)
+        top: list[list[tuple[int, float]]] | None = None
+        if out.top_ids is not None and out.top_logprobs is not None:
+            ids_l, lps_l = out.top_ids.tolist(), out.top_logprobs.tolist()
+            top = [
+                list(zip(i[: s.sampling.top_n_tokens], lp[: s.sampling.top_n_tokens], strict=True))
+                for s, i, lp in zip(inputs.sample_seqs, ids_l, lps_l, strict=True)
+            ]
+        return StepResult(inputs.sample_seqs, out.token_ids.tolist(), out.logprobs.tolist(), top, prompt_lps)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs) -> dict[int, list[float | None]]:
+        result: dict[int, list[float | None]] = {}
+        for seq, start, length in inputs.prompt_rows:
+            if length < 2:
+                result[seq.seq_id] = [None] * length
+                continue
+            logits = self.model.compute_logits(hidden[start : start + length - 1])  # [P-1, V]
+            nxt = torch.tensor(seq.token_ids[1:length], dtype=torch.int64, device=self.device)
+            values: list[float | None] = [None]
+            values.extend(prompt_logprobs(logits, nxt).tolist())
+            result[seq.seq_id] = values
+        return result

@@ -1,0 +1,71 @@
+"""A sequence: one completion being generated, with its tokens, KV blocks and status."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+from .types import EngineRequest, FinishReason, SamplingParams, StoppingParams
+
+_seq_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted and waiting to be recomputed
+    RUNNING = "running"  # holds KV blocks, decoded every step
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Tokens so far (prompt then output), how many of them have KV in the pool, and the blocks.
+
+    The tokens still to compute in the next forward are ``token_ids[num_computed_tokens:]``:
+    the whole prompt for a new sequence, the last sampled token while decoding, everything after
+    a preemption (recompute).
+    """
+
+    def __init__(self, request: EngineRequest, index: int, seed: int | None) -> None:
+        self.seq_id = next(_seq_ids)
+        self.request_id = request.request_id
+        self.index = index
+        self.sampling: SamplingParams = request.sampling
+        self.stopping: StoppingParams = request.stopping
+        self.priority = request.priority
+        self.arrival_time = request.arrival_time
+        self.seed = seed
+        self.token_ids: list[int] = list(request.prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
+        self.block_table: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.cumulative_logprob = 0.0
+        self.num_preemptions = 0
+        self.prompt_logprobs_sent = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, req={self.request_id!r}/{self.index}, {self.status.value}, "
+            f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, blocks={self.block_table})"
+        )

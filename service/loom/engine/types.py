@@ -1,0 +1,109 @@
+"""What crosses the boundary between the front end and the engine core process.
+
+Plain picklable dataclasses: the front end tokenizes and validates, then sends an
+:class:`EngineRequest`; the engine streams :class:`EngineOutput` back, one per request per step
+that produced tokens. Text (detokenization, stop strings) stays on the front end.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+class FinishReason(str, enum.Enum):
+    LENGTH = "length"  # max_new_tokens or the model's max_total_tokens reached
+    EOS_TOKEN = "eos_token"  # one of the model's EOS ids
+    STOP_SEQUENCE = "stop_sequence"  # a stop_token_id (engine) or stop string (front end)
+    TIME_LIMIT = "time_limit"
+    ABORTED = "aborted"  # cancelled by the client or the server
+    ERROR = "error"  # this request failed; others were not affected
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling. ``do_sample=False`` is greedy and ignores the sampling knobs."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+    typical_p: float = 1.0  # 1.0 = off
+    min_p: float = 0.0  # 0.0 = off
+    seed: int | None = None  # None: the engine draws one and reports it
+    repetition_penalty: float = 1.0  # 1.0 = off
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    top_n_tokens: int = 0  # alternatives reported per generated token
+    prompt_logprobs: bool = False
+
+
+@dataclass(frozen=True)
+class StoppingParams:
+    max_new_tokens: int = 20
+    min_new_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stopping: StoppingParams = field(default_factory=StoppingParams)
+    priority: int = 0  # lower is served first (as vLLM); 0 is the default
+    n: int = 1  # completions sharing the prompt's prefill
+    arrival_time: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class EngineOutput:
+    """New tokens of one completion of one request, produced by one engine step."""
+
+    request_id: str
+    index: int  # completion index, 0..n-1
+    token_ids: list[int]
+    logprobs: list[float]
+    # per new token: [(token_id, logprob), ...] best first, when top_n_tokens > 0
+    top_tokens: list[list[tuple[int, float]]] | None = None
+    # on the first output of index 0 when asked: logprob of each prompt token (None for the first)
+    prompt_logprobs: list[float | None] | None = None
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    seed: int | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the engine core reports about itself once the model is loaded and the pool sized."""
+
+    model_id: str
+    architecture: str
+    dtype: str
+    device: str
+    attention_backend: str
+    block_size: int
+    num_blocks: int
+    max_batch_total_tokens: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    plugins: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+    num_preemptions: int
+    num_steps: int

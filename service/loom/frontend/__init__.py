@@ -1,0 +1,1 @@
+"""The text side of generation: tokenizer, incremental detokenizer, stop strings, chunks."""

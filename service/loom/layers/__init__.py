@@ -1,0 +1,1 @@
+"""Building blocks shared by model plugins: attention, rotary embeddings, norms, activations."""

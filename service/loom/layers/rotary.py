@@ -1,0 +1,163 @@
+"""Rotary position embeddings (rotate-half / NeoX layout, as HF Llama), built from a HF config.
+
+Reads both config styles: transformers 4 (``rope_theta`` + ``rope_scaling``) and transformers 5
+(``rope_parameters = {"rope_theta": ..., "rope_type": ...}``). Supported types: default, linear,
+dynamic, llama3, yarn. cos/sin are cached in float32 for every position up to the model's
+maximum, so applying RoPE is a gather plus elementwise math (no per-step trig).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """One flat dict with at least ``rope_type`` and ``rope_theta``, whatever the config style."""
+    params: dict[str, Any] = {}
+    for attr in ("rope_scaling", "rope_parameters"):  # in transformers 5 these are the same dict
+        value = getattr(config, attr, None)
+        if isinstance(value, dict):
+            params.update(value)
+    if any(isinstance(v, dict) for v in params.values()):
+        raise ValueError("per-layer-type RoPE parameters are not supported by Loom's rotary embedding")
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    params["rope_theta"] = float(params.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0)
+    if params["rope_type"] in ("llama3", "yarn"):
+        # HF's rule: a top-level original_max_position_embeddings (Phi-3 style) wins; otherwise
+        # the pre-training length defaults to the (extended) max_position_embeddings.
+        top_level = getattr(config, "original_max_position_embeddings", None)
+        if top_level is not None:
+            params["original_max_position_embeddings"] = top_level
+        params.setdefault("original_max_position_embeddings", config.max_position_embeddings)
+    return params
+
+
+def _default_inv_freq(theta: float, dim: int) -> torch.Tensor:  # [D/2] float32
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / dim
+    return 1.0 / (theta**exponents)
+
+
+def _llama3_inv_freq(base: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    factor = float(params["factor"])
+    low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+    old_len = float(params["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / base
+    # Long wavelengths (low frequencies) are interpolated by `factor`, short ones kept, and
+    # the band in between blended smoothly.
+    scaled = torch.where(wavelen > old_len / low, base / factor, base)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(is_medium, blended, scaled)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(
+    params: dict[str, Any], dim: int, max_position_embeddings: int
+) -> tuple[torch.Tensor, float]:
+    theta = params["rope_theta"]
+    orig_len = params["original_max_position_embeddings"]
+    factor = params.get("factor") or max_position_embeddings / orig_len
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+    beta_fast = params.get("beta_fast") or 32
+    beta_slow = params.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        # The dimension whose wavelength completes `num_rotations` turns over the original length.
+        return (dim * math.log(orig_len / (num_rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation_weight = 1 - ramp  # 1: keep the original frequency, 0: interpolate fully
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    inv_freq = interpolated * (1 - extrapolation_weight) + extrapolated * extrapolation_weight
+    return inv_freq, float(attention_factor)
+
+
+def compute_inv_freq(
+    params: dict[str, Any], head_dim: int, max_position_embeddings: int
+) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [D/2] float32 on CPU, cos/sin scaling) for normalised ``params``."""
+    rope_type = params["rope_type"]
+    base = _default_inv_freq(params["rope_theta"], head_dim)
+    if rope_type == "default":
+        return base, 1.0
+    if rope_type == "linear":
+        return base / float(params["factor"]), 1.0
+    if rope_type == "dynamic":
+        # Dynamic NTK only rescales beyond the original length and would make a position's
+        # encoding depend on the current sequence length, which a shared KV cache cannot honour;
+        # within the original length it equals the default, which is what we serve.
+        return base, 1.0
+    if rope_type == "llama3":
+        return _llama3_inv_freq(base, params), 1.0
+    if rope_type == "yarn":
+        return _yarn_inv_freq(params, head_dim, max_position_embeddings)
+    raise ValueError(
+        f"unsupported RoPE type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+    )
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` at ``positions [T]``."""
+
+    cos_cached: torch.Tensor
+    sin_cached: torch.Tensor
+
+    def __init__(self, head_dim: int, max_positions: int, inv_freq: torch.Tensor,
+                 attention_scaling: float = 1.0) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        # Built on CPU in float32 whatever the default device/dtype, so every device gets
+        # bit-identical tables; HF computes them in float32 too.
+        positions = torch.arange(max_positions, dtype=torch.float32, device="cpu")
+        freqs = positions[:, None] * inv_freq.to("cpu", torch.float32)[None, :]  # [P, D/2]
+        device = torch.get_default_device()
+        self.register_buffer("cos_cached", (freqs.cos() * attention_scaling).to(device), persistent=False)
+        self.register_buffer("sin_cached", (freqs.sin() * attention_scaling).to(device), persistent=False)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = self.head_dim // 2
+        x1, x2 = x[..., :half], x[..., half:]  # [T, H, D/2] each
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos_cached[positions].unsqueeze(1)  # [T, 1, D/2]
+        sin = self.sin_cached[positions].unsqueeze(1)
+        # Cast to the activation dtype first, as HF does, so half precision rounds the same way.
+        cos_q, sin_q = cos.to(q.dtype), sin.to(q.dtype)
+        return self._rotate(q, cos_q, sin_q), self._rotate(k, cos_q.to(k.dtype), sin_q.to(k.dtype))
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, max_positions={self.max_positions}"
+
+
+def get_rope(config: Any, head_dim: int, max_positions: int | None = None) -> RotaryEmbedding:
+    """The rotary embedding a HF config describes, cached for ``max_positions`` positions."""
+    params = rope_parameters(config)
+    max_pos = int(config.max_position_embeddings)
+    inv_freq, scaling = compute_inv_freq(params, head_dim, max_pos)
+    return RotaryEmbedding(head_dim, max_positions or max_pos, inv_freq, scaling)

@@ -1,0 +1,85 @@
+"""Building a model plugin's module on the target device and streaming its weights in."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from .errors import ModelLoadError
+from .weights import iter_weights
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from loom.plugin_api import PluginRegistry
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module  # follows the model contract: forward, compute_logits, load_weights
+    hf_config: PretrainedConfig
+    architecture: str  # the model plugin's name, e.g. "llama"
+    model_dir: Path
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@contextlib.contextmanager
+def skip_weight_init() -> Iterator[None]:
+    """Make nn.Linear/nn.Embedding skip their random init: every parameter is overwritten by the
+    checkpoint (a missing one is an error), and random init of a large model costs seconds."""
+    names = ("uniform_", "normal_", "kaiming_uniform_", "kaiming_normal_", "trunc_normal_")
+    saved = {name: getattr(nn.init, name) for name in names}
+
+    def keep(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return tensor
+
+    try:
+        for name in names:
+            setattr(nn.init, name, keep)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
+def load_hf_config(model_dir: Path) -> PretrainedConfig:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(model_dir))
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"cannot read the model config in {model_dir}: {exc}") from exc
+
+
+def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str,
+               registry: PluginRegistry) -> LoadedModel:
+    """Pick the plugin for ``config.architectures``, build it in ``dtype`` on ``device``, load weights.
+
+    An unknown architecture raises the registry's PluginError, which lists the known ones.
+    """
+    config = load_hf_config(model_dir)
+    spec = registry.model_for_architecture(getattr(config, "architectures", None) or ())
+    model_cls: Any = spec.load()
+    device = torch.device(device)
+    # Parameters are created directly in the target dtype on the target device.
+    with default_dtype(dtype), device, skip_weight_init():
+        model = model_cls(config)
+    model.load_weights(iter_weights(model_dir, dtype, device))
+    model.requires_grad_(False)
+    model.eval()
+    return LoadedModel(model=model, hf_config=config, architecture=spec.name, model_dir=model_dir)

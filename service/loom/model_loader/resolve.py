@@ -1,0 +1,48 @@
+"""From ``--model-id`` to a local Hugging Face style directory, and facts read from it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .default_model import default_gguf
+from .errors import ModelLoadError
+from .gguf_cache import converted_gguf_dir
+
+
+def resolve_model_dir(model_id: str | None) -> Path:
+    """None: the bundled SmolLM2 GGUF; a directory with config.json; or a .gguf file.
+
+    GGUF files are converted once into the cache (see :mod:`loom.model_loader.gguf_cache`).
+    Loom never downloads: anything else is an error.
+    """
+    if model_id is None:
+        return converted_gguf_dir(default_gguf())
+    path = Path(model_id).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path
+        raise ModelLoadError(f"--model-id {model_id!r} is a directory without config.json; point it at "
+                             "a Hugging Face model directory or a .gguf file")
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return converted_gguf_dir(path)
+    if path.is_file():
+        raise ModelLoadError(f"--model-id {model_id!r} is a file but not a .gguf; give a .gguf file or a "
+                             "Hugging Face model directory")
+    raise ModelLoadError(f"--model-id {model_id!r} does not exist; Loom serves local models only: a Hugging "
+                         "Face model directory (with config.json) or a .gguf file")
+
+
+def _eos_ids_in(path: Path) -> tuple[int, ...]:
+    if not path.is_file():
+        return ()
+    value = json.loads(path.read_text()).get("eos_token_id")
+    if value is None:
+        return ()
+    ids = [value] if isinstance(value, int) else list(value)
+    return tuple(dict.fromkeys(int(i) for i in ids))  # dedupe, keep order
+
+
+def eos_token_ids(model_dir: Path) -> tuple[int, ...]:
+    """All EOS ids: generation_config.json's (int or list) first, config.json's as a fallback."""
+    return _eos_ids_in(model_dir / "generation_config.json") or _eos_ids_in(model_dir / "config.json")

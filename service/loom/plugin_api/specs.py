@@ -1,0 +1,78 @@
+"""Typed specs that plugins yield from their hooks.
+
+Every spec is a frozen dataclass holding a *name* (normalised to lower-case kebab), a one-line
+summary, and a zero-argument ``load`` callable that imports the implementation lazily, so
+listing plugins never imports a kernel library. ``check`` returns ``None`` when the plugin can
+run here, or a sentence saying why not (for example "flash-attn is not installed").
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+PluginKind = Literal["attention", "quantizer", "speculative", "model"]
+
+
+def normalise_name(name: str) -> str:
+    """``Flash_Attn`` -> ``flash-attn``: names compare case- and separator-insensitively."""
+    return re.sub(r"[\s_]+", "-", name.strip().lower())
+
+
+def _always_available() -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class _Spec:
+    name: str
+    summary: str
+    load: Callable[[], Any]
+    check: Callable[[], str | None] = field(default=_always_available, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "name", normalise_name(self.name))
+
+
+@dataclass(frozen=True)
+class AttentionBackendSpec(_Spec):
+    """An attention backend: ``load()`` returns a class implementing ``loom.layers.attention.AttentionBackend``.
+
+    ``devices`` lists the torch device types it runs on; ``priority`` orders the automatic choice
+    (higher wins among available backends for the device).
+    """
+
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    priority: int = 0
+    kind: PluginKind = "attention"
+
+
+@dataclass(frozen=True)
+class ModelArchitectureSpec(_Spec):
+    """A model architecture: ``load()`` returns an ``nn.Module`` class built from a HF config.
+
+    ``architectures`` are the Hugging Face ``config.architectures`` names it serves
+    (``LlamaForCausalLM``...).
+    """
+
+    architectures: tuple[str, ...] = ()
+    kind: PluginKind = "model"
+
+
+@dataclass(frozen=True)
+class QuantizerSpec(_Spec):
+    """A weight quantizer: ``load()`` returns a ``loom.layers.linear.Quantizer`` class."""
+
+    kind: PluginKind = "quantizer"
+
+
+@dataclass(frozen=True)
+class SpeculativeDecoderSpec(_Spec):
+    """A speculative decoder: ``load()`` returns a proposer class (draft tokens for verification)."""
+
+    kind: PluginKind = "speculative"
+
+
+AnySpec = AttentionBackendSpec | ModelArchitectureSpec | QuantizerSpec | SpeculativeDecoderSpec

@@ -1,0 +1,1 @@
+"""The gRPC server: validation, the GenerationService, health, reflection, start-up and drain."""

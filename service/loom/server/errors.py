@@ -1,0 +1,96 @@
+"""The errors a handler can end with, as rich gRPC statuses (google.rpc.Status with details).
+
+Every failure a client sees carries an ErrorInfo (domain ``loom.v1`` and a reason a program can
+switch on); INVALID_ARGUMENT adds a BadRequest naming each offending field, RESOURCE_EXHAUSTED a
+RetryInfo. The servicer turns anything else into INTERNAL, so UNKNOWN never reaches a client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import grpc
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+ERROR_DOMAIN = "loom.v1"
+
+
+@dataclass(frozen=True)
+class FieldViolation:
+    field: str  # a path into the request message: "parameters.sampling.top_p", "chat.messages[1].role"
+    description: str
+
+
+class ServiceError(Exception):
+    """A failure with its gRPC status code, a message for people and a reason for programs."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, reason: str,
+                 retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+
+    def details(self) -> list[object]:
+        out: list[object] = [error_details_pb2.ErrorInfo(reason=self.reason, domain=ERROR_DOMAIN)]
+        if self.retry_after_s is not None:
+            delay = duration_pb2.Duration()
+            delay.FromMilliseconds(int(self.retry_after_s * 1000))
+            out.append(error_details_pb2.RetryInfo(retry_delay=delay))
+        return out
+
+    def to_grpc_status(self) -> grpc.Status:
+        packed = []
+        for detail in self.details():
+            any_msg = any_pb2.Any()
+            any_msg.Pack(detail)  # type: ignore[arg-type]
+            packed.append(any_msg)
+        status = status_pb2.Status(code=self.code.value[0], message=self.message, details=packed)
+        return rpc_status.to_status(status)
+
+
+class ValidationError(ServiceError):
+    """INVALID_ARGUMENT: one or more fields of the request break a documented rule."""
+
+    def __init__(self, violations: Iterable[FieldViolation]) -> None:
+        self.violations = list(violations)
+        message = "; ".join(f"{v.field}: {v.description}" for v in self.violations) or "invalid request"
+        super().__init__(grpc.StatusCode.INVALID_ARGUMENT, message, "INVALID_ARGUMENT")
+
+    def details(self) -> list[object]:
+        bad = error_details_pb2.BadRequest(
+            field_violations=[
+                error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description)
+                for v in self.violations
+            ]
+        )
+        return [bad, *super().details()]
+
+
+def invalid(field: str, description: str) -> ValidationError:
+    return ValidationError([FieldViolation(field, description)])
+
+
+def overloaded(limit: int, retry_after_s: float = 1.0) -> ServiceError:
+    return ServiceError(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        f"the server is at its limit of {limit} concurrent requests (--max-concurrent-requests); retry later",
+        "OVERLOADED",
+        retry_after_s=retry_after_s,
+    )
+
+
+def unavailable(message: str, reason: str = "NOT_READY") -> ServiceError:
+    return ServiceError(grpc.StatusCode.UNAVAILABLE, message, reason)
+
+
+def failed_precondition(message: str, reason: str) -> ServiceError:
+    return ServiceError(grpc.StatusCode.FAILED_PRECONDITION, message, reason)
+
+
+def internal(message: str, reason: str = "INTERNAL") -> ServiceError:
+    return ServiceError(grpc.StatusCode.INTERNAL, message, reason)

@@ -1,0 +1,76 @@
+"""GetModelInfoResponse: what the engine reported, the front end's limits and the plugins in use."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import structlog
+from loom_client.v1 import generation_pb2 as pb
+
+import loom
+from loom.engine.types import EngineInfo
+
+from .settings import ServerSettings
+from .validation import RequestLimits
+
+log = structlog.get_logger(__name__)
+
+
+def plugins_in_use(info: EngineInfo) -> list[pb.PluginInUse]:
+    """The attention backend and model architecture serving, plus any the engine listed.
+
+    ``EngineInfo.plugins`` entries are "kind:name". Distribution and version come from the plugin
+    registry; a plugin it cannot place (no entry points installed) is reported as "unknown".
+    """
+    wanted: list[tuple[str, str | None]] = [("attention", info.attention_backend), ("model", None)]
+    for entry in info.plugins:
+        kind, _, name = entry.partition(":")
+        if name and (kind, name) not in wanted:
+            wanted.append((kind, name))
+    try:
+        from loom.plugin_api import default_registry
+
+        registry = default_registry()
+    except Exception as exc:  # a broken plugin must not break GetModelInfo
+        log.warning("plugin registry unavailable", error=repr(exc))
+        registry = None
+    return [_plugin(registry, kind, name, info.architecture) for kind, name in wanted]
+
+
+def _plugin(registry: Any, kind: str, name: str | None, architecture: str) -> pb.PluginInUse:
+    dist, version = "unknown", "unknown"
+    try:
+        if kind == "model":
+            name = registry.model_for_architecture([architecture]).name
+        found = registry.get(kind, name)
+        dist, version = found.distribution, found.version
+    except Exception:  # no registry, or a plugin it does not know: report what we know
+        pass
+    return pb.PluginInUse(kind=kind, name=name or architecture, distribution=dist, version=version)
+
+
+def model_info_response(info: EngineInfo, settings: ServerSettings, limits: RequestLimits,
+                        has_chat_template: bool, plugins: list[pb.PluginInUse]) -> pb.GetModelInfoResponse:
+    return pb.GetModelInfoResponse(
+        model_id=info.model_id,
+        architecture=info.architecture,
+        dtype=info.dtype,
+        device=info.device,
+        limits=pb.ModelLimits(
+            max_input_tokens=limits.max_input_tokens,
+            max_total_tokens=limits.max_total_tokens,
+            max_batch_total_tokens=info.max_batch_total_tokens,
+            max_batch_prefill_tokens=settings.engine.max_batch_prefill_tokens,
+            max_concurrent_requests=settings.max_concurrent_requests,
+            default_max_new_tokens=settings.default_max_new_tokens,
+            max_stop_sequences=limits.max_stop_sequences,
+            max_top_n_tokens=limits.max_top_n_tokens,
+            max_best_of=limits.max_best_of,
+        ),
+        block_size=info.block_size,
+        plugins=plugins,
+        server_version=loom.__version__,
+        eos_token_ids=list(info.eos_token_ids),
+        vocab_size=info.vocab_size,
+        has_chat_template=has_chat_template,
+    )

@@ -1,0 +1,82 @@
+"""The prompt of a request: text, token ids or chat, checked and tokenized.
+
+Structural checks (input set, not empty, known chat roles, ids in the vocabulary) report field
+violations; tokenizing happens only once they pass. Generate and Tokenize share this code so
+they count tokens identically.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loom_client.v1 import generation_pb2 as pb
+
+from loom.frontend.tokenizer import ChatTemplateError, Tokenizer
+
+from .errors import FieldViolation, failed_precondition
+
+# Roles every chat template understands; others are rejected rather than passed to a template
+# that might silently drop them.
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    token_ids: list[int]
+    text: str  # what return_full_text prepends: the text, rendered chat, or decoded ids
+    field: str  # the request field the prompt came from, for violations about its length
+
+
+def check_chat(chat: pb.Chat, prefix: str = "chat") -> list[FieldViolation]:
+    if not chat.messages:
+        return [FieldViolation(f"{prefix}.messages", "must contain at least one message")]
+    out = []
+    for i, msg in enumerate(chat.messages):
+        if msg.role not in CHAT_ROLES:
+            out.append(FieldViolation(f"{prefix}.messages[{i}].role",
+                                      f"unknown role {msg.role!r}; use one of {', '.join(CHAT_ROLES)}"))
+    return out
+
+
+def check_input(request: pb.GenerateRequest | pb.GenerateStreamRequest, vocab_size: int) -> list[FieldViolation]:
+    kind = request.WhichOneof("input")
+    if kind is None:
+        return [FieldViolation("input", "set exactly one of text, token_ids or chat")]
+    if kind == "text":
+        return [] if request.text else [FieldViolation("text", "must not be empty")]
+    if kind == "token_ids":
+        ids = request.token_ids.ids
+        if not ids:
+            return [FieldViolation("token_ids.ids", "must contain at least one token id")]
+        bad = [(i, t) for i, t in enumerate(ids) if t >= vocab_size]
+        if bad:
+            i, t = bad[0]
+            more = f" ({len(bad)} ids in all)" if len(bad) > 1 else ""
+            return [FieldViolation(f"token_ids.ids[{i}]", f"token id {t} is not below the vocabulary size {vocab_size}{more}")]
+        return []
+    return check_chat(request.chat)
+
+
+def chat_messages(chat: pb.Chat) -> list[dict[str, str]]:
+    return [{"role": m.role, "content": m.content} for m in chat.messages]
+
+
+def render_chat(tokenizer: Tokenizer, chat: pb.Chat) -> str:
+    add_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+    try:
+        return tokenizer.render_chat(chat_messages(chat), add_generation_prompt=add_prompt)
+    except ChatTemplateError as exc:
+        raise failed_precondition(str(exc), "NO_CHAT_TEMPLATE" if not tokenizer.has_chat_template
+                                  else "CHAT_TEMPLATE_ERROR") from exc
+
+
+def tokenize_prompt(request: pb.GenerateRequest | pb.GenerateStreamRequest, tokenizer: Tokenizer) -> Prompt:
+    """The prompt's token ids (check_input must have passed)."""
+    kind = request.WhichOneof("input")
+    if kind == "text":
+        return Prompt(tokenizer.encode(request.text), request.text, "text")
+    if kind == "token_ids":
+        ids = list(request.token_ids.ids)
+        return Prompt(ids, tokenizer.decode(ids, skip_special_tokens=False), "token_ids.ids")
+    rendered = render_chat(tokenizer, request.chat)
+    return Prompt(tokenizer.encode(rendered, add_special_tokens=False), rendered, "chat")

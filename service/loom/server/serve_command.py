@@ -1,0 +1,86 @@
+"""``loom serve``: flags (TGI's names where the concept is the same) -> ServerSettings -> server."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from loom.cli import add_env_argument
+
+# (flag, type, help); the default of each comes from EngineConfig / ServerSettings.
+_ENGINE_FLAGS: list[tuple[str, Any, str]] = [
+    ("--model-id", str, "Hugging Face model directory or .gguf file; unset: the embedded SmolLM2-135M-Instruct"),
+    ("--dtype", str, "auto, float32, float16 or bfloat16"),
+    ("--device", str, "auto, cpu, cuda or cuda:N"),
+    ("--attention-backend", str, "attention plugin name; unset: the best available one"),
+    ("--block-size", int, "tokens per KV-cache block"),
+    ("--max-input-tokens", int, "most prompt tokens of a request; unset: max-total-tokens - 1"),
+    ("--max-total-tokens", int, "most prompt + generated tokens of a request; unset: min(model positions, 4096)"),
+    ("--max-batch-prefill-tokens", int, "most prompt tokens processed in one engine step"),
+    ("--max-batch-total-tokens", int, "KV-cache size in tokens; unset: sized from memory"),
+    ("--max-batch-size", int, "most sequences running at once; unset: bounded by the KV cache"),
+    ("--waiting-served-ratio", float, "admit new prefills when waiting >= ratio x running"),
+    ("--max-waiting-tokens", int, "decode steps before waiting requests are forced in"),
+    ("--cuda-memory-fraction", float, "share of free GPU memory the KV cache may take"),
+    ("--num-threads", int, "torch intra-op threads on CPU; unset: torch's default"),
+]
+_SERVER_FLAGS: list[tuple[str, Any, str]] = [
+    ("--host", str, "address to listen on"),
+    ("--port", int, "port to listen on"),
+    ("--max-concurrent-requests", int, "generation requests at once; more get RESOURCE_EXHAUSTED"),
+    ("--max-stop-sequences", int, "most stop_sequences per request"),
+    ("--max-top-n-tokens", int, "most top_n_tokens per request"),
+    ("--max-best-of", int, "most best_of (and n) per request"),
+    ("--default-max-new-tokens", int, "max_new_tokens of a request that leaves it unset (never above its budget)"),
+    ("--graceful-termination-timeout", float, "seconds in-flight requests get to finish on SIGTERM"),
+    ("--log-level", str, "DEBUG, INFO, WARNING or ERROR"),
+]
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def add_serve_command(subparsers: Any) -> None:
+    from loom.config import EngineConfig
+
+    from .settings import ServerSettings
+
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "serve", help="serve a model over gRPC", description="Serve a model over gRPC (loom.v1.GenerationService).")
+    engine_defaults, server_defaults = EngineConfig(), ServerSettings()
+    group = parser.add_argument_group("model and engine")
+    for flag, type_, help_ in _ENGINE_FLAGS:
+        add_env_argument(group, flag, type=type_, default=getattr(engine_defaults, _dest(flag)), help=help_)
+    group = parser.add_argument_group("server")
+    for flag, type_, help_ in _SERVER_FLAGS:
+        add_env_argument(group, flag, type=type_, default=getattr(server_defaults, _dest(flag)), help=help_)
+    add_env_argument(group, "--json-output", flag_is_switch=True, default=False,
+                     help="log JSON lines instead of text")
+    add_env_argument(group, "--warmup", flag_is_switch=True, default=True,
+                     help="run one short generation before reporting SERVING")
+    parser.set_defaults(func=run_serve)
+
+
+def settings_from_args(args: argparse.Namespace) -> Any:
+    from loom.config import EngineConfig
+
+    from .settings import ServerSettings
+
+    engine = EngineConfig(**{_dest(f): getattr(args, _dest(f)) for f, _, _ in _ENGINE_FLAGS})
+    server = {_dest(f): getattr(args, _dest(f)) for f, _, _ in _SERVER_FLAGS}
+    return ServerSettings(engine=engine, json_output=args.json_output, warmup=args.warmup, **server)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from loom.config import ConfigError
+
+    try:
+        settings = settings_from_args(args)
+    except ConfigError as exc:
+        print(f"loom serve: {exc}", file=sys.stderr)
+        return 2
+    from .app import serve
+
+    return serve(settings)

@@ -1,0 +1,191 @@
+"""loom.v1.GenerationService: the four RPCs over the engine client.
+
+Each generation handler: admission (UNAVAILABLE / RESOURCE_EXHAUSTED before any work), a request
+id bound into the logs, validation, then the engine. Every failure is turned into a rich status
+here, so no exception escapes as UNKNOWN. A client cancel, disconnect or deadline arrives as
+CancelledError; it is let through, and closing the chunk stream on the way out aborts the engine
+request, freeing its slot and KV blocks at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import structlog
+from loom_client.v1 import generation_pb2 as pb
+from loom_client.v1 import generation_pb2_grpc as pb_grpc
+
+from loom.engine.core_process import EngineDeadError
+from loom.engine.types import EngineInfo
+from loom.frontend.coalesce import coalesced
+from loom.frontend.completion import EngineRequestError
+from loom.frontend.generation import EngineClient, GenerationPlan, collect_completions, generate_chunks
+from loom.frontend.tokenizer import Tokenizer
+
+from .admission import Admission
+from .errors import ServiceError, ValidationError, internal, invalid, unavailable
+from .prompt_input import check_chat, render_chat
+from .responses import generate_response, stream_message
+from .validation import RequestLimits, validate_generate
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What the handlers need once the model is loaded."""
+
+    engine: EngineClient
+    tokenizer: Tokenizer
+    limits: RequestLimits
+    info: EngineInfo
+    model_info: pb.GetModelInfoResponse
+
+
+def to_service_error(exc: BaseException) -> ServiceError:
+    if isinstance(exc, ServiceError):
+        return exc
+    if isinstance(exc, EngineRequestError):
+        return internal(f"generation failed: {exc}", "GENERATION_FAILED")
+    if isinstance(exc, EngineDeadError):
+        return internal(f"the engine stopped: {exc}", "ENGINE_DEAD")
+    log.error("unexpected error", error=repr(exc), exc_info=exc)
+    return internal(f"internal error: {type(exc).__name__}: {exc}")
+
+
+class GenerationService(pb_grpc.GenerationServiceServicer):
+    def __init__(self, admission: Admission) -> None:
+        self.admission = admission
+        self.backend: Backend | None = None
+        self._engine_ids: set[str] = set()
+
+    def attach(self, backend: Backend) -> None:
+        self.backend = backend
+
+    def _backend(self) -> Backend:
+        if self.backend is None:
+            raise unavailable("the server is still loading the model; retry shortly")
+        return self.backend
+
+    def _request_ids(self, given: str) -> tuple[str, str]:
+        """(the id the client sees, a unique id for the engine, even if clients reuse ids)."""
+        rid = given or uuid.uuid4().hex
+        engine_id = rid if rid not in self._engine_ids else f"{rid}~{uuid.uuid4().hex[:8]}"
+        return rid, engine_id
+
+    @contextlib.contextmanager
+    def _engine_id(self, engine_id: str) -> Any:
+        self._engine_ids.add(engine_id)
+        try:
+            yield
+        finally:
+            self._engine_ids.discard(engine_id)
+
+    def _plan(self, request: pb.GenerateRequest | pb.GenerateStreamRequest, rid: str, engine_id: str,
+              streaming: bool, arrival: float) -> GenerationPlan:
+        b = self._backend()
+        plan = validate_generate(request, engine_id, b.tokenizer, b.limits, streaming, arrival)
+        log.info("request admitted", prompt_tokens=len(plan.engine_request.prompt_token_ids),
+                 max_new_tokens=plan.engine_request.stopping.max_new_tokens, n=plan.n, best_of=plan.best_of,
+                 do_sample=plan.engine_request.sampling.do_sample, stream=streaming)
+        return plan
+
+    # -- RPCs -----------------------------------------------------------------------------------
+    async def Generate(self, request: pb.GenerateRequest, context: Any) -> pb.GenerateResponse:
+        arrival = time.monotonic()
+        rid, engine_id = self._request_ids(request.request_id)
+        structlog.contextvars.bind_contextvars(request_id=rid, rpc="Generate")
+        try:
+            with self.admission.slot(), self._engine_id(engine_id):
+                plan = self._plan(request, rid, engine_id, streaming=False, arrival=arrival)
+                b = self._backend()
+                async with contextlib.aclosing(generate_chunks(b.engine, b.tokenizer, plan)) as chunks:
+                    result = await collect_completions(chunks, plan)
+                response = generate_response(result, plan)
+                response.request_id = rid
+                log.info("request finished", generated_tokens=result.generated_tokens,
+                         finish_reasons=[c.finish_reason.value if c.finish_reason else None
+                                         for c in result.completions],
+                         duration_ms=round((time.monotonic() - arrival) * 1000, 1))
+                return response
+        except Exception as exc:
+            error = to_service_error(exc)
+        self._log_failure(error)
+        await context.abort_with_status(error.to_grpc_status())
+        raise AssertionError("unreachable")  # abort_with_status raises
+
+    async def GenerateStream(self, request: pb.GenerateStreamRequest, context: Any) -> AsyncIterator[pb.GenerateStreamResponse]:
+        arrival = time.monotonic()
+        rid, engine_id = self._request_ids(request.request_id)
+        structlog.contextvars.bind_contextvars(request_id=rid, rpc="GenerateStream")
+        sent = 0
+        try:
+            with self.admission.slot(), self._engine_id(engine_id):
+                plan = self._plan(request, rid, engine_id, streaming=True, arrival=arrival)
+                b = self._backend()
+                generated = 0
+                async with contextlib.aclosing(coalesced(generate_chunks(b.engine, b.tokenizer, plan))) as batches:
+                    async for batch in batches:
+                        for chunk in batch:
+                            msg = stream_message(chunk, plan)
+                            msg.request_id = rid
+                            if chunk.finish_reason is not None:
+                                generated += chunk.generated_tokens
+                            sent += 1
+                            yield msg
+                log.info("request finished", generated_tokens=generated, messages=sent,
+                         duration_ms=round((time.monotonic() - arrival) * 1000, 1))
+                return
+        except Exception as exc:
+            error = to_service_error(exc)
+        self._log_failure(error, messages_sent=sent)
+        await context.abort_with_status(error.to_grpc_status())
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: Any) -> pb.TokenizeResponse:
+        try:
+            return self._tokenize(request)
+        except Exception as exc:
+            error = to_service_error(exc)
+        await context.abort_with_status(error.to_grpc_status())
+        raise AssertionError("unreachable")
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: Any) -> pb.GetModelInfoResponse:
+        try:
+            return self._backend().model_info
+        except Exception as exc:
+            error = to_service_error(exc)
+        await context.abort_with_status(error.to_grpc_status())
+        raise AssertionError("unreachable")
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
+        tok = self._backend().tokenizer
+        kind = request.WhichOneof("input")
+        if kind is None:
+            raise invalid("input", "set exactly one of text or chat")
+        rendered = ""
+        if kind == "chat":
+            violations = check_chat(request.chat)
+            if violations:
+                raise ValidationError(violations)
+            rendered = render_chat(tok, request.chat)
+            spans = tok.encode_with_offsets(rendered, add_special_tokens=False)
+        else:
+            add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+            spans = tok.encode_with_offsets(request.text, add_special_tokens=add_special)
+        resp = pb.TokenizeResponse(token_count=len(spans), rendered_text=rendered)
+        for span in spans:
+            t = resp.tokens.add(id=span.id, text=tok.token_text(span.id), special=tok.is_special(span.id))
+            if request.return_offsets and span.start is not None and span.end is not None:
+                t.offset.start, t.offset.end = span.start, span.end
+        return resp
+
+    def _log_failure(self, error: ServiceError, **extra: Any) -> None:
+        level = "error" if error.code is grpc.StatusCode.INTERNAL else "info"
+        getattr(log, level)("request failed", code=error.code.name, reason=error.reason, message=error.message, **extra)

@@ -1,0 +1,1 @@
+"""Shared test helpers (importable as ``helpers`` once tests/conftest.py has run)."""

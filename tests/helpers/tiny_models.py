@@ -1,0 +1,97 @@
+"""Tiny random-weight Hugging Face models of each supported architecture, saved to disk.
+
+A large ``initializer_range`` keeps logits peaked, so argmax does not flip when float sums are
+reordered between our fused projections and HF's separate ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_COMMON: dict[str, Any] = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=320, max_position_embeddings=128, initializer_range=0.15,
+    rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+)
+
+
+def _llama(**overrides: Any) -> Callable[[], Any]:
+    def build() -> Any:
+        from transformers import LlamaConfig
+
+        return LlamaConfig(**{**_COMMON, **overrides})
+
+    return build
+
+
+def _mistral() -> Any:
+    from transformers import MistralConfig
+
+    return MistralConfig(**{**_COMMON, "sliding_window": 5})
+
+
+def _qwen2() -> Any:
+    from transformers import Qwen2Config
+
+    # Layers 1 and 2 slide, layer 0 attends fully: exercises per-layer windows.
+    return Qwen2Config(**{**_COMMON, "num_hidden_layers": 3, "use_sliding_window": True,
+                          "sliding_window": 6, "max_window_layers": 1})
+
+
+def _qwen3(**overrides: Any) -> Callable[[], Any]:
+    def build() -> Any:
+        from transformers import Qwen3Config
+
+        # head_dim 32 != hidden/heads (16), as in real Qwen3.
+        return Qwen3Config(**{**_COMMON, "head_dim": 32, **overrides})
+
+    return build
+
+
+TINY_CONFIGS: dict[str, Callable[[], Any]] = {
+    "llama": _llama(),
+    "llama-tied-bias": _llama(tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
+    "llama-linear-rope": _llama(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
+    "llama3-rope": _llama(
+        max_position_embeddings=256,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+    ),
+    "llama-yarn-rope": _llama(
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 32},
+    ),
+    "llama-dynamic-rope": _llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
+    "mistral": _mistral,
+    "qwen2": _qwen2,
+    "qwen3": _qwen3(tie_word_embeddings=True),
+    "qwen3-bias": _qwen3(attention_bias=True),
+}
+
+
+def save_tiny_model(name: str, path: Path, seed: int = 0) -> Path:
+    """Build the random-weight HF model ``name`` (a TINY_CONFIGS key) and save it to ``path``."""
+    from transformers import AutoModelForCausalLM
+
+    config = TINY_CONFIGS[name]()
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def load_hf_reference(path: Path) -> Any:
+    """The same checkpoint through transformers (fp32, eager attention) for parity checks."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    return model.eval()
+
+
+def hf_logits(model: Any, token_ids: list[int]) -> torch.Tensor:  # -> [T, V] float32
+    with torch.no_grad():
+        return model(torch.tensor([token_ids])).logits[0].float()

@@ -1,0 +1,93 @@
+"""The plugin registry: entry points, duplicate names, unknown names, availability."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import pytest
+
+from loom.plugin_api import (
+    AttentionBackendSpec,
+    ModelArchitectureSpec,
+    PluginError,
+    PluginRegistry,
+    default_registry,
+    hookimpl,
+)
+from loom.plugin_api.listing import format_plugins
+
+
+class _Backends:
+    def __init__(self, *specs: AttentionBackendSpec) -> None:
+        self.specs = specs
+
+    @hookimpl
+    def loom_attention_backends(self) -> Iterable[AttentionBackendSpec]:
+        return self.specs
+
+
+def spec(name: str, check: str | None = None, priority: int = 0) -> AttentionBackendSpec:
+    return AttentionBackendSpec(name=name, summary="test", load=lambda: object, check=lambda: check,
+                                priority=priority)
+
+
+def test_builtins_come_through_the_entry_point_group() -> None:
+    reg = default_registry()
+    rows = {(i.spec.kind, i.spec.name): i.distribution for i in reg.infos()}
+    assert rows[("attention", "torch")] == "loom-server"
+    for name in ("llama", "mistral", "qwen2", "qwen3"):
+        assert rows[("model", name)] == "loom-server"
+
+
+def test_duplicate_name_names_both_distributions() -> None:
+    reg = PluginRegistry()
+    reg.register(_Backends(spec("fast")), "a", "dist-one", "1.0")
+    reg.register(_Backends(spec("Fast")), "b", "dist-two", "2.0")
+    with pytest.raises(PluginError, match=r"'fast' is claimed twice.*'dist-one'.*'dist-two'"):
+        reg.infos()
+
+
+def test_unknown_name_lists_the_valid_ones() -> None:
+    reg = PluginRegistry()
+    reg.register(_Backends(spec("alpha"), spec("beta")), "a", "dist")
+    with pytest.raises(PluginError, match="Choose one of: alpha, beta"):
+        reg.get("attention", "gamma")
+
+
+def test_names_are_normalised() -> None:
+    reg = PluginRegistry()
+    reg.register(_Backends(spec("Flash_Attn")), "a", "dist")
+    assert reg.get("attention", "flash-attn").spec.name == "flash-attn"
+
+
+def test_unavailable_plugin_says_why_and_is_not_chosen() -> None:
+    reg = PluginRegistry()
+    reg.register(_Backends(spec("gpu-only", check="needs CUDA", priority=10), spec("plain")), "a", "dist")
+    with pytest.raises(PluginError, match="unavailable: needs CUDA"):
+        reg.attention_backend("gpu-only")
+    assert reg.default_attention_backend("cpu").name == "plain"
+    assert "unavailable: needs CUDA" in format_plugins(reg)
+
+
+def test_unknown_architecture_lists_known_ones() -> None:
+    class Models:
+        @hookimpl
+        def loom_model_architectures(self) -> Iterable[ModelArchitectureSpec]:
+            return [ModelArchitectureSpec(name="llama", summary="", load=lambda: object,
+                                          architectures=("LlamaForCausalLM",))]
+
+    reg = PluginRegistry()
+    reg.register(Models(), "m", "dist")
+    with pytest.raises(PluginError, match="unsupported model architecture GPT2LMHeadModel. Known architectures: LlamaForCausalLM"):
+        reg.model_for_architecture(["GPT2LMHeadModel"])
+
+
+def test_misspelled_hook_fails_loudly() -> None:
+    class Typo:
+        @hookimpl
+        def loom_attention_backend(self) -> list[object]:  # missing the final "s"
+            return []
+
+    reg = PluginRegistry()
+    with pytest.raises(Exception, match="unknown hook"):
+        reg.register(Typo(), "typo", "dist")

@@ -1,0 +1,134 @@
+"""The batched sampler against transformers' logits processors, row by row, in one batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
+
+from loom.engine.sampler import Sampler, apply_penalties, apply_warpers, build_sampling_batch, counter_uniform
+from loom.engine.sequence import Sequence
+from loom.engine.types import EngineRequest, SamplingParams, StoppingParams
+
+V = 64
+
+
+def seq(sp: SamplingParams, prompt: tuple[int, ...] = (1, 2, 3), out: tuple[int, ...] = (),
+        stopping: StoppingParams | None = None) -> Sequence:
+    s = Sequence(EngineRequest("r", prompt, sp, stopping or StoppingParams()), 0, sp.seed)
+    s.token_ids.extend(out)
+    return s
+
+
+def hf_logprobs(logits: torch.Tensor, *procs: object, ids: torch.Tensor | None = None) -> torch.Tensor:
+    x = logits[None].clone()
+    for p in procs:
+        x = p(ids if ids is not None else torch.zeros(1, 1, dtype=torch.long), x)  # type: ignore[operator]
+    return x.log_softmax(-1)[0]
+
+
+CASES = [
+    (SamplingParams(do_sample=True, temperature=0.7), [TemperatureLogitsWarper(0.7)]),
+    (SamplingParams(do_sample=True, top_k=5), [TopKLogitsWarper(5)]),
+    (SamplingParams(do_sample=True, top_p=0.8), [TopPLogitsWarper(0.8)]),
+    (SamplingParams(do_sample=True, typical_p=0.6), [TypicalLogitsWarper(0.6)]),
+    (SamplingParams(do_sample=True, min_p=0.1), [MinPLogitsWarper(0.1)]),
+    (SamplingParams(do_sample=True, temperature=1.3, top_k=20, top_p=0.9),
+     [TemperatureLogitsWarper(1.3), TopKLogitsWarper(20), TopPLogitsWarper(0.9)]),
+    (SamplingParams(), []),
+]
+
+
+def test_warpers_match_transformers_in_one_heterogeneous_batch() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(len(CASES), V) * 3
+    seqs = [seq(sp) for sp, _ in CASES]
+    b = build_sampling_batch(seqs, V, torch.device("cpu"))
+    ours = apply_warpers(apply_penalties(logits, b), b)
+    ours = torch.where(b.do_sample[:, None], ours, logits).log_softmax(-1)
+    for i, (_, procs) in enumerate(CASES):
+        ref = hf_logprobs(logits[i], *procs)
+        kept = ref > -1e30
+        assert torch.equal(kept, ours[i] > -1e30), f"row {i}: different tokens kept"
+        assert torch.allclose(ours[i][kept], ref[kept], atol=1e-5), f"row {i}"
+
+
+def test_repetition_penalty_matches_transformers() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(2, V) * 2
+    prompt, out = (3, 4, 5), (9, 3)
+    seqs = [seq(SamplingParams(repetition_penalty=1.3), prompt, out), seq(SamplingParams(), prompt, out)]
+    b = build_sampling_batch(seqs, V, torch.device("cpu"))
+    ours = apply_penalties(logits, b)
+    ids = torch.tensor([list(prompt + out)])
+    ref = RepetitionPenaltyLogitsProcessor(1.3)(ids, logits[:1].clone())
+    assert torch.allclose(ours[0], ref[0])
+    assert torch.equal(ours[1], logits[1])  # the other row untouched
+
+
+def test_frequency_and_presence_penalties_count_output_tokens() -> None:
+    logits = torch.zeros(1, V)
+    s = seq(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), (7, 7), (9, 9, 9, 11))
+    b = build_sampling_batch([s], V, torch.device("cpu"))
+    out = apply_penalties(logits, b)[0]
+    assert out[9].item() == pytest.approx(-(0.5 * 3 + 0.25))
+    assert out[11].item() == pytest.approx(-(0.5 + 0.25))
+    assert out[7].item() == 0.0  # prompt tokens are not penalised by these two
+
+
+def test_min_new_tokens_suppresses_eos() -> None:
+    logits = torch.zeros(1, V)
+    logits[0, 2] = 10.0  # EOS would win
+    s = seq(SamplingParams(), stopping=StoppingParams(min_new_tokens=2, stop_token_ids=(5,)))
+    b = build_sampling_batch([s], V, torch.device("cpu"), eos_token_ids=(2,))
+    out = Sampler()(logits, b)
+    assert out.token_ids.item() != 2
+    assert torch.isinf(apply_penalties(logits, b)[0, 5])
+
+
+def test_greedy_rows_take_argmax_and_report_logprob() -> None:
+    torch.manual_seed(2)
+    logits = torch.randn(3, V)
+    b = build_sampling_batch([seq(SamplingParams()) for _ in range(3)], V, torch.device("cpu"))
+    out = Sampler()(logits, b)
+    assert torch.equal(out.token_ids, logits.argmax(-1))
+    assert torch.allclose(out.logprobs, logits.log_softmax(-1).max(-1).values)
+
+
+def test_seeded_sampling_is_batch_invariant() -> None:
+    torch.manual_seed(3)
+    logits = torch.randn(4, V)
+    sp = SamplingParams(do_sample=True, seed=1234, top_k=30)
+    alone = Sampler()(logits[:1], build_sampling_batch([seq(sp)], V, torch.device("cpu")))
+    others = [seq(SamplingParams(do_sample=True, seed=s)) for s in (1, 2)] + [seq(SamplingParams())]
+    batch_seqs = [*others[:2], seq(sp), others[2]]
+    mixed = Sampler()(logits[[1, 2, 0, 3]], build_sampling_batch(batch_seqs, V, torch.device("cpu")))
+    assert mixed.token_ids[2] == alone.token_ids[0]
+
+
+def test_counter_uniform_is_deterministic_and_uniform() -> None:
+    seeds = torch.tensor([5, 5, 6])
+    steps = torch.tensor([0, 0, 0])
+    u = counter_uniform(seeds, steps, 20000)
+    assert torch.equal(u[0], u[1])
+    assert not torch.equal(u[0], u[2])
+    assert 0.0 < u.min() and u.max() < 1.0
+    assert abs(u.mean().item() - 0.5) < 0.01
+    # different steps give different draws
+    assert not torch.equal(u[0], counter_uniform(seeds[:1], torch.tensor([1]), 20000)[0])
+
+
+def test_sampling_follows_the_distribution() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.2] + [0.0] * (V - 3))
+    logits = probs.clamp_min(1e-12).log()[None].repeat(3000, 1)
+    seqs = [seq(SamplingParams(do_sample=True, seed=i)) for i in range(3000)]
+    out = Sampler()(logits, build_sampling_batch(seqs, V, torch.device("cpu")))
+    freq = torch.bincount(out.token_ids, minlength=V)[:3].float() / 3000
+    assert torch.allclose(freq, probs[:3], atol=0.04)
