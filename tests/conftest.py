@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,13 +16,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # `import helpers`
 if importlib.util.find_spec("loom") is None:
     sys.path.insert(0, str(ROOT / "service"))
 if importlib.util.find_spec("loom_plugins") is None:
-    # Not installed: alias plugins/ as the loom_plugins package (what setuptools' package-dir does).
-    _plugins = types.ModuleType("loom_plugins")
-    _plugins.__path__ = [str(ROOT / "plugins")]
+    # Not installed: import plugins/ as the loom_plugins package (what setuptools' package-dir does).
+    _spec = importlib.util.spec_from_file_location(
+        "loom_plugins", ROOT / "plugins" / "__init__.py", submodule_search_locations=[str(ROOT / "plugins")]
+    )
+    assert _spec is not None and _spec.loader is not None
+    _plugins = importlib.util.module_from_spec(_spec)
     sys.modules["loom_plugins"] = _plugins
+    _spec.loader.exec_module(_plugins)
 
 from helpers.tiny_models import save_tiny_model  # noqa: E402
-
 from loom.plugin_api import PluginRegistry  # noqa: E402
 
 

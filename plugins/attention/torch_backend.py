@@ -11,11 +11,14 @@ layers of the model reuse it. Per layer the work is then:
 * each prefill sequence (``query_len > 1``) with its own SDPA call: plain causal when it has no
   cached context, otherwise an explicit bottom-right-aligned causal mask over its gathered K/V.
 
-A sequence's result does not depend on the rest of the batch: padding keys get weight exactly 0.
+A sequence's result does not depend on the rest of the batch beyond float rounding: padding keys
+get weight exactly 0 (the pool holds only finite values, so 0 * stale value is 0), but SDPA's CPU
+kernel may order its sums differently for other batch shapes (differences of ~1 ulp seen).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -156,11 +159,16 @@ def _prefill_mask(
 
 
 def get_step_plan(meta: AttentionMetadata) -> _StepPlan:
-    """The step's plan, built on the first layer's call and reused by the others."""
+    """The step's plan, built on the first layer's call and reused by the others.
+
+    Keyed by the metadata object itself: a runner must build a new AttentionMetadata for each
+    step rather than mutate one in place.
+    """
     plan: _StepPlan | None = getattr(meta, _PLAN_ATTR, None)
     if plan is None:
         plan = _plan_step(meta)
-        setattr(meta, _PLAN_ATTR, plan)
+        with contextlib.suppress(AttributeError):  # a slotted/frozen metadata: plan per call
+            setattr(meta, _PLAN_ATTR, plan)
     return plan
 
 

@@ -20,8 +20,8 @@ from typing import Any
 
 SUBCOMMANDS: list[str] = [
     "loom.server.serve_command:add_serve_command",
-    # "loom.plugins_command:add_plugins_command",
-    # "loom.bench.command:add_bench_command",
+    "loom.plugin_api.command:add_plugins_command",
+    "loom.bench.command:add_bench_command",
 ]
 
 _TRUE = {"1", "true", "yes", "on"}

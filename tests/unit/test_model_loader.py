@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from loom.model_loader import (
     ModelLoadError,
     cache_root,

@@ -24,7 +24,7 @@ from loom.config import EngineConfig
 from .workloads import Workload, cpu_workload
 
 
-def add_bench_parser(sub: Any) -> None:
+def add_bench_command(sub: Any) -> None:
     p = sub.add_parser("bench", help="run benchmark workloads (C0 C1 C2 on CPU) against a peer")
     p.add_argument("--workloads", default="C0,C1,C2", help="comma-separated: C0,C1,C2")
     p.add_argument("--peer", choices=["none", "hf"], default="none", help="also run this peer in the same run")

@@ -71,6 +71,11 @@ class LLMEngine:
         num_blocks = self._num_blocks(shape.num_layers, shape.num_kv_heads, shape.head_dim)
         pool_tokens = num_blocks * bs
         self.max_model_len = config.max_total_tokens or min(shape.max_position_embeddings, 4096, pool_tokens)
+        if self.max_model_len > shape.max_position_embeddings:
+            raise ConfigError(
+                f"--max-total-tokens {self.max_model_len} exceeds the model's "
+                f"max_position_embeddings ({shape.max_position_embeddings})"
+            )
         if self.max_model_len > pool_tokens:
             raise ConfigError(
                 f"--max-total-tokens {self.max_model_len} does not fit the KV pool of {pool_tokens} tokens; "

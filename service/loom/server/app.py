@@ -16,11 +16,11 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from loom_client.v1 import generation_pb2_grpc as pb_grpc
 
 from loom.config import ConfigError
 from loom.engine.core_process import AsyncEngineClient
 from loom.logging_setup import configure_logging
+from loom_client.v1 import generation_pb2_grpc as pb_grpc
 
 from .admission import Admission
 from .health import GENERATION_SERVICE, HEALTH_SERVICE, ServerHealth
@@ -130,8 +130,19 @@ class LoomServer:
         # Requests still running now are cancelled; their handlers abort them in the engine.
         await self.server.stop(0.5)
         if self.engine is not None:
+            await self._log_engine_stats()
             await self.engine.shutdown()
         log.info("stopped")
+
+    async def _log_engine_stats(self) -> None:
+        # A last look at the KV pool: every block should be free once no request is left.
+        assert self.engine is not None
+        if not self.engine.is_alive():
+            return
+        with contextlib.suppress(Exception):
+            stats = await asyncio.wait_for(self.engine.stats(), 2.0)
+            log.info("engine stats at shutdown", running=stats.num_running, waiting=stats.num_waiting,
+                     free_blocks=stats.num_free_blocks, blocks=stats.num_blocks, steps=stats.num_steps)
 
 
 def serve(settings: ServerSettings) -> int:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import structlog
-from loom_client.v1 import generation_pb2 as pb
 
 import loom
 from loom.engine.types import EngineInfo
+from loom_client.v1 import generation_pb2 as pb
 
 from .settings import ServerSettings
 from .validation import RequestLimits
@@ -41,7 +41,9 @@ def _plugin(registry: Any, kind: str, name: str | None, architecture: str) -> pb
     dist, version = "unknown", "unknown"
     try:
         if kind == "model":
-            name = registry.model_for_architecture([architecture]).name
+            # The engine names either the plugin ("llama") or the HF class ("LlamaForCausalLM").
+            known = {i.spec.name for i in registry.infos("model")}
+            name = architecture if architecture in known else registry.model_for_architecture([architecture]).name
         found = registry.get(kind, name)
         dist, version = found.distribution, found.version
     except Exception:  # no registry, or a plugin it does not know: report what we know

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loom_client.v1 import generation_pb2 as pb
-
 from loom.frontend.tokenizer import ChatTemplateError, Tokenizer
+from loom_client.v1 import generation_pb2 as pb
 
 from .errors import FieldViolation, failed_precondition
 

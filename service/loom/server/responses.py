@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from loom_client.v1 import generation_pb2 as pb
-
 from loom.engine.types import FinishReason
 from loom.frontend.completion import Chunk, TokenInfo
 from loom.frontend.generation import GenerationPlan, GenerationResult
+from loom_client.v1 import generation_pb2 as pb
 
 _FINISH = {
     None: pb.FINISH_REASON_UNSPECIFIED,

@@ -9,6 +9,7 @@ request, freeing its slot and KV blocks at once.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid
@@ -18,8 +19,6 @@ from typing import Any
 
 import grpc
 import structlog
-from loom_client.v1 import generation_pb2 as pb
-from loom_client.v1 import generation_pb2_grpc as pb_grpc
 
 from loom.engine.core_process import EngineDeadError
 from loom.engine.types import EngineInfo
@@ -27,6 +26,8 @@ from loom.frontend.coalesce import coalesced
 from loom.frontend.completion import EngineRequestError
 from loom.frontend.generation import EngineClient, GenerationPlan, collect_completions, generate_chunks
 from loom.frontend.tokenizer import Tokenizer
+from loom_client.v1 import generation_pb2 as pb
+from loom_client.v1 import generation_pb2_grpc as pb_grpc
 
 from .admission import Admission
 from .errors import ServiceError, ValidationError, internal, invalid, unavailable
@@ -114,6 +115,10 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
                                          for c in result.completions],
                          duration_ms=round((time.monotonic() - arrival) * 1000, 1))
                 return response
+        except asyncio.CancelledError:
+            log.info("request cancelled", reason="client cancel, disconnect or deadline",
+                     duration_ms=round((time.monotonic() - arrival) * 1000, 1))
+            raise
         except Exception as exc:
             error = to_service_error(exc)
         self._log_failure(error)
@@ -142,6 +147,10 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
                 log.info("request finished", generated_tokens=generated, messages=sent,
                          duration_ms=round((time.monotonic() - arrival) * 1000, 1))
                 return
+        except asyncio.CancelledError:
+            log.info("request cancelled", reason="client cancel, disconnect or deadline", messages=sent,
+                     duration_ms=round((time.monotonic() - arrival) * 1000, 1))
+            raise
         except Exception as exc:
             error = to_service_error(exc)
         self._log_failure(error, messages_sent=sent)

@@ -11,12 +11,11 @@ import math
 import time
 from dataclasses import dataclass, replace
 
-from loom_client.v1 import generation_pb2 as pb
-
 from loom.engine.types import EngineRequest, SamplingParams, StoppingParams
 from loom.frontend.completion import TextOptions
 from loom.frontend.generation import GenerationPlan
 from loom.frontend.tokenizer import Tokenizer
+from loom_client.v1 import generation_pb2 as pb
 
 from .errors import FieldViolation, ValidationError
 from .prompt_input import check_input, tokenize_prompt

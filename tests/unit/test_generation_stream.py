@@ -1,0 +1,121 @@
+"""generate_chunks / coalesced / collect_completions against a scripted fake engine."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from loom.engine.types import EngineOutput, EngineRequest, FinishReason, SamplingParams
+from loom.frontend.coalesce import coalesced
+from loom.frontend.completion import EngineRequestError, TextOptions
+from loom.frontend.generation import GenerationPlan, collect_completions, generate_chunks
+from loom.frontend.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok(default_model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_model_dir(default_model_dir)
+
+
+class FakeEngine:
+    """Yields scripted outputs, ``delay`` seconds apart; records whether the stream was closed early."""
+
+    def __init__(self, outputs: list[EngineOutput], delay: float = 0.0) -> None:
+        self.outputs = outputs
+        self.delay = delay
+        self.closed_early = False
+        self.sent = 0
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        try:
+            for out in self.outputs:
+                if self.delay:
+                    await asyncio.sleep(self.delay)
+                self.sent += 1
+                yield out
+        finally:
+            self.closed_early = self.sent < len(self.outputs)
+
+
+def outs(tok: Tokenizer, text: str, index: int = 0, lp: float = -1.0, finish: FinishReason = FinishReason.LENGTH) -> list[EngineOutput]:
+    ids = tok.encode(text, add_special_tokens=False)
+    return [EngineOutput("r", index, [t], [lp], finish_reason=finish if i == len(ids) - 1 else None, seed=7)
+            for i, t in enumerate(ids)]
+
+
+def plan(n: int = 1, best_of: int = 1, **kw: object) -> GenerationPlan:
+    req = EngineRequest("r", (1, 2, 3), SamplingParams(do_sample=best_of > 1), n=best_of)
+    return GenerationPlan(req, n=n, **kw)  # type: ignore[arg-type]
+
+
+def run(coro: object) -> object:
+    return asyncio.run(coro)  # type: ignore[arg-type]
+
+
+def test_chunks_concatenate_to_the_text(tok: Tokenizer) -> None:
+    engine = FakeEngine(outs(tok, "The capital of France is Paris."))
+
+    async def go() -> str:
+        return "".join([c.text async for c in generate_chunks(engine, tok, plan())])
+
+    assert run(go()) == "The capital of France is Paris."
+
+
+def test_stop_string_closes_the_engine_stream(tok: Tokenizer) -> None:
+    engine = FakeEngine(outs(tok, "one two three four five six"))
+    p = plan(text=TextOptions(stop_sequences=(" three",)))
+    result = run(collect_completions(generate_chunks(engine, tok, p), p))
+    assert result.completions[0].text == "one two"  # type: ignore[attr-defined]
+    assert result.completions[0].finish_reason is FinishReason.STOP_SEQUENCE  # type: ignore[attr-defined]
+    assert engine.closed_early
+
+
+def test_best_of_keeps_the_highest_cumulative_logprob(tok: Tokenizer) -> None:
+    script = outs(tok, "bad answer", 0, lp=-3.0) + outs(tok, "good answer", 1, lp=-0.1)
+    p = plan(n=1, best_of=2)
+    result = run(collect_completions(generate_chunks(FakeEngine(script), tok, p), p))
+    assert [(c.index, c.text) for c in result.completions] == [(0, "good answer")]  # type: ignore[attr-defined]
+    assert result.generated_tokens == len(script)  # type: ignore[attr-defined]
+
+
+def test_time_limit_finishes_every_completion(tok: Tokenizer) -> None:
+    engine = FakeEngine(outs(tok, "a b c d e f g h i j"), delay=0.05)
+    p = plan(time_limit_s=0.12)
+    result = run(collect_completions(generate_chunks(engine, tok, p), p))
+    c = result.completions[0]  # type: ignore[attr-defined]
+    assert c.finish_reason is FinishReason.TIME_LIMIT and 0 < c.generated_tokens < 10
+    assert engine.closed_early
+
+
+def test_engine_error_raises(tok: Tokenizer) -> None:
+    engine = FakeEngine([EngineOutput("r", 0, [], [], finish_reason=FinishReason.ERROR, error="boom")])
+    p = plan()
+    with pytest.raises(EngineRequestError, match="boom"):
+        run(collect_completions(generate_chunks(engine, tok, p), p))
+
+
+def test_coalesced_merges_ready_chunks_and_closing_aborts(tok: Tokenizer) -> None:
+    engine = FakeEngine(outs(tok, "a b c d e f g h i j k l"))
+
+    async def go() -> list[int]:
+        sizes = []
+        async for batch in coalesced(generate_chunks(engine, tok, plan())):
+            sizes.append(len(batch[0].tokens) or len(batch))
+            await asyncio.sleep(0.01)  # a slow writer: the pump runs ahead
+        return sizes
+
+    sizes = run(go())
+    assert len(sizes) < 12  # type: ignore[arg-type]
+
+    slow = FakeEngine(outs(tok, "a b c d e f g h i j k l"), delay=0.02)
+
+    async def cancel_midway() -> None:
+        gen = coalesced(generate_chunks(slow, tok, plan()))
+        await gen.__anext__()
+        await gen.aclose()  # what a client cancel does to the handler's stream
+
+    run(cancel_midway())
+    assert slow.closed_early

@@ -1,0 +1,135 @@
+"""Request validation: every rule names its field; defaults and budgets as documented."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loom.frontend.tokenizer import Tokenizer
+from loom.server.errors import ValidationError
+from loom.server.validation import RequestLimits, validate_generate
+from loom_client.v1 import generation_pb2 as pb
+
+LIMITS = RequestLimits(max_input_tokens=50, max_total_tokens=64, vocab_size=49152, default_max_new_tokens=20)
+
+
+@pytest.fixture(scope="module")
+def tok(default_model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_model_dir(default_model_dir)
+
+
+def params(**groups: dict[str, Any]) -> pb.Parameters:
+    top = groups.pop("top", {})
+    return pb.Parameters(**{k: getattr(pb, f"{k.capitalize()}Parameters" if k != "penalties" else "PenaltyParameters")(**v)
+                            for k, v in groups.items()}, **top)
+
+
+def validate(tok: Tokenizer, streaming: bool = False, **fields: Any) -> Any:
+    fields.setdefault("text", "Hello there")
+    req = pb.GenerateStreamRequest(**fields) if streaming else pb.GenerateRequest(**fields)
+    return validate_generate(req, "rid", tok, LIMITS, streaming)
+
+
+def violation_fields(tok: Tokenizer, **fields: Any) -> list[str]:
+    with pytest.raises(ValidationError) as info:
+        validate(tok, **fields)
+    assert info.value.code.name == "INVALID_ARGUMENT"
+    return [v.field for v in info.value.violations]
+
+
+INVALID = [
+    ("empty text", {"text": ""}, "text"),
+    ("empty ids", {"text": None, "token_ids": pb.TokenIds()}, "token_ids.ids"),
+    ("id over vocab", {"text": None, "token_ids": pb.TokenIds(ids=[1, 49152])}, "token_ids.ids[1]"),
+    ("empty chat", {"text": None, "chat": pb.Chat()}, "chat.messages"),
+    ("bad role", {"text": None, "chat": pb.Chat(messages=[pb.ChatMessage(role="wizard", content="hi")])},
+     "chat.messages[0].role"),
+    ("temperature", {"parameters": params(sampling={"temperature": -1})}, "parameters.sampling.temperature"),
+    ("temperature nan", {"parameters": params(sampling={"temperature": float("nan")})}, "parameters.sampling.temperature"),
+    ("top_p 0", {"parameters": params(sampling={"top_p": 0})}, "parameters.sampling.top_p"),
+    ("top_p > 1", {"parameters": params(sampling={"top_p": 1.5})}, "parameters.sampling.top_p"),
+    ("typical_p", {"parameters": params(sampling={"typical_p": 0})}, "parameters.sampling.typical_p"),
+    ("min_p", {"parameters": params(sampling={"min_p": 1})}, "parameters.sampling.min_p"),
+    ("repetition", {"parameters": params(penalties={"repetition_penalty": 0})}, "parameters.penalties.repetition_penalty"),
+    ("frequency", {"parameters": params(penalties={"frequency_penalty": 2.5})}, "parameters.penalties.frequency_penalty"),
+    ("presence", {"parameters": params(penalties={"presence_penalty": -3})}, "parameters.penalties.presence_penalty"),
+    ("max_new 0", {"parameters": params(stopping={"max_new_tokens": 0})}, "parameters.stopping.max_new_tokens"),
+    ("min > max", {"parameters": params(stopping={"max_new_tokens": 3, "min_new_tokens": 4})},
+     "parameters.stopping.min_new_tokens"),
+    ("too many stops", {"parameters": params(stopping={"stop_sequences": list("abcde")})},
+     "parameters.stopping.stop_sequences"),
+    ("empty stop", {"parameters": params(stopping={"stop_sequences": ["a", ""]})}, "parameters.stopping.stop_sequences[1]"),
+    ("stop id", {"parameters": params(stopping={"stop_token_ids": [5, 10**6]})}, "parameters.stopping.stop_token_ids[1]"),
+    ("time limit", {"parameters": params(stopping={"time_limit_ms": 0})}, "parameters.stopping.time_limit_ms"),
+    ("top_n", {"parameters": params(response={"top_n_tokens": 6})}, "parameters.response.top_n_tokens"),
+    ("n 0", {"parameters": params(top={"n": 0})}, "parameters.n"),
+    ("n 3", {"parameters": params(top={"n": 3})}, "parameters.n"),
+    ("best_of < n", {"parameters": params(top={"n": 2, "best_of": 1})}, "parameters.best_of"),
+    ("best_of greedy", {"parameters": params(top={"best_of": 2})}, "parameters.best_of"),
+    ("truncate 0", {"parameters": params(top={"truncate_input_tokens": 0})}, "parameters.truncate_input_tokens"),
+    ("truncate big", {"parameters": params(top={"truncate_input_tokens": 51})}, "parameters.truncate_input_tokens"),
+    ("prompt too long", {"text": "word " * 60}, "text"),
+    ("budget", {"parameters": params(stopping={"max_new_tokens": 63})}, "parameters.stopping.max_new_tokens"),
+    ("request id", {"request_id": "x" * 257}, "request_id"),
+]
+
+
+@pytest.mark.parametrize(("fields", "field"), [c[1:] for c in INVALID], ids=[c[0] for c in INVALID])
+def test_each_invalid_field_is_named(tok: Tokenizer, fields: dict[str, Any], field: str) -> None:
+    fields = {k: v for k, v in fields.items() if v is not None}
+    if "token_ids" in fields or "chat" in fields:
+        fields["text"] = None
+    assert field in violation_fields(tok, **fields)
+
+
+def test_best_of_is_rejected_when_streaming(tok: Tokenizer) -> None:
+    with pytest.raises(ValidationError) as info:
+        validate(tok, streaming=True, parameters=params(sampling={"do_sample": True}, top={"best_of": 2}))
+    assert info.value.violations[0].field == "parameters.best_of"
+
+
+def test_several_violations_are_reported_together(tok: Tokenizer) -> None:
+    fields = violation_fields(tok, text="", parameters=params(sampling={"top_p": 2}, response={"top_n_tokens": 9}))
+    assert fields == ["text", "parameters.sampling.top_p", "parameters.response.top_n_tokens"]
+
+
+def test_defaults(tok: Tokenizer) -> None:
+    plan = validate(tok)
+    r = plan.engine_request
+    assert r.stopping.max_new_tokens == 20 and not r.sampling.do_sample and r.n == 1 and plan.n == 1
+    assert list(r.prompt_token_ids) == tok.encode("Hello there")
+
+
+def test_unset_max_new_tokens_never_exceeds_the_budget(tok: Tokenizer) -> None:
+    text = "word " * 49  # 49 tokens: 64 - 49 = 15 left, below the default of 20
+    n = len(tok.encode(text))
+    plan = validate(tok, text=text)
+    assert plan.engine_request.stopping.max_new_tokens == 64 - n
+
+
+def test_truncate_keeps_the_last_tokens(tok: Tokenizer) -> None:
+    ids = list(range(100, 160))
+    plan = validate(tok, text=None, token_ids=pb.TokenIds(ids=ids), parameters=params(top={"truncate_input_tokens": 10}))
+    assert list(plan.engine_request.prompt_token_ids) == ids[-10:]
+
+
+def test_sampling_knobs_turn_sampling_on_and_temperature_zero_is_greedy(tok: Tokenizer) -> None:
+    assert validate(tok, parameters=params(sampling={"top_k": 5})).engine_request.sampling.do_sample
+    assert validate(tok, parameters=params(sampling={"temperature": 0.7})).engine_request.sampling.do_sample
+    greedy = validate(tok, parameters=params(sampling={"temperature": 0, "top_p": 0.5, "do_sample": True}))
+    assert not greedy.engine_request.sampling.do_sample
+
+
+def test_chat_renders_the_template(tok: Tokenizer) -> None:
+    chat = pb.Chat(messages=[pb.ChatMessage(role="user", content="Hi")])
+    plan = validate(tok, text=None, chat=chat)
+    assert "<|im_start|>user\nHi<|im_end|>" in plan.prompt_text
+    assert plan.prompt_text.endswith("<|im_start|>assistant\n")
+    assert list(plan.engine_request.prompt_token_ids) == tok.encode(plan.prompt_text, add_special_tokens=False)
+
+
+def test_best_of_sets_the_engine_n(tok: Tokenizer) -> None:
+    plan = validate(tok, parameters=params(sampling={"do_sample": True, "seed": 3}, top={"best_of": 2}))
+    assert (plan.n, plan.best_of, plan.engine_request.n) == (1, 2, 2)
