@@ -28,6 +28,11 @@ class EngineConfig:
     max_batch_size: int | None = None  # running sequences at once; None: unbounded (KV bounds it)
     waiting_served_ratio: float = 0.3
     max_waiting_tokens: int = 20
+    enable_prefix_caching: bool = True  # --prefix-caching / LOOM_PREFIX_CACHING
+    enable_chunked_prefill: bool = True  # --prefill-chunking / LOOM_PREFILL_CHUNKING
+    max_queue_age_s: float = 60.0  # older requests outrank every priority (no starvation)
+    # decode batch sizes captured as CUDA graphs (TGI's --cuda-graphs); empty disables
+    cuda_graphs: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     cpu_kv_cache_tokens: int = 65536  # the pool size on CPU when max_batch_total_tokens is unset
     cuda_memory_fraction: float = 0.9
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
@@ -45,6 +50,8 @@ class EngineConfig:
             raise ConfigError("--max-waiting-tokens must be >= 0")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ConfigError(f"--dtype must be one of auto, float32, float16, bfloat16; got {self.dtype!r}")
+        if any(b <= 0 for b in self.cuda_graphs):
+            raise ConfigError("--cuda-graphs sizes must be positive (use 0 alone to disable)")
         if self.max_batch_size is not None and self.max_batch_size <= 0:
             raise ConfigError("--max-batch-size must be positive")
         if not 0.0 < self.cuda_memory_fraction <= 1.0:

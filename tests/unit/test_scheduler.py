@@ -8,8 +8,9 @@ from loom.engine.sequence import Sequence, SequenceStatus
 from loom.engine.types import EngineRequest
 
 
-def make(num_blocks: int = 16, block_size: int = 4, **kw: float) -> Scheduler:
-    cfg = SchedulerConfig(max_batch_prefill_tokens=int(kw.pop("prefill", 64)), **kw)  # type: ignore[arg-type]
+def make(num_blocks: int = 16, block_size: int = 4, chunked: bool = False, **kw: float) -> Scheduler:
+    cfg = SchedulerConfig(max_batch_prefill_tokens=int(kw.pop("prefill", 64)),
+                          enable_chunked_prefill=chunked, **kw)  # type: ignore[arg-type]
     return Scheduler(cfg, BlockManager(num_blocks, block_size))
 
 
@@ -31,7 +32,7 @@ def test_fifo_admission_within_prefill_budget() -> None:
     for rid, n in [("a", 4), ("b", 5), ("c", 3)]:
         s.add(seq(rid, n))
     assert run_step(s) == [("a", 4), ("b", 5)]  # c would exceed 10 prefill tokens
-    assert [q.request_id for q in s.waiting] == ["c"]
+    assert [q.request_id for q in s.waiting_in_order()] == ["c"]
     # next step: a and b decode, c joins (1 waiting >= floor(2 * 0.3) = 0 -> at least 1)
     assert run_step(s) == [("a", 1), ("b", 1), ("c", 3)]
 
@@ -74,7 +75,7 @@ def test_max_batch_size() -> None:
     for rid in "abc":
         s.add(seq(rid, 2))
     assert [r for r, _ in run_step(s)] == ["a", "b"]
-    assert [q.request_id for q in s.waiting] == ["c"]
+    assert [q.request_id for q in s.waiting_in_order()] == ["c"]
 
 
 def test_preempts_youngest_and_requeues_it_first() -> None:
@@ -90,7 +91,7 @@ def test_preempts_youngest_and_requeues_it_first() -> None:
     assert [q.request_id for q in out.preempted] == ["c", "b"]
     assert [q.request_id for q in out.seqs] == ["a"]
     assert a.block_table == [0, 2]
-    assert [q.request_id for q in s.waiting] == ["b", "c"]
+    assert [q.request_id for q in s.waiting_in_order()] == ["b", "c"]
     assert b.status is SequenceStatus.WAITING and b.block_table == [] and b.num_computed_tokens == 0
     assert s.num_preemptions == 2
     # nothing is admitted in a step that preempted

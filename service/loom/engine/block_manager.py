@@ -1,14 +1,28 @@
-"""The KV block manager: a pool of fixed-size blocks with refcounts and per-sequence tables.
+"""The KV block manager: a pool of fixed-size blocks, refcounts, per-sequence block tables and
+the prefix cache.
 
-GPU-free, so it is unit-tested on CPU. Blocks are handed out from the front of a free list and
-returned to its back. A block may be shared (refcount > 1) between the completions of one
-request (n > 1 shares the prompt's blocks); writing into a shared block first copies it
-(copy-on-write): the caller gets the (src, dst) pairs to copy in the KV pool.
+GPU-free, so it is unit-tested on CPU.
+
+* Blocks come from the front of a free queue and go back to its end, so the queue is also the
+  LRU order of eviction.
+* A *full* block whose KV is computed is indexed by a chained hash of its tokens (the previous
+  block's hash, its ``block_size`` token ids, and the adapter id, so different LoRA adapters
+  never share). A new prompt reuses the longest run of indexed blocks that match, by refcount,
+  and computes only the rest. The tokens are stored with the hash and compared on every hit, so
+  a hash collision can never hand out the wrong KV.
+* A freed block keeps its hash and content: it can still be hit until it is handed out again,
+  which is when it is evicted (removed from the index). Only unreferenced blocks are evicted.
+* A partially filled block may be shared by the completions of one request (n > 1); writing
+  into a shared block first copies it (copy-on-write): the runner gets the (src, dst) pairs.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import xxhash
 
 from .sequence import Sequence
 
@@ -17,14 +31,23 @@ class NoFreeBlocksError(RuntimeError):
     pass
 
 
+def block_hash(parent: int, tokens: tuple[int, ...], adapter_id: str = "") -> int:
+    """Chained hash of one full block: depends on every token before it through ``parent``."""
+    h = xxhash.xxh64(struct.pack("<Q", parent))
+    h.update(struct.pack(f"<{len(tokens)}q", *tokens))
+    if adapter_id:
+        h.update(adapter_id.encode())
+    return h.intdigest()
+
+
 class BlockAllocator:
-    """Free list and refcounts of block ids ``0..num_blocks-1``."""
+    """Free queue (LRU order) and refcounts of block ids ``0..num_blocks-1``."""
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks <= 0:
             raise ValueError("the KV pool needs at least one block")
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.refcounts = [0] * num_blocks
 
     @property
@@ -34,10 +57,16 @@ class BlockAllocator:
     def allocate(self) -> int:
         if not self._free:
             raise NoFreeBlocksError("KV pool exhausted")
-        block = self._free.popleft()
+        block, _ = self._free.popitem(last=False)
         assert self.refcounts[block] == 0
         self.refcounts[block] = 1
         return block
+
+    def take(self, block: int) -> None:
+        """Reference a block: a free one (a prefix-cache hit) leaves the free queue."""
+        if self.refcounts[block] == 0:
+            del self._free[block]
+        self.refcounts[block] += 1
 
     def incref(self, block: int) -> None:
         assert self.refcounts[block] > 0, f"incref of free block {block}"
@@ -47,16 +76,30 @@ class BlockAllocator:
         assert self.refcounts[block] > 0, f"double free of block {block}"
         self.refcounts[block] -= 1
         if self.refcounts[block] == 0:
-            self._free.append(block)
+            self._free[block] = None
+
+    def is_free(self, block: int) -> bool:
+        return block in self._free
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # prompt tokens whose KV came from the cache
+    evictions: int = 0  # cached blocks handed out for new content
 
 
 class BlockManager:
-    """Maps sequences to blocks. ``blocks_to_copy`` collects copy-on-write work for the runner."""
+    """Maps sequences to blocks; optionally shares full blocks through the prefix cache."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
         self.blocks_to_copy: list[tuple[int, int]] = []
+        self._index: dict[int, int] = {}  # block hash -> block id
+        self._content: dict[int, tuple[int, tuple[int, ...]]] = {}  # block id -> (hash, tokens)
+        self.stats = PrefixCacheStats()
 
     @property
     def num_blocks(self) -> int:
@@ -68,6 +111,16 @@ class BlockManager:
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    # -- allocation -----------------------------------------------------------------------------
+    def _new_block(self) -> int:
+        block = self.allocator.allocate()
+        cached = self._content.pop(block, None)
+        if cached is not None:  # evict: the block gets new content
+            if self._index.get(cached[0]) == block:
+                del self._index[cached[0]]
+            self.stats.evictions += 1
+        return block
 
     def num_new_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """Blocks to add (incl. a copy-on-write copy) so ``num_new_tokens`` more tokens fit."""
@@ -92,14 +145,74 @@ class BlockManager:
         if self._needs_cow(seq, num_new_tokens):
             pos = seq.num_computed_tokens // self.block_size
             old = seq.block_table[pos]
-            new = self.allocator.allocate()
+            new = self._new_block()
             self.allocator.decref(old)
             seq.block_table[pos] = new
             self.blocks_to_copy.append((old, new))
         total = self.blocks_for(seq.num_computed_tokens + num_new_tokens)
         while len(seq.block_table) < total:
-            seq.block_table.append(self.allocator.allocate())
+            seq.block_table.append(self._new_block())
 
+    # -- the prefix cache --------------------------------------------------------------------------
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding a prefix of ``seq``'s tokens (at most all but its last token)."""
+        if not self.enable_prefix_caching or seq.block_table:
+            return []
+        bs = self.block_size
+        # Keep at least one token to compute: its logits choose the next token.
+        usable = (seq.num_tokens - 1) // bs
+        parent = 0
+        hits: list[int] = []
+        for i in range(usable):
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            h = block_hash(parent, tokens, seq.adapter_id)
+            block = self._index.get(h)
+            if block is None or self._content[block][1] != tokens:  # miss, or a hash collision
+                break
+            hits.append(block)
+            parent = h
+        return hits
+
+    def num_blocks_needed_with_prefix(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> int:
+        """Blocks a waiting ``seq`` needs to admit ``num_new_tokens`` after ``hits``: new blocks,
+        plus hit blocks that are free now (taking them removes them from the free queue)."""
+        computed = len(hits) * self.block_size
+        fresh = self.blocks_for(computed + num_new_tokens) - len(hits)
+        return fresh + sum(1 for b in hits if self.allocator.is_free(b))
+
+    def use_prefix(self, seq: Sequence, hits: list[int]) -> None:
+        """Start ``seq`` on the cached blocks ``hits`` (from :meth:`match_prefix`)."""
+        assert not seq.block_table
+        for block in hits:
+            self.allocator.take(block)
+        seq.block_table = list(hits)
+        seq.num_computed_tokens = len(hits) * self.block_size
+        if seq.num_cached_tokens == 0:
+            seq.num_cached_tokens = seq.num_computed_tokens
+        seq.block_hashes = [self._content[b][0] for b in hits]
+
+    def record_query(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        self.stats.queries += num_prompt_tokens
+        self.stats.hits += num_hit_tokens
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Index the blocks of ``seq`` that became full and computed (prompt and output alike)."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        full = seq.num_computed_tokens // bs
+        hashes = seq.block_hashes
+        while len(hashes) < full:
+            i = len(hashes)
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            h = block_hash(hashes[-1] if hashes else 0, tokens, seq.adapter_id)
+            hashes.append(h)
+            block = seq.block_table[i]
+            if h not in self._index and block not in self._content:
+                self._index[h] = block
+                self._content[block] = (h, tokens)
+
+    # -- sharing and freeing -----------------------------------------------------------------------
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` shares all of ``parent``'s blocks (n > 1 completions of one prompt)."""
         assert not child.block_table
@@ -107,14 +220,29 @@ class BlockManager:
             self.allocator.incref(block)
         child.block_table = list(parent.block_table)
         child.num_computed_tokens = parent.num_computed_tokens
+        child.block_hashes = list(parent.block_hashes)
 
     def free(self, seq: Sequence) -> None:
-        # Free in reverse so the blocks most likely to be reused soon (the prompt's) go last.
+        # Free in reverse: the tail of a sequence is the least likely to be shared, so it is
+        # evicted first; the prompt's leading blocks stay cached longest.
         for block in reversed(seq.block_table):
             self.allocator.decref(block)
         seq.block_table = []
+        seq.block_hashes = []
         seq.num_computed_tokens = 0
 
     def take_blocks_to_copy(self) -> list[tuple[int, int]]:
         copies, self.blocks_to_copy = self.blocks_to_copy, []
         return copies
+
+    def check_invariants(self, seqs: list[Sequence]) -> None:
+        """Refcounts equal the number of block-table references; free blocks are unreferenced."""
+        expected = [0] * self.num_blocks
+        for s in seqs:
+            for b in s.block_table:
+                expected[b] += 1
+        assert expected == self.allocator.refcounts, "refcounts differ from the block tables"
+        for b in range(self.num_blocks):
+            assert self.allocator.is_free(b) == (expected[b] == 0), f"block {b} free/referenced mismatch"
+        for h, b in self._index.items():
+            assert self._content[b][0] == h, "index and content disagree"

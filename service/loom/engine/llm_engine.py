@@ -84,13 +84,15 @@ class LLMEngine:
         kv_caches = backend.allocate_kv_cache(shape.num_layers, num_blocks, bs)
         self.eos_token_ids = eos_token_ids(model_dir)
         self.vocab_size = shape.vocab_size
-        self.block_manager = BlockManager(num_blocks, bs)
+        self.block_manager = BlockManager(num_blocks, bs, enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_batch_prefill_tokens=config.max_batch_prefill_tokens,
                 max_batch_size=config.max_batch_size,
                 waiting_served_ratio=config.waiting_served_ratio,
                 max_waiting_tokens=config.max_waiting_tokens,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                max_queue_age_s=config.max_queue_age_s,
             ),
             self.block_manager,
         )
@@ -157,6 +159,9 @@ class LLMEngine:
             num_blocks=self.block_manager.num_blocks,
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.num_steps,
+            num_prefill_chunks=self.scheduler.counters.prefill_chunks,
+            prefix_cache_queries=self.block_manager.stats.queries,
+            prefix_cache_hits=self.block_manager.stats.hits,
         )
 
     # -- the step -----------------------------------------------------------------------------------
@@ -169,6 +174,7 @@ class LLMEngine:
         result = self.runner.execute(sched)
         for seq, n in zip(sched.seqs, sched.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
+            self.block_manager.register_full_blocks(seq)
         for child, parent in sched.forks:
             child.num_computed_tokens = parent.num_computed_tokens
         return self._process_result(result)

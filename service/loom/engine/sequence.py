@@ -38,6 +38,8 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
         self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of this sequence's full, computed blocks
+        self.adapter_id = ""  # LoRA adapter: part of every block hash, so adapters never share KV
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.cumulative_logprob = 0.0

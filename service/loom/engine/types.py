@@ -107,3 +107,6 @@ class EngineStats:
     num_blocks: int
     num_preemptions: int
     num_steps: int
+    num_prefill_chunks: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of which served from it

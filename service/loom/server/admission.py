@@ -45,6 +45,8 @@ class Admission:
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no request is in flight; False if ``timeout`` seconds passed first."""
+        if self.in_flight == 0:
+            return True
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
         except asyncio.TimeoutError:

@@ -147,7 +147,9 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
                 log.info("request finished", generated_tokens=generated, messages=sent,
                          duration_ms=round((time.monotonic() - arrival) * 1000, 1))
                 return
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
+            # CancelledError while waiting for tokens; GeneratorExit when grpc closes this
+            # generator between messages. Either way the stream closes and the engine aborts.
             log.info("request cancelled", reason="client cancel, disconnect or deadline", messages=sent,
                      duration_ms=round((time.monotonic() - arrival) * 1000, 1))
             raise
