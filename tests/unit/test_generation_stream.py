@@ -100,15 +100,17 @@ def test_engine_error_raises(tok: Tokenizer) -> None:
 def test_coalesced_merges_ready_chunks_and_closing_aborts(tok: Tokenizer) -> None:
     engine = FakeEngine(outs(tok, "a b c d e f g h i j k l"))
 
-    async def go() -> list[int]:
-        sizes = []
+    async def go() -> tuple[int, str]:
+        batches, text = 0, ""
         async for batch in coalesced(generate_chunks(engine, tok, plan())):
-            sizes.append(len(batch[0].tokens) or len(batch))
+            assert len(batch) == 1  # one completion: everything ready merges into one chunk
+            batches += 1
+            text += batch[0].text
             await asyncio.sleep(0.01)  # a slow writer: the pump runs ahead
-        return sizes
+        return batches, text
 
-    sizes = run(go())
-    assert len(sizes) < 12  # type: ignore[arg-type]
+    batches, text = asyncio.run(go())
+    assert text == "a b c d e f g h i j k l" and batches < 12
 
     slow = FakeEngine(outs(tok, "a b c d e f g h i j k l"), delay=0.02)
 

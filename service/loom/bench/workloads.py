@@ -54,6 +54,29 @@ def serving_w2(n_req: int, new: int = 256, seed: int = 2) -> Workload:
     return Workload("W2", reqs, f"{n_req} requests, prompt U[128,1024], {new} new tokens")
 
 
+def decode_w1(prompt: int = 512, new: int = 256, seed: int = 1) -> Workload:
+    """W1: one request of ``prompt`` ids U[10,1000] (Random(1)), ``new`` tokens."""
+    rng = random.Random(seed)
+    return Workload("W1", [([rng.randint(10, 1000) for _ in range(prompt)], new)],
+                    f"1 request x {prompt} prompt tokens, {new} new tokens")
+
+
+def w2_requests_for(model_id: str | None) -> int:
+    """WORKLOADS.md: 512 requests for llama-1b, 256 for llama-8b (and anything else)."""
+    return 512 if model_id is not None and model_id.endswith("llama-1b") else 256
+
+
+def gpu_workload(name: str, model_id: str | None, quick: bool = False, w2_requests: int | None = None,
+                 new_tokens: int | None = None) -> Workload:
+    """W1 and W2; ``quick`` shrinks them (32 new tokens; W2 16 requests) to check the harness."""
+    if name == "W1":
+        return decode_w1(512, new_tokens or (32 if quick else 256))
+    if name == "W2":
+        count = w2_requests or (16 if quick else w2_requests_for(model_id))
+        return serving_w2(count, new_tokens or (32 if quick else 256))
+    raise ValueError(f"unknown GPU workload {name!r}; choose W1 or W2")
+
+
 def cpu_workload(name: str, quick: bool = False) -> Workload:
     """C0, C1, C2; ``quick`` shrinks them (for smoke tests of the harness, not for figures)."""
     if name == "C0":

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from .errors import ModelLoadError
+from .random_model import init_random_weights, random_weights_of
 from .weights import iter_weights
 
 if TYPE_CHECKING:
@@ -79,7 +80,11 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str,
     # Parameters are created directly in the target dtype on the target device.
     with default_dtype(dtype), device, skip_weight_init():
         model = model_cls(config)
-    model.load_weights(iter_weights(model_dir, dtype, device))
+    random_weights = random_weights_of(config)
+    if random_weights is not None:  # a benchmark model: drawn in place on the device, no checkpoint
+        init_random_weights(model, random_weights)
+    else:
+        model.load_weights(iter_weights(model_dir, dtype, device))
     model.requires_grad_(False)
     model.eval()
     return LoadedModel(model=model, hf_config=config, architecture=spec.name, model_dir=model_dir)

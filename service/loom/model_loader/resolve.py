@@ -8,16 +8,19 @@ from pathlib import Path
 from .default_model import default_gguf
 from .errors import ModelLoadError
 from .gguf_cache import converted_gguf_dir
+from .random_model import is_random_model_id, random_model_dir
 
 
 def resolve_model_dir(model_id: str | None) -> Path:
-    """None: the bundled SmolLM2 GGUF; a directory with config.json; or a .gguf file.
+    """None: the bundled SmolLM2 GGUF; a directory with config.json; a .gguf file; or ``random:NAME``.
 
     GGUF files are converted once into the cache (see :mod:`loom.model_loader.gguf_cache`).
     Loom never downloads: anything else is an error.
     """
     if model_id is None:
         return converted_gguf_dir(default_gguf())
+    if is_random_model_id(model_id):  # random:NAME, a benchmark shape without weights
+        return random_model_dir(model_id)
     path = Path(model_id).expanduser()
     if path.is_dir():
         if (path / "config.json").is_file():

@@ -1,0 +1,298 @@
+"""Triton kernels of the ``paged`` attention backend, and thin launchers for them.
+
+Two kernels and a reduction:
+
+* ``store_kv``: writes each new token's K and V rows into the block pool at its slot, both in one
+  launch (``index_copy_`` needs one launch each), and skips slots ``< 0``. The skip is what lets
+  CUDA-graph padding rows run the model without touching the pool.
+* ``paged_attention``: causal attention of varlen queries over keys read from the pool through
+  the block tables. One program owns one (sequence, KV head, query tile, key split). Its query
+  tile folds the ``G`` query heads that share the KV head into the row dimension (row ``r`` is
+  token ``r // G``, head ``r % G``), so every K/V tile is loaded once for all of them. Decode is
+  the case of one token: the tile is ``G`` rows (padded to 16 for the tensor cores).
+* split-K (flash-decoding): for decode with few sequences, each sequence's key range is cut
+  into ``NUM_SPLITS`` pieces handled by separate programs, each writing a partial output and
+  its log-sum-exp; ``_combine_kernel`` merges them. The cut is made inside the kernel from the
+  device-side ``seq_lens``, so the grid depends only on host values fixed at launch (batch size,
+  head count, split count) and the launch is CUDA-graph capturable.
+
+Causality is aligned to the end of each sequence: sequence ``b`` has ``L = seq_lens[b]`` tokens of
+which the last ``q = query_len`` are queries, query ``i`` sits at position ``L - q + i`` and sees
+keys ``p <= L - q + i`` (and ``p > L - q + i - window`` with a sliding window). All keys, the new
+ones included, are read from the pool, so ``store_kv`` must run first.
+
+Positions and slots are computed per key token (``block_tables[b, p // page] * page + p % page``),
+so the key tile ``BLOCK_N`` is independent of the page size. Block offsets are widened to int64:
+a large pool's per-layer tensor can pass 2**31 elements.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# exp2/log2 are the fast hardware paths; scores are pre-multiplied by log2(e).
+_LOG2E = 1.4426950408889634
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+# ------------------------------------------------------------------------------------------------
+# K/V store
+# ------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr,  # [T, Hkv, D] (last dim contiguous)
+    kc_ptr, vc_ptr,  # [num_blocks, page, Hkv, D] each
+    slot_ptr,  # [T] int64; < 0 means "do not write"
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcb, stride_kcs, stride_kch,
+    stride_vcb, stride_vcs, stride_vch,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t)
+    if slot >= 0:
+        blk = slot // PAGE
+        off = slot % PAGE
+        h = tl.arange(0, BLOCK_H)
+        d = tl.arange(0, BLOCK_D)
+        mask = (h < NUM_KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
+        t64 = t.to(tl.int64)
+        k = tl.load(k_ptr + t64 * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+        v = tl.load(v_ptr + t64 * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+        tl.store(kc_ptr + blk * stride_kcb + off * stride_kcs + h[:, None] * stride_kch + d[None, :],
+                 k, mask=mask)
+        tl.store(vc_ptr + blk * stride_vcb + off * stride_vcs + h[:, None] * stride_vch + d[None, :],
+                 v, mask=mask)
+
+
+def store_kv(
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    kv_cache: torch.Tensor,  # [2, num_blocks, page, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
+) -> None:
+    T, hkv, d = k.shape
+    if T == 0:
+        return
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    kc, vc = kv_cache[0], kv_cache[1]  # [num_blocks, page, Hkv, D]
+    _store_kv_kernel[(T,)](
+        k, v, kc, vc, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        kc.stride(0), kc.stride(1), kc.stride(2),
+        vc.stride(0), vc.stride(1), vc.stride(2),
+        NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_H=_next_pow2(hkv), BLOCK_D=_next_pow2(d),
+        PAGE=kv_cache.shape[2],
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# Attention
+# ------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _paged_attn_kernel(
+    q_ptr,  # [T, Hq, D]
+    kc_ptr, vc_ptr,  # [num_blocks, page, Hkv, D] each
+    out_ptr,  # [T, Hq, D] (written when NUM_SPLITS == 1)
+    part_o_ptr,  # [n, Hq, NUM_SPLITS, BLOCK_D] fp32 (written when NUM_SPLITS > 1)
+    part_lse_ptr,  # [n, Hq, NUM_SPLITS] fp32, log2 domain
+    qsl_ptr,  # [B + 1] int32 query_start_loc
+    seq_lens_ptr,  # [B] int32
+    bt_ptr,  # [B, max_blocks] int32 block tables
+    seq_ids_ptr,  # [n] int32: which sequences this launch serves (when HAS_SEQ_IDS)
+    scale_log2,  # softmax scale * log2(e)
+    window,  # sliding window (keys p > q_pos - window), used when HAS_WINDOW
+    num_q_heads,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kcb, stride_kcs, stride_kch,
+    stride_vcb, stride_vcs, stride_vch,
+    stride_bt,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HAS_SEQ_IDS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+):
+    i = tl.program_id(0)
+    kvh = tl.program_id(1)
+    m_tile = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
+    if HAS_SEQ_IDS:
+        seq = tl.load(seq_ids_ptr + i)
+    else:
+        seq = i
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_len = seq_len - q_len  # keys before the first query; cached context
+
+    TOK: tl.constexpr = BLOCK_M // GROUP  # query tokens per tile
+    tok0 = m_tile * TOK
+    if tok0 < q_len:
+        rows = tl.arange(0, BLOCK_M)
+        tok = tok0 + rows // GROUP  # [BLOCK_M] token of the sequence's queries
+        head = kvh * GROUP + rows % GROUP  # [BLOCK_M] query head
+        row_ok = (rows < TOK * GROUP) & (tok < q_len)
+        q_pos = ctx_len + tok  # [BLOCK_M] absolute position of each row's token
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HEAD_DIM
+        q_rows = (q_start + tok).to(tl.int64)
+        q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+
+        # Keys this tile can see: up to its last token, from the window of its first token.
+        hi = ctx_len + tl.minimum(q_len, tok0 + TOK)
+        lo = 0
+        if HAS_WINDOW:
+            lo = tl.maximum(ctx_len + tok0 - window + 1, 0)
+        # This program's share of [lo, hi), in whole key tiles; later splits may get nothing.
+        per_split = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), NUM_SPLITS), BLOCK_N) * BLOCK_N
+        s_lo = lo + split * per_split
+        s_hi = tl.minimum(hi, s_lo + per_split)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+        for start in range(s_lo, s_hi, BLOCK_N):
+            kpos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+            k_ok = kpos < s_hi
+            blk = tl.load(bt_row + kpos // PAGE, mask=k_ok, other=0).to(tl.int64)
+            off = kpos % PAGE
+            k_addr = blk * stride_kcb + off * stride_kcs + kvh * stride_kch  # [BLOCK_N]
+            kt = tl.load(kc_ptr + k_addr[:, None] + d[None, :],
+                         mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+            s = tl.dot(q, tl.trans(kt)) * scale_log2  # [BLOCK_M, BLOCK_N] fp32
+            ok = k_ok[None, :] & (kpos[None, :] <= q_pos[:, None])
+            if HAS_WINDOW:
+                ok = ok & (kpos[None, :] > q_pos[:, None] - window)
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row with no visible key yet keeps m = -inf; subtract 0 then so exp2 gives 0, not NaN.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
+            alpha = tl.exp2(m_i - m_safe)  # [BLOCK_M]
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v_addr = blk * stride_vcb + off * stride_vcs + kvh * stride_vch
+            vt = tl.load(vc_ptr + v_addr[:, None] + d[None, :],
+                         mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+            m_i = m_new
+
+        has = l_i > 0.0
+        o = acc / tl.where(has, l_i, 1.0)[:, None]  # rows with no key (padding) give 0
+        if NUM_SPLITS == 1:
+            tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        else:
+            # Decode only (one token): row r is head kvh * GROUP + r.
+            part = (i.to(tl.int64) * num_q_heads + head) * NUM_SPLITS + split  # [BLOCK_M]
+            tl.store(part_o_ptr + part[:, None] * BLOCK_D + d[None, :], o, mask=row_ok[:, None])
+            lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+            tl.store(part_lse_ptr + part, lse, mask=row_ok)
+
+
+@triton.jit
+def _combine_kernel(
+    out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, seq_ids_ptr, num_q_heads,
+    stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr, HAS_SEQ_IDS: tl.constexpr,
+):
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    if HAS_SEQ_IDS:
+        seq = tl.load(seq_ids_ptr + i)
+    else:
+        seq = i
+    row = tl.load(qsl_ptr + seq).to(tl.int64)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    base = (i.to(tl.int64) * num_q_heads + h) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + base + s, mask=s < NUM_SPLITS, other=float("-inf"))  # [BLOCK_S]
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m_safe)  # [BLOCK_S]; empty splits weigh 0
+    o = tl.load(part_o_ptr + (base + s)[:, None] * BLOCK_D + d[None, :],
+                mask=(s < NUM_SPLITS)[:, None], other=0.0)  # [BLOCK_S, BLOCK_D]
+    total = tl.sum(w, 0)
+    res = tl.sum(o * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)  # [BLOCK_D]
+    tl.store(out_ptr + row * stride_ot + h * stride_oh + d, res.to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    kv_cache: torch.Tensor,  # [2, num_blocks, page, Hkv, D]
+    out: torch.Tensor,  # [T, Hq, D], written at the rows of the served sequences
+    query_start_loc: torch.Tensor,  # [B + 1] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    *,
+    num_seqs: int,  # n: sequences served (len(seq_ids), or the first n when seq_ids is None)
+    seq_ids: torch.Tensor | None,  # [n] int32 or None (sequences 0..n-1)
+    max_query_len: int,  # upper bound of the served sequences' query lengths
+    scale: float,
+    sliding_window: int | None,
+    num_splits: int = 1,  # > 1 only with max_query_len == 1 (decode)
+    block_m: int | None = None,
+    block_n: int = 64,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> None:
+    if num_seqs == 0:
+        return
+    _, hq, d = q.shape
+    hkv = kv_cache.shape[3]
+    group = hq // hkv
+    if num_splits > 1 and max_query_len != 1:
+        raise ValueError("split-K is only for decode (one query token per sequence)")
+    if block_m is None:
+        # Decode: one token's G heads (the dot needs >= 16 rows). Prefill: 64-row tiles.
+        block_m = max(16, _next_pow2(group)) if max_query_len == 1 else max(64, _next_pow2(group))
+    tok_per_tile = block_m // group
+    m_tiles = triton.cdiv(max_query_len, tok_per_tile)
+    block_d = _next_pow2(d)
+    kc, vc = kv_cache[0], kv_cache[1]
+    if num_splits > 1:
+        part_o = torch.empty((num_seqs, hq, num_splits, block_d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((num_seqs, hq, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out  # unused
+    ids = seq_ids if seq_ids is not None else query_start_loc  # unused when HAS_SEQ_IDS is False
+    extra: dict[str, int] = {}
+    if num_warps is not None:
+        extra["num_warps"] = num_warps
+    if num_stages is not None:
+        extra["num_stages"] = num_stages
+    _paged_attn_kernel[(num_seqs, hkv, m_tiles * num_splits)](
+        q, kc, vc, out, part_o, part_lse,
+        query_start_loc, seq_lens, block_tables, ids,
+        scale * _LOG2E, sliding_window or 0, hq,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kc.stride(0), kc.stride(1), kc.stride(2),
+        vc.stride(0), vc.stride(1), vc.stride(2),
+        block_tables.stride(0),
+        HEAD_DIM=d, BLOCK_D=block_d, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n,
+        PAGE=kv_cache.shape[2], NUM_SPLITS=num_splits, HAS_SEQ_IDS=seq_ids is not None,
+        HAS_WINDOW=sliding_window is not None,
+        **extra,
+    )
+    if num_splits > 1:
+        _combine_kernel[(num_seqs, hq)](
+            out, part_o, part_lse, query_start_loc, ids, hq,
+            out.stride(0), out.stride(1),
+            HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=num_splits, BLOCK_S=_next_pow2(num_splits),
+            HAS_SEQ_IDS=seq_ids is not None,
+        )
