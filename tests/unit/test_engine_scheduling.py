@@ -153,3 +153,16 @@ def test_preemption_victim_is_the_lowest_priority(make_engine: Callable[..., LLM
         if engine.scheduler.num_preemptions > before:
             preempted += [s.request_id for s in engine.scheduler.waiting]
     assert preempted and set(preempted) == {"bulk"}
+
+
+def test_a_failing_request_fails_alone(make_engine: Callable[..., LLMEngine]) -> None:
+    engine = make_engine(max_batch_total_tokens=1024, fault_injection=True)
+    good = [req(f"ok{i}", [5 + i, 6, 7, 8], 12) for i in range(4)]
+    alone, _ = drive(make_engine(max_batch_total_tokens=1024), good)
+    bad = [req("inject-fault-1", [9, 9, 9], 12), req("inject-nan-1", [8, 8, 8], 12)]
+    tokens, outs = drive(engine, good + bad, arrivals={"inject-fault-1": 3, "inject-nan-1": 5})
+    for r in good:
+        assert tokens[r.request_id] == alone[r.request_id]
+    assert outs["inject-fault-1"][-1].error and "injected failure" in outs["inject-fault-1"][-1].error
+    assert outs["inject-nan-1"][-1].error and "non-finite" in outs["inject-nan-1"][-1].error
+    assert not engine.requests

@@ -38,3 +38,118 @@ def run_peer(model: torch.nn.Module, w: Workload, per_batch: int | None = None) 
         _generate(model, ids, mask, max(n for _, n in chunk))
     dt = time.perf_counter() - start
     return {"s": dt, "out_tokens": w.output_tokens, "out_tok_s": w.output_tokens / dt}
+
+
+# -- the GPU peer: ../shared/bench/hf_peer.py's measurements, on the model Loom just ran --------------------
+
+
+def build_hf_model(model_dir: Path, dtype: torch.dtype, device: torch.device, attn: str = "sdpa",
+                   seed: int = 0) -> torch.nn.Module:
+    """transformers' model of ``model_dir`` in ``dtype`` on ``device``.
+
+    A random-weight model (``random:NAME``) is built from its config with transformers' own
+    random init under ``torch.manual_seed(seed)`` directly on the device, as the peer script
+    does; a real checkpoint is loaded.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from loom.model_loader import default_dtype
+    from loom.model_loader.random_model import random_weights_of
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    if random_weights_of(config) is None:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attn)
+        return model.to(device).eval()
+    torch.manual_seed(seed)
+    with torch.device(device), default_dtype(dtype):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
+    return model.eval()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def static_generate(model: torch.nn.Module, device: torch.device, batch: int, prompt: int,
+                    new: int) -> dict[str, float]:
+    """generate() on ``batch`` prompts of ``prompt`` ids U[10,1000) (device generator seed 1),
+    exactly ``new`` tokens each; a 4-token generate() first warms it up."""
+    from transformers import GenerationConfig
+
+    gen = torch.Generator(device=device).manual_seed(1)
+    ids = torch.randint(10, 1000, (batch, prompt), device=device, generator=gen)
+    config = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
+    warm = GenerationConfig(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    model.generate(ids[:, :16], generation_config=warm)  # type: ignore[operator]
+    _sync(device)
+    start = time.perf_counter()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)  # type: ignore[operator]
+    _sync(device)
+    dt = time.perf_counter() - start
+    tokens = batch * (out.shape[1] - prompt)
+    return {"batch": batch, "prompt": prompt, "new": new, "s": dt, "out_tokens": tokens, "out_tok_s": tokens / dt}
+
+
+@torch.inference_mode()
+def continuous_batching(model: torch.nn.Module, device: torch.device, w: Workload) -> dict[str, Any]:
+    """generate_batch() (transformers' continuous batching, paged sdpa) on every request of ``w``.
+
+    Versions of transformers without generate_batch() report the error instead of a figure.
+    """
+    from transformers import GenerationConfig
+
+    new = max(n for _, n in w.requests)
+    inputs = [list(p) for p, _ in w.requests]
+    config = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    try:
+        model.set_attn_implementation("paged|sdpa")  # type: ignore[operator]
+        start = time.perf_counter()
+        results = model.generate_batch(inputs=inputs, generation_config=config,  # type: ignore[operator]
+                                       progress_bar=False)
+        _sync(device)
+        dt = time.perf_counter() - start
+    except Exception:
+        return {"name": "hf-generate_batch", "error": traceback.format_exc()[-800:]}
+    out_tokens = sum(len(r.generated_tokens) for r in results.values())
+    return {"name": "hf-generate_batch", "attn": "paged|sdpa", "requests": len(inputs), "done": len(results),
+            "s": dt, "out_tokens": out_tokens, "out_tok_s": out_tokens / dt,
+            "total_tok_s": (out_tokens + w.prompt_tokens) / dt}
+
+
+def run_gpu_peer(model_dir: Path, dtype: torch.dtype, device: torch.device, workloads: list[Workload],
+                 static_batches: list[int], static_new: int) -> dict[str, Any]:
+    """The peer on W1 (generate() at batch 1), static batches, and W2 (generate_batch()), in that
+    order (generate_batch() switches the attention implementation, so it runs last)."""
+    import transformers
+
+    model = build_hf_model(model_dir, dtype, device)
+    out: dict[str, Any] = {"transformers": transformers.__version__, "static": []}
+    try:
+        for w in workloads:
+            if w.name == "W1":
+                (prompt, new), = w.requests
+                out["W1"] = {"name": "hf-generate", **_guarded(static_generate, model, device, 1, len(prompt), new)}
+        for batch in static_batches:
+            out["static"].append(_guarded(static_generate, model, device, batch, 512, static_new))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        for w in workloads:
+            if w.name == "W2":
+                out["W2"] = continuous_batching(model, device, w)
+    finally:
+        del model
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def _guarded(fn: Any, *args: Any) -> dict[str, Any]:
+    try:
+        result: dict[str, Any] = fn(*args)
+        return result
+    except Exception as exc:  # out of memory at a large batch, say: report it, keep going
+        return {"error": repr(exc)[:300]}

@@ -18,7 +18,7 @@ from loom.plugin_api import PluginRegistry, default_registry
 
 from .block_manager import BlockManager
 from .model_runner import ModelRunner, StepResult
-from .scheduler import Scheduler, SchedulerConfig
+from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sequence import Sequence, SequenceStatus
 from .types import EngineInfo, EngineOutput, EngineRequest, EngineStats, FinishReason
 
@@ -97,7 +97,7 @@ class LLMEngine:
             self.block_manager,
         )
         self.runner = ModelRunner(loaded.model, backend, kv_caches, bs, shape.vocab_size, self.device,
-                                  self.eos_token_ids)
+                                  self.eos_token_ids, fault_injection=config.fault_injection)
         self.requests: dict[str, list[Sequence]] = {}
         self._rng = random.Random()
         self.num_steps = 0
@@ -171,18 +171,59 @@ class LLMEngine:
         if sched.is_empty:
             return []
         self.num_steps += 1
-        result = self.runner.execute(sched)
-        for seq, n in zip(sched.seqs, sched.num_new_tokens, strict=True):
-            seq.num_computed_tokens += n
-            self.block_manager.register_full_blocks(seq)
-        for child, parent in sched.forks:
-            child.num_computed_tokens = parent.num_computed_tokens
-        return self._process_result(result)
+        outputs: list[EngineOutput] = []
+        try:
+            runs = [(sched, self.runner.execute(sched))]
+        except Exception as exc:  # one request's fault must not fail the others
+            log.warning("step failed; re-running its sequences one by one", error=repr(exc))
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            runs = self._isolate(sched, outputs)
+        for part, result in runs:
+            for seq, n in zip(part.seqs, part.num_new_tokens, strict=True):
+                seq.num_computed_tokens += n
+                self.block_manager.register_full_blocks(seq)
+            for child, parent in part.forks:
+                child.num_computed_tokens = parent.num_computed_tokens
+            outputs += self._process_result(result)
+        return outputs
+
+    def _isolate(self, sched: SchedulerOutput, outputs: list[EngineOutput]) -> list[tuple[SchedulerOutput, StepResult]]:
+        """Run each sequence of a failed step alone; a sequence that fails alone fails its request."""
+        runs = []
+        for i, (seq, n) in enumerate(zip(sched.seqs, sched.num_new_tokens, strict=True)):
+            if seq.is_finished:
+                continue
+            part = SchedulerOutput(seqs=[seq], num_new_tokens=[n],
+                                   forks=[(c, p) for c, p in sched.forks if p is seq],
+                                   blocks_to_copy=sched.blocks_to_copy if i == 0 else [])
+            try:
+                runs.append((part, self.runner.execute(part)))
+            except Exception as exc:
+                log.error("request failed in the model step", request_id=seq.request_id, error=repr(exc))
+                outputs += self.fail_request(seq.request_id, f"model step failed: {type(exc).__name__}: {exc}")
+        return runs
+
+    def fail_request(self, request_id: str, message: str) -> list[EngineOutput]:
+        """End every completion of ``request_id`` with an error; its blocks are freed."""
+        outs = []
+        for seq in self.requests.pop(request_id, []):
+            if not seq.is_finished:
+                outs.append(EngineOutput(seq.request_id, seq.index, [], [], finish_reason=FinishReason.ERROR,
+                                         error=message, seed=seq.seed, num_prompt_tokens=seq.num_prompt_tokens))
+                seq.finish_reason = FinishReason.ERROR
+                self.scheduler.remove(seq)
+        return outs
 
     def _process_result(self, result: StepResult) -> list[EngineOutput]:
         outputs = []
         now = time.monotonic()
         for i, seq in enumerate(result.seqs):
+            if seq.is_finished:
+                continue  # its request failed earlier in this step
+            if seq.seq_id in result.failed:
+                outputs += self.fail_request(seq.request_id, result.failed[seq.seq_id])
+                continue
             token = result.token_ids[i]
             lp = result.logprobs[i]
             seq.token_ids.append(token)
@@ -199,8 +240,8 @@ class LLMEngine:
                 num_prompt_tokens=seq.num_prompt_tokens,
                 num_cached_tokens=seq.num_cached_tokens,
             )
-            if seq.seq_id in result.prompt_logprobs:
-                out.prompt_logprobs = result.prompt_logprobs[seq.seq_id]
+            if seq.sampling.prompt_logprobs and not seq.prompt_logprobs_sent:
+                out.prompt_logprobs = seq.prompt_logprobs
                 seq.prompt_logprobs_sent = True
             outputs.append(out)
             if reason is not None:

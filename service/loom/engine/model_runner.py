@@ -28,7 +28,8 @@ class StepInputs:
     meta: AttentionMetadata
     sample_seqs: list[Sequence]  # rows that choose a token this step
     sample_rows: list[int]  # their row in the flat batch (forks reuse the parent's row)
-    prompt_rows: list[tuple[Sequence, int, int]] = field(default_factory=list)  # (seq, start, len)
+    # prompt-logprob rows: (seq, first row, first position, count)
+    prompt_rows: list[tuple[Sequence, int, int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -37,13 +38,13 @@ class StepResult:
     token_ids: list[int]
     logprobs: list[float]
     top_tokens: list[list[tuple[int, float]]] | None
-    prompt_logprobs: dict[int, list[float | None]]  # seq_id -> logprob per prompt token
+    failed: dict[int, str]  # seq_id -> why its row could not be sampled (e.g. non-finite logits)
 
 
 class ModelRunner:
     def __init__(self, model: nn.Module, backend: AttentionBackend, kv_caches: list[torch.Tensor],
                  block_size: int, vocab_size: int, device: torch.device,
-                 eos_token_ids: tuple[int, ...] = ()) -> None:
+                 eos_token_ids: tuple[int, ...] = (), fault_injection: bool = False) -> None:
         self.model = model
         self.backend = backend
         self.kv_caches = kv_caches
@@ -51,6 +52,7 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.device = device
         self.eos_token_ids = eos_token_ids
+        self.fault_injection = fault_injection  # tests only: see _inject_faults
         self.sampler = Sampler()
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
@@ -62,7 +64,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         sample_seqs: list[Sequence] = []
         sample_rows: list[int] = []
-        prompt_rows: list[tuple[Sequence, int, int]] = []
+        prompt_rows: list[tuple[Sequence, int, int, int]] = []
         row_of: dict[int, int] = {}
         for seq, n in zip(sched.seqs, sched.num_new_tokens, strict=True):
             start = seq.num_computed_tokens
@@ -71,8 +73,11 @@ class ModelRunner:
             ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if seq.sampling.prompt_logprobs and not seq.prompt_logprobs_sent and start == 0:
-                prompt_rows.append((seq, query_start[-1], min(n, seq.num_prompt_tokens)))
+            if seq.sampling.prompt_logprobs and not seq.prompt_logprobs_sent and start < seq.num_prompt_tokens:
+                # rows for positions start.. predict the next prompt token (the last prompt
+                # position predicts the first output token: not a prompt logprob)
+                count = min(end, seq.num_prompt_tokens - 1) - start
+                prompt_rows.append((seq, query_start[-1], start, count))
             query_start.append(query_start[-1] + n)
             seq_lens.append(end)
             if end == seq.num_tokens:  # the whole context is computed: choose the next token
@@ -120,13 +125,21 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> StepResult:
         self.copy_blocks(sched.blocks_to_copy)
         inputs = self.prepare(sched)
+        if self.fault_injection:
+            _inject_faults(inputs)
         with forward_context(ForwardContext(self.backend, self.kv_caches, inputs.meta)):
             hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
         rows = torch.tensor(inputs.sample_rows, dtype=torch.int64, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))  # [N, V] fp32
+        if self.fault_injection:
+            for i, seq in enumerate(inputs.sample_seqs):
+                if seq.request_id.startswith("inject-nan"):
+                    logits[i] = float("nan")
+        finite = torch.isfinite(logits).all(dim=-1)  # [N]: a NaN row fails only its request
+        logits = torch.where(finite[:, None], logits, torch.zeros_like(logits))
         batch = build_sampling_batch(inputs.sample_seqs, self.vocab_size, self.device, self.eos_token_ids)
         out = self.sampler(logits, batch)
-        prompt_lps = self._prompt_logprobs(hidden, inputs)
+        self._prompt_logprobs(hidden, inputs)
         top: list[list[tuple[int, float]]] | None = None
         if out.top_ids is not None and out.top_logprobs is not None:
             ids_l, lps_l = out.top_ids.tolist(), out.top_logprobs.tolist()
@@ -134,17 +147,29 @@ class ModelRunner:
                 list(zip(i[: s.sampling.top_n_tokens], lp[: s.sampling.top_n_tokens], strict=True))
                 for s, i, lp in zip(inputs.sample_seqs, ids_l, lps_l, strict=True)
             ]
-        return StepResult(inputs.sample_seqs, out.token_ids.tolist(), out.logprobs.tolist(), top, prompt_lps)
+        failed = {
+            seq.seq_id: "the model produced non-finite logits (NaN or inf) for this request"
+            for seq, ok in zip(inputs.sample_seqs, finite.tolist(), strict=True) if not ok
+        }
+        return StepResult(inputs.sample_seqs, out.token_ids.tolist(), out.logprobs.tolist(), top, failed)
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs) -> dict[int, list[float | None]]:
-        result: dict[int, list[float | None]] = {}
-        for seq, start, length in inputs.prompt_rows:
-            if length < 2:
-                result[seq.seq_id] = [None] * length
+    def _prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs) -> None:
+        """Accumulate prompt logprobs on the sequence, chunk by chunk (``seq.prompt_logprobs``)."""
+        for seq, row, pos, count in inputs.prompt_rows:
+            if pos == 0:
+                seq.prompt_logprobs = [None]
+            if count <= 0:
                 continue
-            logits = self.model.compute_logits(hidden[start : start + length - 1])  # [P-1, V]
-            nxt = torch.tensor(seq.token_ids[1:length], dtype=torch.int64, device=self.device)
-            values: list[float | None] = [None]
-            values.extend(prompt_logprobs(logits, nxt).tolist())
-            result[seq.seq_id] = values
-        return result
+            logits = self.model.compute_logits(hidden[row : row + count])  # [count, V]
+            nxt = torch.tensor(seq.token_ids[pos + 1 : pos + 1 + count], dtype=torch.int64, device=self.device)
+            seq.prompt_logprobs.extend(prompt_logprobs(logits, nxt).tolist())
+
+
+class InjectedFault(RuntimeError):
+    """Raised on purpose (``--fault-injection``) to test failure isolation."""
+
+
+def _inject_faults(inputs: StepInputs) -> None:
+    for seq in inputs.sample_seqs:
+        if seq.request_id.startswith("inject-fault"):
+            raise InjectedFault(f"injected failure while running request {seq.request_id!r}")

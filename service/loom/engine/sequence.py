@@ -45,6 +45,7 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.num_preemptions = 0
         self.prompt_logprobs_sent = False
+        self.prompt_logprobs: list[float | None] = []  # accumulated over prefill chunks
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,117 @@
+"""The ``flash`` attention backend: flash-attn 2's kernels over the paged KV pool (CUDA only).
+
+* K/V writes: the paged backend's Triton ``store_kv`` (one launch for K and V; skips slot -1).
+* pure decode: ``flash_attn_with_kvcache`` with ``block_table`` and ``cache_seqlens`` (the pool
+  already holds the new token, so no ``k``/``v`` are passed for it to append);
+* otherwise: ``flash_attn_varlen_func`` with ``block_table``; its causal mask is aligned to the
+  end of each sequence when a query is shorter than its keys (flash-attn >= 2.1), which is our
+  rule for a suffix on cached context.
+
+Our pool per layer is ``[2, num_blocks, block_size, Hkv, D]``, so ``kv_cache[0]`` and
+``kv_cache[1]`` are exactly the ``[num_blocks, page_block_size, Hkv, D]`` K and V caches
+flash-attn's paged mode takes, without a copy. That mode needs the page size to be a multiple of
+256, checked when the pool is allocated.
+
+Sliding window: we attend keys ``p > q_pos - window``; flash-attn's ``window_size=(left, right)``
+admits keys in ``[q_pos - left, q_pos + right]``, so ``left = window - 1`` and ``right = 0``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from loom.layers.attention import AttentionBackend, AttentionMetadata
+
+# flash-attn 2's paged KV (block_table) needs pages of a multiple of this many tokens.
+FLASH_PAGE_MULTIPLE = 256
+
+_CU_SEQLENS_ATTR = "_flash_cu_seqlens_k"
+
+
+def _flash_module() -> Any:
+    import flash_attn
+
+    return flash_attn
+
+
+def _window(sliding_window: int | None) -> tuple[int, int]:
+    return (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
+
+
+class FlashAttentionBackend(AttentionBackend):
+    """flash-attn 2 (``flash_attn_varlen_func`` / ``flash_attn_with_kvcache``) with paged KV."""
+
+    name = "flash"
+    # flash_attn_with_kvcache is capturable in principle, but this path has not been run on a GPU
+    # here (no flash-attn wheel on the device machine), so graphs stay off until it is.
+    supports_cuda_graphs = False
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, dtype, device)
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"flash-attn needs float16 or bfloat16, got {dtype} (use --dtype)")
+        self._fa = _flash_module()
+
+    def allocate_kv_cache(self, num_layers: int, num_blocks: int, block_size: int) -> list[torch.Tensor]:
+        if block_size % FLASH_PAGE_MULTIPLE != 0:
+            raise ValueError(
+                f"the flash attention backend needs --block-size to be a multiple of {FLASH_PAGE_MULTIPLE} "
+                f"(flash-attn's paged KV cache), got {block_size}; set --block-size {FLASH_PAGE_MULTIPLE} "
+                "or choose --attention-backend paged"
+            )
+        return super().allocate_kv_cache(num_layers, num_blocks, block_size)
+
+    def _cu_seqlens_k(self, meta: AttentionMetadata) -> torch.Tensor:
+        """[B + 1] int32 cumulative key lengths, made once per step and cached on the metadata."""
+        cu: torch.Tensor | None = getattr(meta, _CU_SEQLENS_ATTR, None)
+        if cu is None:
+            cu = torch.zeros(meta.num_seqs + 1, dtype=torch.int32, device=meta.seq_lens.device)
+            torch.cumsum(meta.seq_lens, dim=0, dtype=torch.int32, out=cu[1:])
+            with contextlib.suppress(AttributeError):
+                setattr(meta, _CU_SEQLENS_ATTR, cu)
+        return cu
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        from .triton_kernels import store_kv
+
+        store_kv(k, v, kv_cache, meta.slot_mapping)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, page, Hkv, D] each
+        if meta.is_pure_decode:
+            out = self._fa.flash_attn_with_kvcache(
+                q.unsqueeze(1),  # [B, 1, Hq, D]
+                k_cache,
+                v_cache,
+                cache_seqlens=meta.seq_lens,
+                block_table=meta.block_tables,
+                softmax_scale=scale,
+                causal=True,
+                window_size=_window(sliding_window),
+            )  # [B, 1, Hq, D]
+            return out.squeeze(1)
+        return self._fa.flash_attn_varlen_func(
+            q,
+            k_cache,
+            v_cache,
+            cu_seqlens_q=meta.query_start_loc,
+            cu_seqlens_k=self._cu_seqlens_k(meta),
+            max_seqlen_q=meta.max_query_len,
+            max_seqlen_k=meta.max_seq_len,
+            softmax_scale=scale,
+            causal=True,
+            window_size=_window(sliding_window),
+            block_table=meta.block_tables,
+        )  # [T, Hq, D]

@@ -1,0 +1,134 @@
+"""The ``paged`` attention backend: Triton kernels over the paged KV pool (CUDA only).
+
+Per layer: one launch writes the new K/V into the pool (:func:`store_kv`), then attention reads
+every key, cached and new alike, from the pool through the block tables
+(:func:`paged_attention`). How a step is served depends only on host-side values of the
+metadata, planned once per step and cached on it (all layers reuse the plan):
+
+* pure decode (every sequence has one query token): one decode launch over all sequences, with
+  split-K when there are too few (sequence, KV head) programs to fill the GPU. This path creates
+  no tensor from host data and reads nothing on the host but ``num_seqs``, ``max_query_len``
+  and ``max_seq_len``, so it can be captured in a CUDA graph (``max_seq_len`` then being the
+  graph's upper bound; it only picks the split count).
+* only prefills (query lengths > 1): one launch with 64-row query tiles over all sequences.
+* mixed: the decode sequences get the decode launch and the others the prefill launch, each
+  told which sequences it serves through a small index tensor. Decode rows thereby keep 16-row
+  tiles instead of occupying a 64-row prefill tile for one token.
+
+Slot ``-1`` in ``slot_mapping`` skips the write of that token (CUDA-graph padding rows use it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+
+import torch
+from loom.layers.attention import AttentionBackend, AttentionMetadata
+
+from .triton_kernels import paged_attention, store_kv
+
+_PLAN_ATTR = "_paged_triton_plan"
+
+# Split-K only pays when each split keeps at least this many keys to read.
+_MIN_KEYS_PER_SPLIT = 256
+_MAX_SPLITS = 16
+
+
+@dataclass
+class _Plan:
+    decode_ids: torch.Tensor | None  # [nd] int32, None when every sequence decodes
+    num_decode: int
+    prefill_ids: torch.Tensor | None  # [np] int32, None when every sequence prefills
+    num_prefill: int
+    max_prefill_query_len: int
+    num_splits: int
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device_index: int) -> int:
+    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Splits per decode sequence: enough programs for about two waves over the SMs, but each
+    split keeping ``_MIN_KEYS_PER_SPLIT`` keys; a power of two (each value is a compiled variant)."""
+    programs = num_seqs * num_kv_heads
+    want = -(-2 * num_sms // max(1, programs))
+    cap = max(1, max_seq_len // _MIN_KEYS_PER_SPLIT)
+    splits = max(1, min(want, cap, _MAX_SPLITS))
+    return 1 << (splits.bit_length() - 1)  # round down to a power of two
+
+
+class PagedAttentionBackend(AttentionBackend):
+    """Triton paged attention: decode with GQA-grouped tiles and split-K, varlen prefill over
+    cached context, sliding windows; bf16/fp16 (fp32 works, with tf32 dots)."""
+
+    name = "paged"
+    supports_cuda_graphs = True
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, dtype, device)
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        if head_dim < 16:
+            raise ValueError(f"the paged backend needs head_dim >= 16, got {head_dim}")
+        self.group_size = num_heads // num_kv_heads
+        self._sms = 132  # an H100/H200; read off the device when there is one
+        if device.type == "cuda":
+            self._sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+    def plan(self, meta: AttentionMetadata) -> _Plan:
+        plan: _Plan | None = getattr(meta, _PLAN_ATTR, None)
+        if plan is not None:
+            return plan
+        n = meta.num_seqs
+        if meta.is_pure_decode:
+            plan = _Plan(None, n, None, 0, 0,
+                         choose_num_splits(n, self.num_kv_heads, meta.max_seq_len, self._sms))
+        else:
+            dec = [i for i, ql in enumerate(meta.query_lens_cpu) if ql == 1]
+            pre = [i for i, ql in enumerate(meta.query_lens_cpu) if ql != 1]
+            dev = meta.seq_lens.device
+            # Decode rows of a mixed step use one split: mixed steps carry a prefill, so the
+            # GPU is busy anyway, and this keeps the step's plan simple.
+            plan = _Plan(
+                decode_ids=torch.tensor(dec, dtype=torch.int32).to(dev) if dec else None,
+                num_decode=len(dec),
+                # None: every sequence prefills, and the launch serves sequences 0..n-1.
+                prefill_ids=torch.tensor(pre, dtype=torch.int32).to(dev) if dec else None,
+                num_prefill=len(pre),
+                max_prefill_query_len=max(meta.query_lens_cpu[i] for i in pre),
+                num_splits=1,
+            )
+        with contextlib.suppress(AttributeError):
+            setattr(meta, _PLAN_ATTR, plan)
+        return plan
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        store_kv(k, v, kv_cache, meta.slot_mapping)
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        out = torch.empty((q.shape[0], self.num_heads, self.head_dim), dtype=q.dtype, device=q.device)
+        plan = self.plan(meta)
+        if plan.num_decode:
+            paged_attention(q, kv_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                            num_seqs=plan.num_decode, seq_ids=plan.decode_ids, max_query_len=1,
+                            num_splits=plan.num_splits, scale=scale, sliding_window=sliding_window)
+        if plan.num_prefill:
+            paged_attention(q, kv_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                            num_seqs=plan.num_prefill, seq_ids=plan.prefill_ids,
+                            max_query_len=plan.max_prefill_query_len, scale=scale,
+                            sliding_window=sliding_window)
+        return out

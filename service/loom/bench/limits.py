@@ -1,0 +1,176 @@
+"""Physical limits: what the hardware allows for a workload, measured in the same run.
+
+Two rates are measured on the device: copy bandwidth (bytes read + written by a large tensor copy,
+per second) and dense matmul throughput in the model's dtype. A workload's limit is the least
+time its unavoidable work takes at those rates:
+
+- W1 (one sequence): each forward pass reads every weight once and the KV cache of the context so
+  far; the prefill also has its FLOPs. Decode steps are bandwidth-bound, so the limit is
+  sum over steps of (weight bytes + KV bytes read) / bandwidth.
+- W2 (many sequences): max(total FLOPs / matmul rate, total bytes / bandwidth), where the bytes
+  are the weights read once per step (at least one step per generated token of the longest
+  request) plus every KV byte written and read.
+
+Counting every weight byte per step (embedding and head included) follows WORKLOADS.md's
+"16.06 GB / 4.3 TB/s = 3.7 ms a step" for llama-8b.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .workloads import Workload
+
+
+@dataclass(frozen=True)
+class Hardware:
+    device: str
+    dtype: str
+    copy_bytes_per_s: float
+    matmul_flop_per_s: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "copy_TBps": self.copy_bytes_per_s / 1e12,
+                "matmul_TFLOPs": self.matmul_flop_per_s / 1e12}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Any, device: torch.device, warmup: int, reps: int) -> float:
+    """Mean seconds of ``fn()`` after ``warmup`` untimed calls (wall clock around a device sync)."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - start) / reps
+
+
+@torch.inference_mode()
+def measure_hardware(device: torch.device, dtype: torch.dtype, quick: bool = False) -> Hardware:
+    """Copy bandwidth on a tensor far larger than any cache, and an n x n x n matmul rate."""
+    on_gpu = device.type == "cuda"
+    copy_bytes = ((256 << 20) if quick else (4 << 30)) if on_gpu else (64 << 20)
+    src = torch.empty(copy_bytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    copy_s = _timed(lambda: dst.copy_(src), device, 3, 10)
+    del src, dst
+    n = 8192 if on_gpu and not quick else (4096 if on_gpu else 1024)
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    mm_s = _timed(lambda: a @ b, device, 3, 10)
+    del a, b
+    if on_gpu:
+        torch.cuda.empty_cache()
+    return Hardware(device=str(device), dtype=str(dtype).removeprefix("torch."),
+                    copy_bytes_per_s=2 * copy_bytes / copy_s, matmul_flop_per_s=2 * n**3 / mm_s)
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """The work one token costs, from the model's shape (counted on the meta device)."""
+
+    weight_bytes: int  # every parameter once (tied ones once)
+    body_matmul_params: int  # 2-D weights a processed token multiplies by (no embedding, no head)
+    head_params: int  # the logits projection, applied once per generated token
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    kv_bytes_per_token: int  # K and V of all layers
+
+    def attention_flops(self, context: int) -> int:
+        """QK^T and PV of one query token over ``context`` keys, all layers and heads."""
+        return 4 * self.num_layers * self.num_heads * self.head_dim * context
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def model_cost(model_dir: Path, dtype: torch.dtype) -> ModelCost:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from loom.model_loader import model_dims
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    elem = torch.empty((), dtype=dtype).element_size()
+    weight_bytes = body = head = 0
+    embed = model.get_input_embeddings().weight
+    out = model.get_output_embeddings()
+    head_weight = out.weight if out is not None else embed
+    for p in model.parameters():  # tied parameters appear once
+        weight_bytes += p.numel() * elem
+        if p.dim() == 2 and p is not embed and p is not head_weight:
+            body += p.numel()
+    head = head_weight.numel()
+    dims = model_dims(config)
+    return ModelCost(weight_bytes=weight_bytes, body_matmul_params=body, head_params=head,
+                     num_layers=dims.num_layers, num_heads=dims.num_heads, head_dim=dims.head_dim,
+                     kv_bytes_per_token=2 * dims.num_layers * dims.num_kv_heads * dims.head_dim * elem)
+
+
+def _sequence_work(cost: ModelCost, prompt: int, new: int) -> tuple[float, float]:
+    """(FLOPs, KV bytes written + read by decode steps) of one sequence, greedy, ``new`` tokens.
+
+    The prompt and the first new-1 generated tokens go through the model (the last generated
+    token is never fed back); each decode step reads the whole KV cache of its sequence.
+    """
+    fed = prompt + new - 1
+    flops = 2.0 * cost.body_matmul_params * fed + 2.0 * cost.head_params * new
+    flops += cost.attention_flops(1) * fed * (fed + 1) / 2  # token at position t attends to t+1 keys
+    decode_reads = sum(prompt + i for i in range(1, new))  # contexts of the new-1 decode steps
+    kv_bytes = cost.kv_bytes_per_token * (fed + decode_reads)
+    return flops, float(kv_bytes)
+
+
+def w1_limit(cost: ModelCost, hw: Hardware, w: Workload) -> dict[str, float]:
+    """One sequence: prefill (FLOP- or byte-bound), then new-1 bandwidth-bound decode steps."""
+    (prompt_ids, new), = w.requests
+    prompt = len(prompt_ids)
+    prefill_flops = 2.0 * cost.body_matmul_params * prompt + 2.0 * cost.head_params
+    prefill_flops += cost.attention_flops(1) * prompt * (prompt + 1) / 2
+    prefill_s = max(prefill_flops / hw.matmul_flop_per_s,
+                    (cost.weight_bytes + cost.kv_bytes_per_token * prompt) / hw.copy_bytes_per_s)
+    decode_bytes = sum(cost.weight_bytes + cost.kv_bytes_per_token * (prompt + i) for i in range(1, new))
+    decode_s = decode_bytes / hw.copy_bytes_per_s
+    step_s = (cost.weight_bytes + cost.kv_bytes_per_token * prompt) / hw.copy_bytes_per_s
+    return {
+        "min_s": prefill_s + decode_s,
+        "max_out_tok_s": new / (prefill_s + decode_s),
+        "min_decode_step_s": step_s,
+        "max_decode_tok_s": 1.0 / step_s,
+    }
+
+
+def w2_limit(cost: ModelCost, hw: Hardware, w: Workload) -> dict[str, float]:
+    """All at once: the slower of all FLOPs at the matmul rate and all bytes at copy bandwidth."""
+    flops = kv_bytes = 0.0
+    for prompt_ids, new in w.requests:
+        f, b = _sequence_work(cost, len(prompt_ids), new)
+        flops += f
+        kv_bytes += b
+    steps = max(n for _, n in w.requests)  # a request's tokens come one forward pass apart
+    total_bytes = kv_bytes + steps * cost.weight_bytes
+    flop_s = flops / hw.matmul_flop_per_s
+    byte_s = total_bytes / hw.copy_bytes_per_s
+    min_s = max(flop_s, byte_s)
+    return {
+        "flops": flops,
+        "bytes": total_bytes,
+        "flop_bound_s": flop_s,
+        "byte_bound_s": byte_s,
+        "min_s": min_s,
+        "max_out_tok_s": w.output_tokens / min_s,
+        "max_total_tok_s": (w.output_tokens + w.prompt_tokens) / min_s,
+    }
