@@ -7,6 +7,7 @@ by appending its spec here.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterable
 
 from loom.plugin_api import AttentionBackendSpec, hookimpl
@@ -18,6 +19,40 @@ def _load_torch() -> type:
     return TorchAttentionBackend
 
 
+def _load_paged() -> type:
+    from .paged_triton import PagedAttentionBackend
+
+    return PagedAttentionBackend
+
+
+def _load_flash() -> type:
+    from .flash_attn_backend import FlashAttentionBackend
+
+    return FlashAttentionBackend
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def _check_paged() -> str | None:
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    if not _cuda_available():
+        return "CUDA is not available"
+    return None
+
+
+def _check_flash() -> str | None:
+    if importlib.util.find_spec("flash_attn") is None:
+        return "flash-attn is not installed"
+    if not _cuda_available():
+        return "CUDA is not available"
+    return None
+
+
 BACKENDS: list[AttentionBackendSpec] = [
     AttentionBackendSpec(
         name="torch",
@@ -25,6 +60,23 @@ BACKENDS: list[AttentionBackendSpec] = [
         load=_load_torch,
         devices=("cpu", "cuda"),
         priority=0,
+    ),
+    AttentionBackendSpec(
+        name="paged",
+        summary="Triton paged attention (GQA-grouped decode with split-K, varlen prefill on cached "
+        "context, sliding windows); CUDA-graph capturable decode",
+        load=_load_paged,
+        check=_check_paged,
+        devices=("cuda",),
+        priority=10,
+    ),
+    AttentionBackendSpec(
+        name="flash",
+        summary="flash-attn 2 varlen prefill and decode over the paged KV cache (needs --block-size 256)",
+        load=_load_flash,
+        check=_check_flash,
+        devices=("cuda",),
+        priority=20,
     ),
 ]
 

@@ -22,6 +22,7 @@ import contextlib
 from typing import Any
 
 import torch
+
 from loom.layers.attention import AttentionBackend, AttentionMetadata
 
 # flash-attn 2's paged KV (block_table) needs pages of a multiple of this many tokens.
@@ -38,6 +39,18 @@ def _flash_module() -> Any:
 
 def _window(sliding_window: int | None) -> tuple[int, int]:
     return (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
+
+
+def _store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """The Triton store on CUDA; ``index_copy_`` elsewhere (CPU tests with a stand-in flash_attn)."""
+    if kv_cache.is_cuda:
+        from .triton_kernels import store_kv
+
+        store_kv(k, v, kv_cache, slots)
+        return
+    _, num_blocks, page, hkv, d = kv_cache.shape
+    kv_cache[0].view(num_blocks * page, hkv, d).index_copy_(0, slots, k)
+    kv_cache[1].view(num_blocks * page, hkv, d).index_copy_(0, slots, v)
 
 
 class FlashAttentionBackend(AttentionBackend):
@@ -86,9 +99,7 @@ class FlashAttentionBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:  # [T, Hq, D]
-        from .triton_kernels import store_kv
-
-        store_kv(k, v, kv_cache, meta.slot_mapping)
+        _store_kv(k, v, kv_cache, meta.slot_mapping)
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, page, Hkv, D] each
         if meta.is_pure_decode:
             out = self._fa.flash_attn_with_kvcache(

@@ -25,6 +25,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+
 from loom.layers.attention import AttentionBackend, AttentionMetadata
 
 from .triton_kernels import paged_attention, store_kv

@@ -26,6 +26,8 @@ so the key tile ``BLOCK_N`` is independent of the page size. Block offsets are w
 a large pool's per-layer tensor can pass 2**31 elements.
 """
 
+# mypy: disable-error-code="no-untyped-def"
+# (Triton kernels take untyped pointer arguments; annotations there would change their meaning.)
 from __future__ import annotations
 
 import torch
@@ -128,7 +130,7 @@ def _paged_attn_kernel(
     kvh = tl.program_id(1)
     m_tile = tl.program_id(2) // NUM_SPLITS
     split = tl.program_id(2) % NUM_SPLITS
-    if HAS_SEQ_IDS:
+    if HAS_SEQ_IDS:  # noqa: SIM108 (a constexpr branch, kept as a plain if for Triton)
         seq = tl.load(seq_ids_ptr + i)
     else:
         seq = i
@@ -212,7 +214,7 @@ def _combine_kernel(
 ):
     i = tl.program_id(0)
     h = tl.program_id(1)
-    if HAS_SEQ_IDS:
+    if HAS_SEQ_IDS:  # noqa: SIM108 (a constexpr branch, kept as a plain if for Triton)
         seq = tl.load(seq_ids_ptr + i)
     else:
         seq = i

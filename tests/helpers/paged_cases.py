@@ -12,6 +12,7 @@ import random
 from dataclasses import dataclass
 
 import torch
+
 from loom.layers.attention import AttentionMetadata
 
 

@@ -1,13 +1,23 @@
 """`loom bench`: run workloads for Loom and, with ``--peer hf``, for transformers in the same run.
 
-The last line printed is one JSON object with every figure and ``ratio`` (Loom over the peer).
+C0-C2 (CPU, SmolLM2): Loom against transformers' ``generate()``.
+W1, W2 (GPU; on CPU for smoke tests): Loom, then, after Loom's engine process has exited and freed
+the device, the physical limits measured on the same device and the peer of
+../shared/bench/hf_peer.py; each workload reports Loom, the peer, the ratio to the peer
+(``ratio``) and the ratio to the physical limit (``ratio_to_limit``).
+W3: serving through gRPC against a ``loom serve`` child process, and the same requests against
+the in-process engine client (``grpc_overhead``).
+
+The last line printed is one JSON object with every figure.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
+import math
 import os
 import platform
 import shlex
@@ -19,19 +29,48 @@ from typing import Any
 import torch
 
 from loom import __version__
-from loom.config import EngineConfig
+from loom.config import ConfigError, EngineConfig
 
-from .workloads import Workload, cpu_workload
+from .workloads import Workload, cpu_workload, gpu_workload, serving_w3, w2_requests_for
+
+CPU_WORKLOADS = ("C0", "C1", "C2")
+MODEL_WORKLOADS = ("W1", "W2")
+SERVING_WORKLOADS = ("W3",)
 
 
 def add_bench_command(sub: Any) -> None:
-    p = sub.add_parser("bench", help="run benchmark workloads (C0 C1 C2 on CPU) against a peer")
-    p.add_argument("--workloads", default="C0,C1,C2", help="comma-separated: C0,C1,C2")
+    p = sub.add_parser("bench", help="run benchmark workloads (C0-C2 on CPU, W1-W3) against a peer")
+    p.add_argument("--workloads", default="C0,C1,C2",
+                   help="comma-separated: C0,C1,C2 (CPU, SmolLM2), W1,W2 (decode latency, offline "
+                        "throughput), W3 (serving through gRPC)")
     p.add_argument("--peer", choices=["none", "hf"], default="none", help="also run this peer in the same run")
-    p.add_argument("--model-id", default=None, help="model dir or .gguf (default: embedded SmolLM2)")
-    p.add_argument("--threads", type=int, default=2, help="torch threads for Loom and the peer")
+    p.add_argument("--model-id", default=None,
+                   help="model dir, .gguf or random:NAME (random:llama-8b, random:llama-1b, ...); "
+                        "default: embedded SmolLM2")
+    p.add_argument("--threads", type=int, default=2, help="torch threads for Loom and the peer on CPU")
     p.add_argument("--quick", action="store_true", help="tiny workloads: checks the harness, not speed")
     p.add_argument("--out", default=None, help="write the JSON result here (e.g. bench/results/cpu.json)")
+    g = p.add_argument_group("W1-W3 engine (C0-C2 always run on CPU with their own settings)")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    g.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
+    g.add_argument("--attention-backend", default=None, help="attention plugin; unset: the best available")
+    g.add_argument("--max-batch-prefill-tokens", type=int, default=None,
+                   help="prompt tokens per engine step; unset: 16384 on GPU, 4096 on CPU")
+    g.add_argument("--max-total-tokens", type=int, default=2048, help="prompt + new tokens per request")
+    g.add_argument("--max-batch-total-tokens", type=int, default=None, help="KV pool in tokens; unset: sized")
+    g.add_argument("--cuda-memory-fraction", type=float, default=None, help="share of free GPU memory for KV")
+    g.add_argument("--cuda-graphs", default=None,
+                   help="passed to the engine's cuda_graphs setting when the engine has one (e.g. 1,2,4,8 or 0)")
+    g = p.add_argument_group("workload sizes")
+    g.add_argument("--w2-requests", type=int, default=None,
+                   help="W2 request count; unset: 512 for llama-1b, else 256 (16 with --quick)")
+    g.add_argument("--w3-requests", type=int, default=None,
+                   help="W3 request count; unset: W2's on GPU, 32 on CPU (4 with --quick)")
+    g.add_argument("--w3-new-tokens", type=int, default=None,
+                   help="W3 new tokens per request; unset: 256 on GPU, 64 on CPU (8 with --quick)")
+    g.add_argument("--request-rate", type=float, default=math.inf,
+                   help="W3 Poisson arrival rate in requests/s; inf (default): all at once")
+    g.add_argument("--seed", type=int, default=0, help="W3 arrival seed")
     p.set_defaults(func=run_bench)
 
 
@@ -48,40 +87,48 @@ def machine_info() -> dict[str, Any]:
             "torch": torch.__version__, "platform": platform.platform()}
 
 
-async def _run_loom(cfg: EngineConfig, workloads: list[Workload]) -> dict[str, dict[str, float]]:
+def software_info(device: torch.device) -> dict[str, Any]:
+    """The versions and the accelerator a W1-W3 figure depends on."""
+    info: dict[str, Any] = {}
+    for module in ("transformers", "triton", "grpc", "flash_attn"):
+        try:
+            info[module] = __import__(module).__version__
+        except Exception:
+            info[module] = None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                    gpu_multiprocessors=props.multi_processor_count, cuda=torch.version.cuda)
+    return info
+
+
+async def _run_loom(cfg: EngineConfig, workloads: list[Workload],
+                    full_warmup: bool = False) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
     from loom.engine.core_process import AsyncEngineClient
 
     from .run_loom import run_engine_workload
 
     client = AsyncEngineClient(cfg)
-    await client.start()
+    info = await client.start()
     try:
-        return {w.name: await run_engine_workload(client, w) for w in workloads}
+        results = {w.name: await run_engine_workload(client, w, full_warmup=full_warmup) for w in workloads}
     finally:
         await client.shutdown()
+    return results, dataclasses.asdict(info)
 
 
-def run_bench(args: argparse.Namespace) -> int:
+# -- C0-C2 ---------------------------------------------------------------------------------------------------
+
+
+def _run_cpu_workloads(args: argparse.Namespace, names: list[str], result: dict[str, Any]) -> None:
     from loom.model_loader import resolve_model_dir
 
-    torch.set_num_threads(args.threads)
-    names = [n.strip().upper() for n in args.workloads.split(",") if n.strip()]
     workloads = [cpu_workload(n, quick=args.quick) for n in names]
     model_dir = resolve_model_dir(args.model_id)
     max_total = max(len(p) + n for w in workloads for p, n in w.requests)
     cfg = EngineConfig(model_id=str(model_dir), device="cpu", num_threads=args.threads,
                        max_total_tokens=max(max_total, 1024), max_batch_prefill_tokens=4096)
-    result: dict[str, Any] = {
-        "command": "loom bench " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),
-        "loom_version": __version__,
-        "machine": machine_info(),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "model": str(args.model_id or "SmolLM2-135M-Instruct (embedded GGUF, fp32)"),
-        "threads": args.threads,
-        "quick": args.quick,
-        "workloads": {},
-    }
-    loom = asyncio.run(_run_loom(cfg, workloads))
+    loom, _ = asyncio.run(_run_loom(cfg, workloads))
     peer: dict[str, dict[str, float]] = {}
     if args.peer == "hf":
         from .peer_hf import load_peer, run_peer
@@ -99,6 +146,157 @@ def run_bench(args: argparse.Namespace) -> int:
         if w.name in peer:
             line += f", peer {peer[w.name]['out_tok_s']:.1f} out tok/s, ratio {entry['ratio']:.2f}x"
         print(line, flush=True)
+
+
+# -- W1, W2 and W3 ---------------------------------------------------------------------------------------------
+
+
+def _parse_setting(text: str, default: Any) -> Any:
+    """A command-line string as the type of the EngineConfig field's default."""
+    if isinstance(default, bool):
+        from loom.cli import parse_bool
+
+        return parse_bool(text)
+    if isinstance(default, (tuple, list)):
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    if isinstance(default, int):
+        return int(text)
+    return text
+
+
+def engine_config(args: argparse.Namespace, device: torch.device, workloads: list[Workload]) -> EngineConfig:
+    """The engine the W workloads run on: the same for Loom's W1/W2, the gRPC server and W3's
+    in-process comparison."""
+    on_gpu = device.type == "cuda"
+    needed = max(len(p) + n for w in workloads for p, n in w.requests)
+    kwargs: dict[str, Any] = dict(
+        model_id=args.model_id, device=str(device), dtype=args.dtype, attention_backend=args.attention_backend,
+        max_total_tokens=max(args.max_total_tokens, needed),
+        max_batch_prefill_tokens=args.max_batch_prefill_tokens or (16384 if on_gpu else 4096),
+        max_batch_total_tokens=args.max_batch_total_tokens,
+    )
+    if not on_gpu:
+        kwargs["num_threads"] = args.threads
+    if args.cuda_memory_fraction is not None:
+        kwargs["cuda_memory_fraction"] = args.cuda_memory_fraction
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    if args.cuda_graphs is not None:
+        # CUDA graphs may not exist in this engine yet: pass the setting only when it does.
+        if "cuda_graphs" in fields:
+            kwargs["cuda_graphs"] = _parse_setting(args.cuda_graphs, getattr(EngineConfig(), "cuda_graphs"))
+        else:
+            print("loom bench: this engine has no cuda_graphs setting; --cuda-graphs ignored", file=sys.stderr)
+    return EngineConfig(**kwargs)
+
+
+def _limit_line(entry: dict[str, Any]) -> str:
+    parts = []
+    peer = entry.get("peer", {})
+    if "out_tok_s" in peer:
+        parts.append(f"peer {peer['out_tok_s']:.1f} ({entry['ratio']:.2f}x)")
+    elif "error" in peer:
+        parts.append("peer failed")
+    if "limit" in entry:
+        parts.append(f"limit {entry['limit']['max_out_tok_s']:.1f} ({100 * entry['ratio_to_limit']:.1f}%)")
+    return ", ".join(parts)
+
+
+def _run_model_workloads(args: argparse.Namespace, names: list[str], device: torch.device,
+                         result: dict[str, Any]) -> None:
+    from loom.engine.llm_engine import _DTYPES
+    from loom.model_loader import resolve_model_dir
+
+    from .limits import measure_hardware, model_cost, w1_limit, w2_limit
+
+    workloads = [gpu_workload(n, args.model_id, args.quick, args.w2_requests) for n in names]
+    model_dir = resolve_model_dir(args.model_id)
+    cfg = engine_config(args, device, workloads)
+    result["engine_config"] = dataclasses.asdict(cfg)
+    loom, info = asyncio.run(_run_loom(cfg, workloads, full_warmup=True))
+    result["engine"] = info
+    # Loom's engine process has exited: the device is free for the limits and the peer.
+    dtype = _DTYPES[info["dtype"]]
+    hw = measure_hardware(device, dtype, quick=args.quick)
+    cost = model_cost(model_dir, dtype)
+    result["limits"] = {"hardware": hw.as_dict(), "model": cost.as_dict()}
+    peer: dict[str, Any] = {}
+    if args.peer == "hf":
+        from .peer_hf import run_gpu_peer
+
+        big = w2_requests_for(args.model_id) == 512  # hf_peer.py: batches 64 and 128 for llama-1b
+        batches = [4] if args.quick else ([64, 128] if big else [64])
+        static_new = workloads[0].requests[0][1] if args.quick else 256
+        peer = run_gpu_peer(model_dir, dtype, device, workloads, batches, static_new)
+        result["peer"] = {"transformers": peer["transformers"], "static_generate": peer["static"]}
+    for w in workloads:
+        figures = loom[w.name]
+        limit = w1_limit(cost, hw, w) if w.name == "W1" else w2_limit(cost, hw, w)
+        entry: dict[str, Any] = {"description": w.description, "loom": figures, "limit": limit,
+                                 "ratio_to_limit": figures["out_tok_s"] / limit["max_out_tok_s"]}
+        if w.name in peer:
+            entry["peer"] = peer[w.name]
+            if "out_tok_s" in peer[w.name]:
+                entry["ratio"] = figures["out_tok_s"] / peer[w.name]["out_tok_s"]
+        result["workloads"][w.name] = entry
+        detail = (f"ITL mean {1e3 * figures['itl_mean_s']:.2f} ms, p99 {1e3 * figures['itl_p99_s']:.2f} ms"
+                  if w.name == "W1" else f"{figures['total_tok_s']:.1f} total tok/s in {figures['s']:.2f} s")
+        print(f"{w.name}: loom {figures['out_tok_s']:.1f} out tok/s ({detail}); {_limit_line(entry)}", flush=True)
+
+
+def _run_serving(args: argparse.Namespace, device: torch.device, result: dict[str, Any]) -> None:
+    from .serving import run_w3
+
+    on_gpu = device.type == "cuda"
+    count = args.w3_requests or (4 if args.quick else (w2_requests_for(args.model_id) if on_gpu else 32))
+    new = args.w3_new_tokens or (8 if args.quick else (256 if on_gpu else 64))
+    w = serving_w3(count, new)
+    cfg = engine_config(args, device, [w])
+    result.setdefault("engine_config", dataclasses.asdict(cfg))
+    entry = asyncio.run(run_w3(cfg, w, args.request_rate, args.seed))
+    result["workloads"]["W3"] = entry
+    g, e = entry["grpc"], entry["engine"]
+    print(f"W3: grpc {g['out_tok_s']:.1f} out tok/s, {g['request_s']:.2f} req/s, TTFT p50 "
+          f"{1e3 * g['ttft_s']['p50']:.0f} ms p99 {1e3 * g['ttft_s']['p99']:.0f} ms, TPOT mean "
+          f"{1e3 * g['tpot_s']['mean']:.1f} ms; engine {e['out_tok_s']:.1f} out tok/s; "
+          f"gRPC overhead {100 * entry['grpc_overhead']:.1f}%", flush=True)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from loom.engine.llm_engine import resolve_device
+
+    torch.set_num_threads(args.threads)
+    names = [n.strip().upper() for n in args.workloads.split(",") if n.strip()]
+    known = CPU_WORKLOADS + MODEL_WORKLOADS + SERVING_WORKLOADS
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        print(f"loom bench: unknown workload(s) {', '.join(unknown)}; choose from {', '.join(known)}",
+              file=sys.stderr)
+        return 2
+    result: dict[str, Any] = {
+        "command": "loom bench " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),
+        "loom_version": __version__,
+        "machine": machine_info(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "model": str(args.model_id or "SmolLM2-135M-Instruct (embedded GGUF, fp32)"),
+        "threads": args.threads,
+        "quick": args.quick,
+        "workloads": {},
+    }
+    cpu_names = [n for n in names if n in CPU_WORKLOADS]
+    model_names = [n for n in names if n in MODEL_WORKLOADS]
+    try:
+        if cpu_names:
+            _run_cpu_workloads(args, cpu_names, result)
+        if model_names or "W3" in names:
+            device = resolve_device(args.device)
+            result["machine"].update(software_info(device))
+            if model_names:
+                _run_model_workloads(args, model_names, device, result)
+            if "W3" in names:
+                _run_serving(args, device, result)
+    except ConfigError as exc:
+        print(f"loom bench: {exc}", file=sys.stderr)
+        return 2
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -1,9 +1,17 @@
-"""The Hugging Face transformers peer: ``generate()`` the way a user without Loom runs it."""
+"""The Hugging Face transformers peer: ``generate()`` the way a user without Loom runs it.
+
+On the CPU (C0-C2): ``generate()`` on the model Loom served. On the GPU (W1, W2): the measurements
+of ../shared/bench/hf_peer.py, re-implemented here so they run in the same process and on the same
+model shape right after Loom's engine process has exited.
+"""
 
 from __future__ import annotations
 
+import gc
 import time
+import traceback
 from pathlib import Path
+from typing import Any
 
 import torch
 

@@ -19,7 +19,32 @@ def _percentile(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
-async def run_engine_workload(client: AsyncEngineClient, w: Workload, tag: str = "") -> dict[str, float]:
+def warmup_prompts(w: Workload, count: int = 4) -> list[list[int]]:
+    """Prompts as long as the workload's first ones but with other ids, so a prefix cache cannot
+    hand the timed run its prefill for free."""
+    return [[(t + 7) % 990 + 10 for t in p] for p, _ in w.requests[:count]]
+
+
+async def _drain(client: AsyncEngineClient, req: EngineRequest) -> None:
+    async for _ in client.generate(req):
+        pass
+
+
+async def warm_up(client: AsyncEngineClient, w: Workload, tag: str = "", full: bool = False) -> None:
+    """One short request so lazy initialisation is not timed; with ``full``, also a few requests
+    shaped like the workload's (long prefills, a small decode batch: kernels compile on first use)."""
+    await _drain(client, EngineRequest(f"{tag}warm-{w.name}", tuple(w.requests[0][0][:8]), SamplingParams(),
+                                       StoppingParams(max_new_tokens=2, ignore_eos=True)))
+    if full:
+        await asyncio.gather(*(
+            _drain(client, EngineRequest(f"{tag}warm-{w.name}-{i}", tuple(p), SamplingParams(),
+                                         StoppingParams(max_new_tokens=4, ignore_eos=True)))
+            for i, p in enumerate(warmup_prompts(w))
+        ))
+
+
+async def run_engine_workload(client: AsyncEngineClient, w: Workload, tag: str = "",
+                              full_warmup: bool = False) -> dict[str, float]:
     """Submit every request of ``w`` at once; wall time from first submit to last token."""
 
     async def one(i: int, prompt: list[int], new: int, t0: float) -> tuple[float, list[float]]:
@@ -27,15 +52,13 @@ async def run_engine_workload(client: AsyncEngineClient, w: Workload, tag: str =
                             StoppingParams(max_new_tokens=new, ignore_eos=True))
         stamps: list[float] = []
         async for out in client.generate(req):
+            if out.error:
+                raise RuntimeError(f"request {i} failed in the engine: {out.error}")
             stamps.extend([time.perf_counter()] * len(out.token_ids))
         assert len(stamps) == new, f"request {i} generated {len(stamps)} of {new} tokens"
         return stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
 
-    # warm-up: one short request so lazy initialisation is not timed
-    warm = EngineRequest(f"{tag}warm-{w.name}", tuple(w.requests[0][0][:8]), SamplingParams(),
-                         StoppingParams(max_new_tokens=2, ignore_eos=True))
-    async for _ in client.generate(warm):
-        pass
+    await warm_up(client, w, tag, full_warmup)
     t0 = time.perf_counter()
     results = await asyncio.gather(*(one(i, p, n, t0) for i, (p, n) in enumerate(w.requests)))
     dt = time.perf_counter() - t0

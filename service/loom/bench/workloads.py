@@ -77,6 +77,12 @@ def gpu_workload(name: str, model_id: str | None, quick: bool = False, w2_reques
     raise ValueError(f"unknown GPU workload {name!r}; choose W1 or W2")
 
 
+def serving_w3(n_req: int, new: int) -> Workload:
+    """W3: W2's lengths and ids (the first ``n_req`` of them), ``new`` tokens each."""
+    w = serving_w2(n_req, new)
+    return Workload("W3", w.requests, f"{n_req} requests, prompt U[128,1024], {new} new tokens")
+
+
 def cpu_workload(name: str, quick: bool = False) -> Workload:
     """C0, C1, C2; ``quick`` shrinks them (for smoke tests of the harness, not for figures)."""
     if name == "C0":

@@ -139,7 +139,8 @@ class LLMEngine:
         seed = request.sampling.seed
         if seed is None and request.sampling.do_sample:
             seed = self._rng.getrandbits(63)
-        seqs = [Sequence(request, i, seed) for i in range(max(1, request.n))]
+        # Completion i draws with seed + i: re-running it alone with that seed reproduces it.
+        seqs = [Sequence(request, i, None if seed is None else seed + i) for i in range(max(1, request.n))]
         self.requests[request.request_id] = seqs
         self.scheduler.add(seqs[0], seqs[1:])
 

@@ -10,6 +10,7 @@ logprobs were asked for) and hands them to the sampler.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -19,6 +20,9 @@ from loom.layers.attention import AttentionBackend, AttentionMetadata, ForwardCo
 from .sampler import Sampler, build_sampling_batch, prompt_logprobs
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
+
+if TYPE_CHECKING:
+    from .cuda_graphs import CudaGraphRunner
 
 
 @dataclass
@@ -44,8 +48,10 @@ class StepResult:
 class ModelRunner:
     def __init__(self, model: nn.Module, backend: AttentionBackend, kv_caches: list[torch.Tensor],
                  block_size: int, vocab_size: int, device: torch.device,
-                 eos_token_ids: tuple[int, ...] = (), fault_injection: bool = False) -> None:
+                 eos_token_ids: tuple[int, ...] = (), fault_injection: bool = False,
+                 cuda_graphs: CudaGraphRunner | None = None) -> None:
         self.model = model
+        self.cuda_graphs = cuda_graphs  # replays pure-decode steps that fit a captured size
         self.backend = backend
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -127,8 +133,10 @@ class ModelRunner:
         inputs = self.prepare(sched)
         if self.fault_injection:
             _inject_faults(inputs)
-        with forward_context(ForwardContext(self.backend, self.kv_caches, inputs.meta)):
-            hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
+        hidden = self.cuda_graphs.try_run(inputs) if self.cuda_graphs is not None else None
+        if hidden is None:
+            with forward_context(ForwardContext(self.backend, self.kv_caches, inputs.meta)):
+                hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
         rows = torch.tensor(inputs.sample_rows, dtype=torch.int64, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))  # [N, V] fp32
         if self.fault_injection:

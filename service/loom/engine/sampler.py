@@ -52,13 +52,6 @@ def counter_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -
     return ((_shr(x, 11) & _MASK53).to(torch.float64) + 0.5).mul_(2.0**-53).to(torch.float32)
 
 
-def mix_seed(seed: int, index: int) -> int:
-    """The seed of completion ``index`` of a request seeded with ``seed`` (index 0 keeps it)."""
-    if index == 0:
-        return _i64(seed)
-    return _i64(seed ^ (index * 0x9E3779B97F4A7C15))
-
-
 @dataclass
 class SamplingBatch:
     """Per-row parameters as tensors on the logits' device. N rows."""
@@ -128,7 +121,7 @@ def build_sampling_batch(seqs: list[Sequence], vocab_size: int, device: torch.de
         top_p=col(top_p),
         typical_p=col(typical),
         min_p=col(min_p),
-        seeds=torch.tensor([mix_seed(s.seed or 0, s.index) for s in seqs], dtype=torch.int64, device=device),
+        seeds=torch.tensor([_i64(s.seed or 0) for s in seqs], dtype=torch.int64, device=device),
         steps=torch.tensor([s.num_output_tokens for s in seqs], dtype=torch.int64, device=device),
         repetition_penalty=col([p.repetition_penalty for p in sp]) if use_rep else None,
         frequency_penalty=col([p.frequency_penalty for p in sp]) if use_freq else None,

@@ -54,6 +54,10 @@ class AttentionBackend:
     """
 
     name: str = "abstract"
+    # True when forward() on a pure-decode step is CUDA-graph capturable: no host syncs, no
+    # tensors made from host data, launches shaped only by host values fixed at capture
+    # (num_seqs, max_query_len, max_seq_len as an upper bound), device metadata read in place.
+    supports_cuda_graphs: bool = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device) -> None:

@@ -48,9 +48,9 @@ SHAPES: dict[str, dict[str, Any]] = {
     "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                          num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0,
                          max_position_embeddings=8192, tie_word_embeddings=True, rms_norm_eps=1e-5),
-    # For tests: milliseconds a step on CPU, yet long enough contexts for W1/W2-shaped prompts.
+    # For tests: milliseconds a step on CPU, yet room for W1/W2 prompts (ids < 1000, 1,280 tokens).
     "tiny-llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=512, rope_theta=10000.0,
+                       num_key_value_heads=2, vocab_size=1024, rope_theta=10000.0,
                        max_position_embeddings=2048, rms_norm_eps=1e-5),
 }
 

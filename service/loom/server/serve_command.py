@@ -60,7 +60,19 @@ def add_serve_command(subparsers: Any) -> None:
                      help="log JSON lines instead of text")
     add_env_argument(group, "--warmup", flag_is_switch=True, default=True,
                      help="run one short generation before reporting SERVING")
+    group = parser.add_argument_group("scheduling")
+    add_env_argument(group, "--prefix-caching", flag_is_switch=True, default=True,
+                     help="reuse the KV blocks of prompts that share a prefix")
+    add_env_argument(group, "--prefill-chunking", flag_is_switch=True, default=True,
+                     help="split long prompts so prefill chunks and decodes share each step")
+    add_env_argument(group, "--cuda-graphs", type=_parse_sizes, default=engine_defaults.cuda_graphs,
+                     help="decode batch sizes captured as CUDA graphs, e.g. 1,2,4,8; 0 disables")
     parser.set_defaults(func=run_serve)
+
+
+def _parse_sizes(text: str) -> tuple[int, ...]:
+    sizes = tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+    return () if sizes in ((), (0,)) else sizes
 
 
 def settings_from_args(args: argparse.Namespace) -> Any:
@@ -68,7 +80,10 @@ def settings_from_args(args: argparse.Namespace) -> Any:
 
     from .settings import ServerSettings
 
-    engine = EngineConfig(**{_dest(f): getattr(args, _dest(f)) for f, _, _ in _ENGINE_FLAGS})
+    engine = EngineConfig(**{_dest(f): getattr(args, _dest(f)) for f, _, _ in _ENGINE_FLAGS},
+                          enable_prefix_caching=args.prefix_caching,
+                          enable_chunked_prefill=args.prefill_chunking,
+                          cuda_graphs=tuple(args.cuda_graphs))
     server = {_dest(f): getattr(args, _dest(f)) for f, _, _ in _SERVER_FLAGS}
     return ServerSettings(engine=engine, json_output=args.json_output, warmup=args.warmup, **server)
 
