@@ -36,6 +36,7 @@ class EngineConfig:
     cpu_kv_cache_tokens: int = 65536  # the pool size on CPU when max_batch_total_tokens is unset
     cuda_memory_fraction: float = 0.9
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
+    warmup: bool = True  # run one request through every path before serving (sizes the GPU pool)
     fault_injection: bool = False  # tests only: requests named inject-fault*/inject-nan* fail on purpose
     seed: int = 0  # base of the engine's draws for unseeded sampled requests
     extra_plugins: tuple[str, ...] = field(default=())  # "module:object" registered at start-up

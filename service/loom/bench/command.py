@@ -183,7 +183,7 @@ def engine_config(args: argparse.Namespace, device: torch.device, workloads: lis
     if args.cuda_graphs is not None:
         # CUDA graphs may not exist in this engine yet: pass the setting only when it does.
         if "cuda_graphs" in fields:
-            kwargs["cuda_graphs"] = _parse_setting(args.cuda_graphs, getattr(EngineConfig(), "cuda_graphs"))
+            kwargs["cuda_graphs"] = _parse_setting(args.cuda_graphs, EngineConfig().cuda_graphs)
         else:
             print("loom bench: this engine has no cuda_graphs setting; --cuda-graphs ignored", file=sys.stderr)
     return EngineConfig(**kwargs)

@@ -56,20 +56,26 @@ def _timed(fn: Any, device: torch.device, warmup: int, reps: int) -> float:
     return (time.perf_counter() - start) / reps
 
 
+def _copy_seconds(nbytes: int, device: torch.device) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    return _timed(lambda: dst.copy_(src), device, 3, 10)
+
+
+def _matmul_seconds(n: int, dtype: torch.dtype, device: torch.device) -> float:
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    return _timed(lambda: a @ b, device, 3, 10)
+
+
 @torch.inference_mode()
 def measure_hardware(device: torch.device, dtype: torch.dtype, quick: bool = False) -> Hardware:
     """Copy bandwidth on a tensor far larger than any cache, and an n x n x n matmul rate."""
     on_gpu = device.type == "cuda"
     copy_bytes = ((256 << 20) if quick else (4 << 30)) if on_gpu else (64 << 20)
-    src = torch.empty(copy_bytes, dtype=torch.uint8, device=device).fill_(1)
-    dst = torch.empty_like(src)
-    copy_s = _timed(lambda: dst.copy_(src), device, 3, 10)
-    del src, dst
+    copy_s = _copy_seconds(copy_bytes, device)
     n = 8192 if on_gpu and not quick else (4096 if on_gpu else 1024)
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    mm_s = _timed(lambda: a @ b, device, 3, 10)
-    del a, b
+    mm_s = _matmul_seconds(n, dtype, device)
     if on_gpu:
         torch.cuda.empty_cache()
     return Hardware(device=str(device), dtype=str(dtype).removeprefix("torch."),

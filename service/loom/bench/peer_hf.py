@@ -66,8 +66,9 @@ def build_hf_model(model_dir: Path, dtype: torch.dtype, device: torch.device, at
 
     config = AutoConfig.from_pretrained(str(model_dir))
     if random_weights_of(config) is None:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attn)
-        return model.to(device).eval()
+        loaded: torch.nn.Module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
+                                                                       attn_implementation=attn)
+        return loaded.to(device).eval()
     torch.manual_seed(seed)
     with torch.device(device), default_dtype(dtype):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import statistics
 import time
 
@@ -56,7 +57,7 @@ async def run_engine_workload(client: AsyncEngineClient, w: Workload, tag: str =
                 raise RuntimeError(f"request {i} failed in the engine: {out.error}")
             stamps.extend([time.perf_counter()] * len(out.token_ids))
         assert len(stamps) == new, f"request {i} generated {len(stamps)} of {new} tokens"
-        return stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+        return stamps[0] - t0, [b - a for a, b in itertools.pairwise(stamps)]
 
     await warm_up(client, w, tag, full_warmup)
     t0 = time.perf_counter()

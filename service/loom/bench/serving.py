@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import math
 import os
 import random
@@ -78,7 +79,7 @@ def summarize(timings: list[RequestTiming], w: Workload) -> dict[str, Any]:
     ttft = [t.stamps[0] - t.submit for t in timings]
     e2e = [t.stamps[-1] - t.submit for t in timings]
     tpot = [(e - f) / (len(t.stamps) - 1) for t, e, f in zip(timings, e2e, ttft, strict=True) if len(t.stamps) > 1]
-    itl = [b - a for t in timings for a, b in zip(t.stamps, t.stamps[1:], strict=False)]
+    itl = [b - a for t in timings for a, b in itertools.pairwise(t.stamps)]
     out_tokens = sum(len(t.stamps) for t in timings)
     return {
         "requests": len(timings),

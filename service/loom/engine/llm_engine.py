@@ -20,7 +20,15 @@ from .block_manager import BlockManager
 from .model_runner import ModelRunner, StepResult
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sequence import Sequence, SequenceStatus
-from .types import EngineInfo, EngineOutput, EngineRequest, EngineStats, FinishReason
+from .types import (
+    EngineInfo,
+    EngineOutput,
+    EngineRequest,
+    EngineStats,
+    FinishReason,
+    SamplingParams,
+    StoppingParams,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -67,40 +75,40 @@ class LLMEngine:
             backend_spec = registry.default_attention_backend(self.device.type)
         backend = backend_spec.load()(shape.num_heads, shape.num_kv_heads, shape.head_dim, self.dtype, self.device)
 
+        self.model = loaded.model
+        self.backend = backend
+        self.shape = shape
+        self.eos_token_ids = eos_token_ids(model_dir)
+        self.vocab_size = shape.vocab_size
+        self.requests: dict[str, list[Sequence]] = {}
+        self._rng = random.Random()
+        self.num_steps = 0
         bs = config.block_size
-        num_blocks = self._num_blocks(shape.num_layers, shape.num_kv_heads, shape.head_dim)
-        pool_tokens = num_blocks * bs
-        self.max_model_len = config.max_total_tokens or min(shape.max_position_embeddings, 4096, pool_tokens)
+        self.max_model_len = config.max_total_tokens or min(shape.max_position_embeddings, 4096)
         if self.max_model_len > shape.max_position_embeddings:
             raise ConfigError(
                 f"--max-total-tokens {self.max_model_len} exceeds the model's "
                 f"max_position_embeddings ({shape.max_position_embeddings})"
             )
-        if self.max_model_len > pool_tokens:
+        if config.max_batch_total_tokens:
+            num_blocks = max(1, config.max_batch_total_tokens // bs)
+        elif self.device.type == "cuda":
+            num_blocks = self._size_pool_on_gpu()
+        else:
+            num_blocks = max(1, config.cpu_kv_cache_tokens // bs)
+        if not config.max_total_tokens:
+            self.max_model_len = min(self.max_model_len, num_blocks * bs)
+        if self.max_model_len > num_blocks * bs:
             raise ConfigError(
-                f"--max-total-tokens {self.max_model_len} does not fit the KV pool of {pool_tokens} tokens; "
-                "lower --max-total-tokens or raise --max-batch-total-tokens"
+                f"--max-total-tokens {self.max_model_len} does not fit the KV pool of {num_blocks * bs} tokens; "
+                "lower --max-total-tokens, or raise --max-batch-total-tokens "
+                "(on GPU: raise --cuda-memory-fraction or lower --max-batch-prefill-tokens)"
             )
-        kv_caches = backend.allocate_kv_cache(shape.num_layers, num_blocks, bs)
-        self.eos_token_ids = eos_token_ids(model_dir)
-        self.vocab_size = shape.vocab_size
-        self.block_manager = BlockManager(num_blocks, bs, enable_prefix_caching=config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_batch_prefill_tokens=config.max_batch_prefill_tokens,
-                max_batch_size=config.max_batch_size,
-                waiting_served_ratio=config.waiting_served_ratio,
-                max_waiting_tokens=config.max_waiting_tokens,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-                max_queue_age_s=config.max_queue_age_s,
-            ),
-            self.block_manager,
-        )
-        self.runner = ModelRunner(loaded.model, backend, kv_caches, bs, shape.vocab_size, self.device,
-                                  self.eos_token_ids, fault_injection=config.fault_injection)
-        self.requests: dict[str, list[Sequence]] = {}
-        self._rng = random.Random()
-        self.num_steps = 0
+        self._build(num_blocks)
+        if config.warmup:
+            self.warmup(self._warmup_tokens())
+            self._build(num_blocks)  # a clean pool: no warm-up blocks in the prefix cache
+        pool_tokens = num_blocks * bs
         self.info = EngineInfo(
             model_id=config.model_id or "SmolLM2-135M-Instruct (embedded default)",
             architecture=loaded.architecture,
@@ -119,16 +127,77 @@ class LLMEngine:
                  kv_blocks=num_blocks, block_size=bs, max_batch_total_tokens=pool_tokens,
                  max_total_tokens=self.max_model_len)
 
-    def _num_blocks(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
-        bs = self.config.block_size
-        if self.config.max_batch_total_tokens:
-            return max(1, self.config.max_batch_total_tokens // bs)
+    def _build(self, num_blocks: int) -> None:
+        """(Re)create the KV pool, block manager, scheduler and runner for ``num_blocks`` blocks."""
+        config, bs = self.config, self.config.block_size
+        self.runner = None  # type: ignore[assignment]  # drop the old pool before allocating anew
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            elem = torch.empty((), dtype=self.dtype).element_size()
-            per_block = 2 * num_layers * bs * num_kv_heads * head_dim * elem
-            return max(1, int(free * self.config.cuda_memory_fraction) // per_block)
-        return max(1, self.config.cpu_kv_cache_tokens // bs)
+            torch.cuda.empty_cache()
+        kv_caches = self.backend.allocate_kv_cache(self.shape.num_layers, num_blocks, bs)
+        self.block_manager = BlockManager(num_blocks, bs, enable_prefix_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_batch_prefill_tokens=config.max_batch_prefill_tokens,
+                max_batch_size=config.max_batch_size,
+                waiting_served_ratio=config.waiting_served_ratio,
+                max_waiting_tokens=config.max_waiting_tokens,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                max_queue_age_s=config.max_queue_age_s,
+            ),
+            self.block_manager,
+        )
+        self.runner = ModelRunner(self.model, self.backend, kv_caches, bs, self.vocab_size, self.device,
+                                  self.eos_token_ids, fault_injection=config.fault_injection)
+
+    def _warmup_tokens(self) -> int:
+        """GPU: the largest prefill the budgets allow (it sets the activation peak); CPU: a short
+        one, enough to initialise every code path without slowing start-up."""
+        limit = min(self.config.max_batch_prefill_tokens, self.max_model_len - 2)
+        return limit if self.device.type == "cuda" else min(limit, 32)
+
+    def warmup(self, num_tokens: int) -> None:
+        """One request through every sampler path (penalties, all warpers, top-n, prompt logprobs)."""
+        prompt = tuple(3 + i % max(1, self.vocab_size - 3) for i in range(max(2, num_tokens)))
+        sampling = SamplingParams(do_sample=True, temperature=0.7, top_k=50, top_p=0.9, typical_p=0.95,
+                                  min_p=0.01, seed=0, repetition_penalty=1.1, frequency_penalty=0.1,
+                                  presence_penalty=0.1, top_n_tokens=5, prompt_logprobs=True)
+        self.add_request(EngineRequest("__loom_warmup__", prompt, sampling,
+                                       StoppingParams(max_new_tokens=2, min_new_tokens=1, ignore_eos=True)))
+        while self.has_unfinished():
+            self.step()
+        self.num_steps = 0
+
+    def _size_pool_on_gpu(self) -> int:
+        """Size the KV pool from what is left after the weights and a warm-up's activation peak."""
+        bs = self.config.block_size
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        per_block = 2 * self.shape.num_layers * bs * self.shape.num_kv_heads * self.shape.head_dim * elem
+        warm = self._warmup_tokens()
+        trial_blocks = -(-(warm + 8) // bs) + 1
+        self._build(trial_blocks)
+        torch.cuda.synchronize(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.warmup(warm)
+        torch.cuda.synchronize(self.device)
+        activations = torch.cuda.max_memory_allocated(self.device) - base
+        self.runner = None  # type: ignore[assignment]
+        torch.cuda.empty_cache()
+        weights_and_state = torch.cuda.memory_allocated(self.device)
+        _, total = torch.cuda.mem_get_info(self.device)
+        budget = int(total * self.config.cuda_memory_fraction) - weights_and_state - activations
+        num_blocks = budget // per_block
+        log.info("kv cache sized at warm-up", warmup_prefill_tokens=warm, activation_peak_mib=activations >> 20,
+                 weights_mib=weights_and_state >> 20, gpu_total_mib=total >> 20,
+                 cuda_memory_fraction=self.config.cuda_memory_fraction, kv_blocks=num_blocks,
+                 max_batch_total_tokens=num_blocks * bs)
+        if num_blocks * bs < self.max_model_len:
+            raise ConfigError(
+                f"the KV cache left after the weights and a {warm}-token warm-up holds {max(0, num_blocks) * bs} "
+                f"tokens, less than --max-total-tokens {self.max_model_len}: lower --max-batch-prefill-tokens "
+                "or --max-total-tokens, or raise --cuda-memory-fraction"
+            )
+        return num_blocks
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:

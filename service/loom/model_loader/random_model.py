@@ -93,7 +93,7 @@ def _write_tokenizer(vocab_size: int, out: Path) -> None:
     vocab = {tok: i for i, tok in enumerate(specials)}
     vocab.update({f"w{i}": i for i in range(len(specials), vocab_size)})
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # type: ignore[assignment]
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     hf = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
                                  pad_token="<pad>", unk_token="<unk>")
     hf.model_max_length = 1 << 30
@@ -104,8 +104,9 @@ def _write_model_dir(model_id: str, out: Path, weights: RandomWeights) -> None:
     from transformers import GenerationConfig, LlamaConfig
 
     shape = random_shape(model_id)
-    config = LlamaConfig(**shape, architectures=["LlamaForCausalLM"], dtype="bfloat16",
-                         **{MARKER: {"seed": weights.seed, "std": weights.std}})
+    fields: dict[str, Any] = {**shape, "architectures": ["LlamaForCausalLM"], "dtype": "bfloat16",
+                              MARKER: {"seed": weights.seed, "std": weights.std}}
+    config = LlamaConfig(**fields)
     config.save_pretrained(str(out))
     GenerationConfig(**_SPECIAL_IDS).save_pretrained(str(out))
     _write_tokenizer(int(shape["vocab_size"]), out)
