@@ -120,7 +120,9 @@ class AsyncEngineClient:
                             q.put_nowait(out)
                 elif kind == "stats":
                     if self._stats_waiters:
-                        self._stats_waiters.pop(0).set_result(payload)
+                        fut = self._stats_waiters.pop(0)
+                        if not fut.done():  # its caller may have given up (wait_for timeout)
+                            fut.set_result(payload)
         except (EOFError, OSError) as exc:
             self._fail_all(f"engine process died: {exc!r}")
 

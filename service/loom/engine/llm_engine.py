@@ -241,6 +241,10 @@ class LLMEngine:
         if sched.is_empty:
             return []
         self.num_steps += 1
+        started = time.monotonic()
+        for seq in sched.seqs:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = started
         outputs: list[EngineOutput] = []
         try:
             runs = [(sched, self.runner.execute(sched))]
@@ -255,6 +259,7 @@ class LLMEngine:
                 self.block_manager.register_full_blocks(seq)
             for child, parent in part.forks:
                 child.num_computed_tokens = parent.num_computed_tokens
+                child.first_scheduled_time = parent.first_scheduled_time
             outputs += self._process_result(result)
         return outputs
 
@@ -309,6 +314,7 @@ class LLMEngine:
                 seed=seq.seed,
                 num_prompt_tokens=seq.num_prompt_tokens,
                 num_cached_tokens=seq.num_cached_tokens,
+                first_scheduled_time=seq.first_scheduled_time,
             )
             if seq.sampling.prompt_logprobs and not seq.prompt_logprobs_sent:
                 out.prompt_logprobs = seq.prompt_logprobs

@@ -44,6 +44,7 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.cumulative_logprob = 0.0
         self.num_preemptions = 0
+        self.first_scheduled_time: float | None = None  # monotonic: when a step first ran it (prefill began)
         self.prompt_logprobs_sent = False
         self.prompt_logprobs: list[float | None] = []  # accumulated over prefill chunks
 

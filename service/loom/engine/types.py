@@ -75,6 +75,10 @@ class EngineOutput:
     seed: int | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # time.monotonic() when a step first ran this completion's sequence: its wait in the engine
+    # ended and its prefill began. CLOCK_MONOTONIC is system-wide, so the front end can compare it
+    # with its own timestamps (request metrics and the loom.queue / loom.prefill spans).
+    first_scheduled_time: float | None = None
 
     @property
     def finished(self) -> bool:

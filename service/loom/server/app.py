@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+from collections.abc import Sequence
 
 import grpc
 import structlog
@@ -23,10 +24,12 @@ from loom.logging_setup import configure_logging
 from loom_client.v1 import generation_pb2_grpc as pb_grpc
 
 from .admission import Admission
+from .auth import auth_interceptors
 from .health import GENERATION_SERVICE, HEALTH_SERVICE, ServerHealth
 from .loading import load_backend
 from .servicer import GenerationService
 from .settings import ServerSettings
+from .tls import server_credentials
 
 log = structlog.get_logger(__name__)
 
@@ -37,8 +40,12 @@ SERVER_OPTIONS = [
 _ENGINE_CHECK_INTERVAL_S = 1.0
 
 
-def build_server(service: GenerationService, health: ServerHealth) -> grpc.aio.Server:
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+def build_server(service: GenerationService, health: ServerHealth, *,
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+                 max_request_bytes: int = 4 << 20) -> grpc.aio.Server:
+    # A larger message fails in gRPC itself with RESOURCE_EXHAUSTED, before it is even parsed.
+    options = [*SERVER_OPTIONS, ("grpc.max_receive_message_length", max_request_bytes)]
+    server = grpc.aio.server(interceptors=list(interceptors), options=options)
     pb_grpc.add_GenerationServiceServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
     reflection.enable_server_reflection([GENERATION_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME], server)
@@ -49,9 +56,11 @@ class LoomServer:
     def __init__(self, settings: ServerSettings) -> None:
         self.settings = settings
         self.health = ServerHealth()
-        self.admission = Admission(settings.max_concurrent_requests)
+        self.admission = Admission(settings.max_concurrent_requests, settings.max_queue,
+                                   max_queue_age_s=settings.engine.max_queue_age_s)
         self.service = GenerationService(self.admission)
-        self.server = build_server(self.service, self.health)
+        self.server = build_server(self.service, self.health, interceptors=auth_interceptors(settings.api_key),
+                                   max_request_bytes=settings.max_request_bytes)
         self.engine: AsyncEngineClient | None = None
         self.port = 0
         self._stop = asyncio.Event()
@@ -69,13 +78,17 @@ class LoomServer:
     async def run(self) -> int:
         s = self.settings
         try:
-            self.port = self.server.add_insecure_port(s.address)
+            self.port = self._listen()
+        except ConfigError as exc:
+            log.error("cannot listen", address=s.address, error=str(exc))
+            return 2
         except RuntimeError as exc:
             log.error("cannot listen", address=s.address, error=str(exc))
             return 1
         await self.health.loading()
         await self.server.start()
-        log.info("listening", address=s.address, port=self.port)
+        log.info("listening", address=s.address, port=self.port, tls=s.tls.enabled, mutual_tls=s.tls.mutual,
+                 api_key=s.api_key is not None)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop, sig)
@@ -103,6 +116,12 @@ class LoomServer:
         stop_wait.cancel()
         await self._shutdown()
         return self._exit_code
+
+    def _listen(self) -> int:
+        credentials = server_credentials(self.settings.tls)
+        if credentials is None:
+            return self.server.add_insecure_port(self.settings.address)
+        return self.server.add_secure_port(self.settings.address, credentials)
 
     async def _load(self) -> None:
         self.engine = AsyncEngineClient(self.settings.engine, log_json=self.settings.json_output)

@@ -75,13 +75,13 @@ def invalid(field: str, description: str) -> ValidationError:
     return ValidationError([FieldViolation(field, description)])
 
 
-def overloaded(limit: int, retry_after_s: float = 1.0) -> ServiceError:
-    return ServiceError(
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-        f"the server is at its limit of {limit} concurrent requests (--max-concurrent-requests); retry later",
-        "OVERLOADED",
-        retry_after_s=retry_after_s,
-    )
+def overloaded(message: str, retry_after_s: float = 1.0) -> ServiceError:
+    """RESOURCE_EXHAUSTED with a RetryInfo: the wait queue is full."""
+    return ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, message, "OVERLOADED", retry_after_s=retry_after_s)
+
+
+def unauthenticated(message: str) -> ServiceError:
+    return ServiceError(grpc.StatusCode.UNAUTHENTICATED, message, "UNAUTHENTICATED")
 
 
 def unavailable(message: str, reason: str = "NOT_READY") -> ServiceError:

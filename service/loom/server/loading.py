@@ -35,6 +35,7 @@ def request_limits(settings: ServerSettings, info: EngineInfo) -> RequestLimits:
         max_top_n_tokens=settings.max_top_n_tokens,
         max_best_of=settings.max_best_of,
         default_max_new_tokens=settings.default_max_new_tokens,
+        max_input_chars=settings.max_input_chars,
     )
 
 

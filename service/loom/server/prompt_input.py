@@ -17,6 +17,9 @@ from .errors import FieldViolation, failed_precondition
 # Roles every chat template understands; others are rejected rather than passed to a template
 # that might silently drop them.
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+# Rendering a chat costs template work per message even when the messages are empty; the
+# character limit alone would let a 4 MiB request carry a million of them.
+MAX_CHAT_MESSAGES = 4096
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,27 @@ def check_input(request: pb.GenerateRequest | pb.GenerateStreamRequest, vocab_si
             return [FieldViolation(f"token_ids.ids[{i}]", f"token id {t} is not below the vocabulary size {vocab_size}{more}")]
         return []
     return check_chat(request.chat)
+
+
+def check_size(request: pb.GenerateRequest | pb.GenerateStreamRequest | pb.TokenizeRequest,
+               max_chars: int) -> list[FieldViolation]:
+    """Bound the work tokenizing costs (it runs on the event loop) before doing any of it."""
+    kind = request.WhichOneof("input")
+    if kind == "text" and len(request.text) > max_chars:
+        return [FieldViolation("text", f"has {len(request.text)} characters, more than the server's "
+                                       f"limit of {max_chars} (--max-input-chars)")]
+    if kind == "token_ids" and len(request.token_ids.ids) > max_chars:  # type: ignore[union-attr]
+        return [FieldViolation("token_ids.ids", f"has {len(request.token_ids.ids)} ids, more than the "  # type: ignore[union-attr]
+                                                f"server's limit of {max_chars} (--max-input-chars)")]
+    if kind == "chat":
+        messages = request.chat.messages
+        if len(messages) > MAX_CHAT_MESSAGES:
+            return [FieldViolation("chat.messages", f"has {len(messages)} messages, more than {MAX_CHAT_MESSAGES}")]
+        chars = sum(len(m.content) + len(m.role) for m in messages)
+        if chars > max_chars:
+            return [FieldViolation("chat.messages", f"has {chars} characters, more than the server's "
+                                                    f"limit of {max_chars} (--max-input-chars)")]
+    return []
 
 
 def chat_messages(chat: pb.Chat) -> list[dict[str, str]]:

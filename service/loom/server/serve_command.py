@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
-from loom.cli import add_env_argument
+from loom.cli import add_env_argument, env_name
 
 # (flag, type, help); the default of each comes from EngineConfig / ServerSettings.
 _ENGINE_FLAGS: list[tuple[str, Any, str]] = [
@@ -28,13 +29,21 @@ _ENGINE_FLAGS: list[tuple[str, Any, str]] = [
 _SERVER_FLAGS: list[tuple[str, Any, str]] = [
     ("--host", str, "address to listen on"),
     ("--port", int, "port to listen on"),
-    ("--max-concurrent-requests", int, "generation requests at once; more get RESOURCE_EXHAUSTED"),
+    ("--max-concurrent-requests", int, "generation requests in the engine at once; more wait in the queue"),
+    ("--max-queue", int, "requests waiting for a slot; more get RESOURCE_EXHAUSTED (0: no queue)"),
     ("--max-stop-sequences", int, "most stop_sequences per request"),
     ("--max-top-n-tokens", int, "most top_n_tokens per request"),
     ("--max-best-of", int, "most best_of (and n) per request"),
     ("--default-max-new-tokens", int, "max_new_tokens of a request that leaves it unset (never above its budget)"),
     ("--graceful-termination-timeout", float, "seconds in-flight requests get to finish on SIGTERM"),
     ("--log-level", str, "DEBUG, INFO, WARNING or ERROR"),
+]
+_SECURITY_FLAGS: list[tuple[str, Any, str]] = [
+    ("--tls-cert", str, "server certificate chain (PEM); with --tls-key the port speaks TLS only"),
+    ("--tls-key", str, "private key of --tls-cert (PEM)"),
+    ("--tls-client-ca", str, "CA bundle (PEM) client certificates must chain to: mutual TLS"),
+    ("--max-request-bytes", int, "largest request message accepted; larger get RESOURCE_EXHAUSTED"),
+    ("--max-input-chars", int, "most characters of text or chat input per request"),
 ]
 
 
@@ -60,6 +69,15 @@ def add_serve_command(subparsers: Any) -> None:
                      help="log JSON lines instead of text")
     add_env_argument(group, "--warmup", flag_is_switch=True, default=True,
                      help="run one short generation before reporting SERVING")
+    add_env_argument(group, "--fault-injection", flag_is_switch=True, default=False,
+                     help="TESTS ONLY: requests whose id starts with inject-fault / inject-nan fail on purpose")
+    group = parser.add_argument_group("security and limits")
+    # Not add_env_argument: its help text would show the key whenever LOOM_API_KEY is set.
+    group.add_argument("--api-key", default=os.environ.get(env_name("--api-key")) or None,
+                       help="require 'authorization: Bearer <KEY>' metadata on every RPC but health "
+                            f"(prefer the environment: command lines are visible to other users) [env {env_name('--api-key')}]")
+    for flag, type_, help_ in _SECURITY_FLAGS:
+        add_env_argument(group, flag, type=type_, default=getattr(server_defaults, _dest(flag)), help=help_)
     group = parser.add_argument_group("scheduling")
     add_env_argument(group, "--prefix-caching", flag_is_switch=True, default=True,
                      help="reuse the KV blocks of prompts that share a prefix")
@@ -83,9 +101,11 @@ def settings_from_args(args: argparse.Namespace) -> Any:
     engine = EngineConfig(**{_dest(f): getattr(args, _dest(f)) for f, _, _ in _ENGINE_FLAGS},
                           enable_prefix_caching=args.prefix_caching,
                           enable_chunked_prefill=args.prefill_chunking,
-                          cuda_graphs=tuple(args.cuda_graphs))
-    server = {_dest(f): getattr(args, _dest(f)) for f, _, _ in _SERVER_FLAGS}
-    return ServerSettings(engine=engine, json_output=args.json_output, warmup=args.warmup, **server)
+                          cuda_graphs=tuple(args.cuda_graphs),
+                          fault_injection=args.fault_injection)
+    server = {_dest(f): getattr(args, _dest(f)) for f, _, _ in (*_SERVER_FLAGS, *_SECURITY_FLAGS)}
+    return ServerSettings(engine=engine, json_output=args.json_output, warmup=args.warmup, api_key=args.api_key,
+                          **server)
 
 
 def run_serve(args: argparse.Namespace) -> int:

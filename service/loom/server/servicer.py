@@ -31,7 +31,7 @@ from loom_client.v1 import generation_pb2_grpc as pb_grpc
 
 from .admission import Admission
 from .errors import ServiceError, ValidationError, internal, invalid, unavailable
-from .prompt_input import check_chat, render_chat
+from .prompt_input import check_chat, check_size, render_chat
 from .responses import generate_response, stream_message
 from .validation import RequestLimits, validate_generate
 
@@ -97,14 +97,27 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
                  do_sample=plan.engine_request.sampling.do_sample, stream=streaming)
         return plan
 
+    @contextlib.asynccontextmanager
+    async def _admitted(self, request: pb.GenerateRequest | pb.GenerateStreamRequest, rid: str, engine_id: str,
+                        streaming: bool, arrival: float, context: Any) -> AsyncIterator[GenerationPlan]:
+        """Overload check, validation, then a slot (waiting in the queue if need be) for the plan.
+
+        Overload and draining are answered before any work; an invalid request fails before it
+        waits, so it never takes a place in the queue.
+        """
+        self.admission.check()
+        with self._engine_id(engine_id):
+            plan = self._plan(request, rid, engine_id, streaming, arrival)
+            async with self.admission.slot(plan.engine_request.priority, context.time_remaining()):
+                yield plan
+
     # -- RPCs -----------------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context: Any) -> pb.GenerateResponse:
         arrival = time.monotonic()
         rid, engine_id = self._request_ids(request.request_id)
         structlog.contextvars.bind_contextvars(request_id=rid, rpc="Generate")
         try:
-            with self.admission.slot(), self._engine_id(engine_id):
-                plan = self._plan(request, rid, engine_id, streaming=False, arrival=arrival)
+            async with self._admitted(request, rid, engine_id, False, arrival, context) as plan:
                 b = self._backend()
                 async with contextlib.aclosing(generate_chunks(b.engine, b.tokenizer, plan)) as chunks:
                     result = await collect_completions(chunks, plan)
@@ -131,8 +144,7 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
         structlog.contextvars.bind_contextvars(request_id=rid, rpc="GenerateStream")
         sent = 0
         try:
-            with self.admission.slot(), self._engine_id(engine_id):
-                plan = self._plan(request, rid, engine_id, streaming=True, arrival=arrival)
+            async with self._admitted(request, rid, engine_id, True, arrival, context) as plan:
                 b = self._backend()
                 generated = 0
                 async with contextlib.aclosing(coalesced(generate_chunks(b.engine, b.tokenizer, plan))) as batches:
@@ -180,6 +192,9 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
         kind = request.WhichOneof("input")
         if kind is None:
             raise invalid("input", "set exactly one of text or chat")
+        too_big = check_size(request, self._backend().limits.max_input_chars)
+        if too_big:
+            raise ValidationError(too_big)
         rendered = ""
         if kind == "chat":
             violations = check_chat(request.chat)

@@ -15,13 +15,16 @@ from dataclasses import dataclass, field
 
 from loom.config import ConfigError, EngineConfig
 
+from .tls import TlsFiles
+
 
 @dataclass(frozen=True)
 class ServerSettings:
     engine: EngineConfig = field(default_factory=EngineConfig)
     host: str = "0.0.0.0"
     port: int = 50051
-    max_concurrent_requests: int = 128  # running plus waiting; more fail with RESOURCE_EXHAUSTED
+    max_concurrent_requests: int = 128  # requests in the engine at once; more wait in the queue
+    max_queue: int = 1024  # requests waiting for a slot; more fail with RESOURCE_EXHAUSTED; 0: no queue
     max_stop_sequences: int = 4
     max_top_n_tokens: int = 5
     max_best_of: int = 2
@@ -30,6 +33,13 @@ class ServerSettings:
     json_output: bool = False
     log_level: str = "INFO"
     warmup: bool = True  # run one short generation before reporting SERVING
+    # Security and size limits (see auth.py, tls.py). repr=False: the key never reaches a log.
+    api_key: str | None = field(default=None, repr=False)
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    max_request_bytes: int = 4 << 20  # gRPC's max receive message size; larger get RESOURCE_EXHAUSTED
+    max_input_chars: int = 262_144  # characters of text/chat input (bounds tokenizing work)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -45,8 +55,21 @@ class ServerSettings:
                             ("--max-top-n-tokens", self.max_top_n_tokens)):
             if value < 0:
                 raise ConfigError(f"{flag} must be at least 0, got {value}")
+        for flag, value in (("--max-request-bytes", self.max_request_bytes),
+                            ("--max-input-chars", self.max_input_chars)):
+            if value < 1:
+                raise ConfigError(f"{flag} must be at least 1, got {value}")
+        if self.max_queue < 0:
+            raise ConfigError(f"--max-queue must be at least 0, got {self.max_queue}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ConfigError("--api-key must not be empty")
+        TlsFiles(self.tls_cert, self.tls_key, self.tls_client_ca).validate()
         if self.graceful_termination_timeout < 0:
             raise ConfigError("--graceful-termination-timeout must be at least 0")
+
+    @property
+    def tls(self) -> TlsFiles:
+        return TlsFiles(self.tls_cert, self.tls_key, self.tls_client_ca)
 
     @property
     def address(self) -> str:

@@ -18,7 +18,7 @@ from loom.frontend.tokenizer import Tokenizer
 from loom_client.v1 import generation_pb2 as pb
 
 from .errors import FieldViolation, ValidationError
-from .prompt_input import check_input, tokenize_prompt
+from .prompt_input import check_input, check_size, tokenize_prompt
 
 MAX_REQUEST_ID_BYTES = 256
 MAX_STOP_SEQUENCE_BYTES = 256
@@ -33,6 +33,7 @@ class RequestLimits:
     max_top_n_tokens: int = 5
     max_best_of: int = 2
     default_max_new_tokens: int = 256
+    max_input_chars: int = 262_144
 
 
 class _Checker:
@@ -144,7 +145,7 @@ def validate_generate(
     c = _Checker()
     if len(request.request_id.encode()) > MAX_REQUEST_ID_BYTES:
         c.add("request_id", f"must be at most {MAX_REQUEST_ID_BYTES} bytes")
-    c.violations.extend(check_input(request, limits.vocab_size))
+    c.violations.extend(check_size(request, limits.max_input_chars) or check_input(request, limits.vocab_size))
     p = request.parameters
     sampling = _check_sampling(c, p.sampling)
     sampling = _check_penalties(c, p.penalties, sampling)

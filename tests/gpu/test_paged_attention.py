@@ -1,0 +1,200 @@
+"""The ``paged`` Triton backend against the torch reference backend on a CUDA GPU, and CUDA-graph
+decode against eager decode.
+
+Every case draws a fresh random step (pool full of stale finite values, shuffled block tables,
+block size 16) and checks: the K/V written into the pool equal the torch backend's exactly; the
+output is within half-precision tolerance of the torch backend's and of a float32 reference.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from helpers.paged_cases import PagedStep, make_step  # noqa: E402
+from helpers.reference_attention import ReferenceAttentionBackend  # noqa: E402
+from loom.layers.attention import AttentionMetadata, ForwardContext, forward_context  # noqa: E402
+from loom_plugins.attention.paged_triton import _PLAN_ATTR, PagedAttentionBackend, _Plan  # noqa: E402
+from loom_plugins.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+CUDA = torch.device("cuda")
+# |a - b| <= atol + rtol * |b|: a few ulps of outputs of size ~1.
+TOL = {torch.bfloat16: dict(atol=2e-2, rtol=2e-2), torch.float16: dict(atol=3e-3, rtol=3e-3)}
+REL_NORM = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def _seqs(mode: str, rng: random.Random) -> list[tuple[int, int]]:
+    if mode == "decode":
+        return [(rng.randint(0, 800), 1) for _ in range(9)]
+    if mode == "prefill":
+        return [(0, rng.randint(1, 300)) for _ in range(5)]
+    if mode == "cached":  # a suffix on top of cached context (chunked prefill, prefix cache hits)
+        return [(rng.randint(1, 600), rng.randint(2, 200)) for _ in range(5)]
+    assert mode == "mixed"
+    return [(rng.randint(0, 500), 1), (0, rng.randint(2, 200)), (rng.randint(0, 500), 1),
+            (rng.randint(1, 400), rng.randint(2, 100)), (rng.randint(0, 500), 1)]
+
+
+def _check(step: PagedStep, hq: int, hkv: int, d: int, dtype: torch.dtype, window: int | None = None,
+           splits: int | None = None) -> None:
+    scale = d**-0.5
+    ref_cache, torch_cache, cache = step.kv_cache.clone(), step.kv_cache.clone(), step.kv_cache.clone()
+    ref = ReferenceAttentionBackend(hq, hkv, d, torch.float32, CUDA).forward(
+        step.q.float(), step.k.float(), step.v.float(), ref_cache.float(), step.fresh_meta(), scale, window)
+    expect = TorchAttentionBackend(hq, hkv, d, dtype, CUDA).forward(
+        step.q, step.k, step.v, torch_cache, step.fresh_meta(), scale, window)
+    meta = step.fresh_meta()
+    if splits is not None:
+        setattr(meta, _PLAN_ATTR, _Plan(None, meta.num_seqs, None, 0, 0, splits))
+    out = PagedAttentionBackend(hq, hkv, d, dtype, CUDA).forward(
+        step.q, step.k, step.v, cache, meta, scale, window)
+    torch.cuda.synchronize()
+    assert torch.equal(cache, torch_cache), "K/V written to the pool differ from the torch backend's"
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expect, **TOL[dtype])  # type: ignore[arg-type]
+    rel = ((out.float() - ref).norm() / ref.norm()).item()
+    assert rel < REL_NORM[dtype], f"relative error {rel:.2e} against the float32 reference"
+
+
+@pytest.mark.parametrize("mode", ["decode", "prefill", "cached", "mixed"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(("hq", "hkv"), [(8, 2), (4, 4)], ids=["gqa4", "mha"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_matches_torch_backend(mode: str, dtype: torch.dtype, hq: int, hkv: int, d: int) -> None:
+    rng = random.Random(f"{mode}{dtype}{hq}{d}")
+    step = make_step(_seqs(mode, rng), num_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype,
+                     device=CUDA, seed=rng.randrange(1 << 30))
+    _check(step, hq, hkv, d, dtype)
+
+
+@pytest.mark.parametrize("mode", ["decode", "cached", "mixed"])
+def test_sliding_window(mode: str) -> None:
+    rng = random.Random(mode)
+    step = make_step(_seqs(mode, rng), num_heads=8, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16,
+                     device=CUDA, seed=3)
+    _check(step, 8, 2, 128, torch.bfloat16, window=100)
+
+
+@pytest.mark.parametrize("splits", [None, 2, 16])
+@pytest.mark.parametrize("window", [None, 1000])
+def test_split_k_decode_long_context(splits: int | None, window: int | None) -> None:
+    # Two sequences, 8 KV heads: 16 programs, so the planner splits each context (None = auto).
+    seqs = [(4100, 1), (2999, 1)]
+    step = make_step(seqs, num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, device=CUDA, seed=5)
+    if splits is None:
+        plan = PagedAttentionBackend(32, 8, 128, torch.bfloat16, CUDA).plan(step.fresh_meta())
+        assert plan.num_splits > 1
+    _check(step, 32, 8, 128, torch.bfloat16, window=window, splits=splits)
+
+
+def test_llama8b_shape_decode_batch() -> None:
+    rng = random.Random(8)
+    seqs = [(rng.randint(500, 700), 1) for _ in range(64)]
+    step = make_step(seqs, num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, device=CUDA, seed=8)
+    _check(step, 32, 8, 128, torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------------------------
+# CUDA graphs
+# ------------------------------------------------------------------------------------------------
+
+
+def _tiny_llama() -> torch.nn.Module:
+    from loom.model_loader.random_model import RandomWeights, init_random_weights
+    from loom_plugins.models.llama import LlamaForCausalLM
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
+                         num_key_value_heads=2, vocab_size=1000, max_position_embeddings=1024,
+                         rope_theta=10000.0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with CUDA:
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    init_random_weights(model, RandomWeights(seed=0, std=0.05))
+    return model.eval()
+
+
+def _meta(tables: list[list[int]], ctx: list[int], new: list[int], page: int) -> AttentionMetadata:
+    slots: list[int] = []
+    loc = [0]
+    for t, c, n in zip(tables, ctx, new, strict=True):
+        slots.extend(t[p // page] * page + p % page for p in range(c, c + n))
+        loc.append(loc[-1] + n)
+    width = max(len(t) for t in tables)
+    bt = torch.zeros(len(tables), width, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    lens = [c + n for c, n in zip(ctx, new, strict=True)]
+    return AttentionMetadata(
+        query_start_loc=torch.tensor(loc, dtype=torch.int32, device=CUDA),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=CUDA),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=CUDA),
+        block_tables=bt.to(CUDA), query_lens_cpu=list(new), seq_lens_cpu=lens,
+        max_query_len=max(new), max_seq_len=max(lens), block_size=page)
+
+
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_cuda_graph_decode_equals_eager(n: int) -> None:
+    with torch.inference_mode():
+        _graph_vs_eager(n)
+
+
+def _graph_vs_eager(n: int) -> None:
+    from loom.engine.cuda_graphs import CudaGraphRunner
+    from loom.engine.model_runner import StepInputs
+
+    page, max_blocks = 16, 24
+    model = _tiny_llama()
+    backend = PagedAttentionBackend(8, 2, 64, torch.bfloat16, CUDA)
+    caches = backend.allocate_kv_cache(2, 200, page)
+    graphs = CudaGraphRunner([1, 2, 4, 8], page, CUDA)
+    graphs.capture(model, backend, caches, max_blocks)
+
+    rng = random.Random(n)
+    free = list(range(200))
+    rng.shuffle(free)
+    lens = [rng.randint(2, 300) for _ in range(n)]
+    tables = [[free.pop() for _ in range(-(-(ln + 1) // page))] for ln in lens]
+    prompts = [[rng.randrange(3, 1000) for _ in range(ln)] for ln in lens]
+    # Prefill every sequence eagerly, then one decode step.
+    meta = _meta(tables, [0] * n, lens, page)
+    ids = torch.tensor(sum(prompts, []), device=CUDA)
+    pos = torch.cat([torch.arange(ln, device=CUDA) for ln in lens])
+    with forward_context(ForwardContext(backend, caches, meta)):
+        model(ids, pos)
+    step_ids = torch.tensor([rng.randrange(3, 1000) for _ in range(n)], device=CUDA)
+    step_pos = torch.tensor(lens, device=CUDA)
+    before = [c.clone() for c in caches]
+
+    meta = _meta(tables, lens, [1] * n, page)
+    with forward_context(ForwardContext(backend, caches, meta)):
+        eager = model(step_ids, step_pos).clone()
+    eager_caches = [c.clone() for c in caches]
+    for c, b in zip(caches, before, strict=True):
+        c.copy_(b)
+
+    meta = _meta(tables, lens, [1] * n, page)
+    hidden = graphs.try_run(StepInputs(step_ids, step_pos, meta, [], []))
+    assert hidden is not None and hidden.shape == eager.shape
+    torch.cuda.synchronize()
+    assert graphs.num_replays == 1
+    # Same kernels, but the graph may split decode differently (its max_seq_len is the bound).
+    torch.testing.assert_close(hidden, eager, atol=2e-2, rtol=2e-2)
+    # The graph wrote exactly the eager step's K/V, and the padding rows wrote nothing.
+    for c, e in zip(caches, eager_caches, strict=True):
+        assert torch.equal(c, e)
+
+    # A prefill step, or more sequences than the largest graph, is not replayed.
+    assert graphs.try_run(StepInputs(ids, pos, _meta(tables, [0] * n, lens, page), [], [])) is None
+    many = _meta([tables[0]] * 9, [lens[0]] * 9, [1] * 9, page)
+    assert graphs.try_run(StepInputs(step_ids[:1].repeat(9), step_pos[:1].repeat(9), many, [], [])) is None
