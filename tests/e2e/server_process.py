@@ -38,7 +38,8 @@ def server_env() -> dict[str, str]:
 class ServerProcess:
     """One ``loom serve`` child process; records the health statuses seen while it started."""
 
-    def __init__(self, model_dir: Path | None, log_path: Path, *extra: str) -> None:
+    def __init__(self, model_dir: Path | None, log_path: Path, *extra: str,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -47,7 +48,9 @@ class ServerProcess:
             args += ["--model-id", str(model_dir)]
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=server_env())
-        self.channel = grpc.insecure_channel(self.address)
+        # A TLS server is reached with ``credentials`` (its CA, and a client certificate for mTLS).
+        self.channel = (grpc.insecure_channel(self.address) if credentials is None
+                        else grpc.secure_channel(self.address, credentials))
         self.stub = pb_grpc.GenerationServiceStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.seen: list[str] = []  # distinct health states in order, "UNREACHABLE" before listening
@@ -97,8 +100,9 @@ class ServerProcess:
         return code
 
 
-def start_server(model_dir: Path | None, log_dir: Path, name: str, *extra: str) -> ServerProcess:
-    server = ServerProcess(model_dir, log_dir / f"{name}.log", *extra)
+def start_server(model_dir: Path | None, log_dir: Path, name: str, *extra: str,
+                 credentials: grpc.ChannelCredentials | None = None) -> ServerProcess:
+    server = ServerProcess(model_dir, log_dir / f"{name}.log", *extra, credentials=credentials)
     try:
         server.wait_serving()
     except BaseException:

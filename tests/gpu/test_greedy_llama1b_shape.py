@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -34,17 +35,17 @@ NEW_TOKENS = 24
 PROMPT_LENS = (5, 17, 64, 130, 300, 611)
 
 
-def _build_checkpoint(path: Path) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _build_checkpoint(path: Path) -> Any:
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
-    config = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                         num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
-                         max_position_embeddings=2048, tie_word_embeddings=True, initializer_range=0.02,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    shape: dict[str, Any] = dict(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=2048,
+        tie_word_embeddings=True, initializer_range=0.02, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(config)
-    model = model.to(torch.bfloat16)
+    with torch.device("cuda"):  # initialised on the GPU, directly in bf16
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**shape), dtype=torch.bfloat16)
     model.save_pretrained(path, safe_serialization=True)
     return model
 
@@ -60,6 +61,7 @@ def test_greedy_equals_transformers(tmp_path: Path) -> None:
                                     attention_backend="paged", max_batch_total_tokens=32768,
                                     max_total_tokens=1024, cuda_graphs=(1, 2, 4, 8)))
     runner = engine.runner
+    assert runner is not None
     if runner.cuda_graphs is None:  # the engine may not wire graphs itself (yet)
         runner.cuda_graphs = maybe_capture_cuda_graphs((1, 2, 4, 8), runner.model, runner.backend,
                                                        runner.kv_caches, engine.config.block_size,
@@ -110,7 +112,7 @@ def test_greedy_equals_transformers(tmp_path: Path) -> None:
             lp_err = (hf_lps - torch.tensor(logprobs[str(i)], device="cuda")).abs().max().item()
             argmax_agree = sum(g == 0.0 for g in gaps)
             report.append(f"prompt {i} (len {len(prompt)}): clear-margin prefix {clear}/{NEW_TOKENS}, "
-                          f"free-running equal prefix {next((j for j, (a, b) in enumerate(zip(ours, theirs)) if a != b), NEW_TOKENS)}, "
+                          f"free-running equal prefix {next((j for j, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b), NEW_TOKENS)}, "
                           f"teacher-forced argmax agreement {argmax_agree}/{NEW_TOKENS}, max gap {max(gaps):.3f}, "
                           f"max |logprob diff| {lp_err:.3f}")
             if max(gaps) > MARGIN:

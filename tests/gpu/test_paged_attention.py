@@ -9,17 +9,19 @@ output is within half-precision tolerance of the torch backend's and of a float3
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from helpers.paged_cases import PagedStep, make_step  # noqa: E402
-from helpers.reference_attention import ReferenceAttentionBackend  # noqa: E402
-from loom.layers.attention import AttentionMetadata, ForwardContext, forward_context  # noqa: E402
-from loom_plugins.attention.paged_triton import _PLAN_ATTR, PagedAttentionBackend, _Plan  # noqa: E402
-from loom_plugins.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from helpers.paged_cases import PagedStep, make_step
+from helpers.reference_attention import ReferenceAttentionBackend
+
+from loom.layers.attention import AttentionMetadata, ForwardContext, forward_context
+from loom_plugins.attention.paged_triton import _PLAN_ATTR, PagedAttentionBackend, _Plan
+from loom_plugins.attention.torch_backend import TorchAttentionBackend
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -106,13 +108,15 @@ def test_llama8b_shape_decode_batch() -> None:
 
 
 def _tiny_llama() -> torch.nn.Module:
-    from loom.model_loader.random_model import RandomWeights, init_random_weights
-    from loom_plugins.models.llama import LlamaForCausalLM
     from transformers import LlamaConfig
 
-    config = LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
-                         num_key_value_heads=2, vocab_size=1000, max_position_embeddings=1024,
-                         rope_theta=10000.0)
+    from loom.model_loader.random_model import RandomWeights, init_random_weights
+    from loom_plugins.models.llama import LlamaForCausalLM
+
+    shape: dict[str, Any] = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                                 num_attention_heads=8, num_key_value_heads=2, vocab_size=1000,
+                                 max_position_embeddings=1024, rope_theta=10000.0)
+    config = LlamaConfig(**shape)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
@@ -168,7 +172,7 @@ def _graph_vs_eager(n: int) -> None:
     prompts = [[rng.randrange(3, 1000) for _ in range(ln)] for ln in lens]
     # Prefill every sequence eagerly, then one decode step.
     meta = _meta(tables, [0] * n, lens, page)
-    ids = torch.tensor(sum(prompts, []), device=CUDA)
+    ids = torch.tensor([t for p in prompts for t in p], device=CUDA)
     pos = torch.cat([torch.arange(ln, device=CUDA) for ln in lens])
     with forward_context(ForwardContext(backend, caches, meta)):
         model(ids, pos)

@@ -53,6 +53,7 @@ CASES: list[tuple[list[tuple[int, int]], int, int, int, str, int | None, int | N
 def run_case(seqs: list[tuple[int, int]], hq: int, hkv: int, d: int, dtype_name: str,
              window: int | None, splits: int | None, page: int) -> tuple[float, float]:
     import torch
+
     from helpers.paged_cases import make_step
     from helpers.reference_attention import ReferenceAttentionBackend
     from loom_plugins.attention.paged_triton import _PLAN_ATTR, PagedAttentionBackend, _Plan
@@ -75,6 +76,7 @@ def run_case(seqs: list[tuple[int, int]], hq: int, hkv: int, d: int, dtype_name:
 def run_padding_case() -> float:
     """CUDA-graph padding rows: slot -1 writes nothing, seq_len 0 attends nothing (output 0)."""
     import torch
+
     from helpers.paged_cases import make_step
     from loom_plugins.attention.paged_triton import PagedAttentionBackend
 

@@ -6,9 +6,10 @@ Capture and replay themselves are tested in tests/gpu/test_paged_attention.py.
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from loom.engine.cuda_graphs import CudaGraphRunner, maybe_capture_cuda_graphs
 from loom.layers.attention import AttentionBackend
-from torch import nn
 
 
 def test_size_for_picks_next_captured_size() -> None:

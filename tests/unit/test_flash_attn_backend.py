@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from helpers.paged_cases import make_step
+
 from loom_plugins.attention import BACKENDS, _check_flash
 
 

@@ -192,7 +192,7 @@ def engine_config(args: argparse.Namespace, device: torch.device, workloads: lis
 def _limit_line(entry: dict[str, Any]) -> str:
     parts = []
     peer = entry.get("peer", {})
-    if "out_tok_s" in peer:
+    if "ratio" in entry:
         parts.append(f"peer {peer['out_tok_s']:.1f} ({entry['ratio']:.2f}x)")
     elif "error" in peer:
         parts.append("peer failed")
@@ -235,7 +235,7 @@ def _run_model_workloads(args: argparse.Namespace, names: list[str], device: tor
                                  "ratio_to_limit": figures["out_tok_s"] / limit["max_out_tok_s"]}
         if w.name in peer:
             entry["peer"] = peer[w.name]
-            if "out_tok_s" in peer[w.name]:
+            if peer[w.name].get("out_tok_s"):
                 entry["ratio"] = figures["out_tok_s"] / peer[w.name]["out_tok_s"]
         result["workloads"][w.name] = entry
         detail = (f"ITL mean {1e3 * figures['itl_mean_s']:.2f} ms, p99 {1e3 * figures['itl_p99_s']:.2f} ms"

@@ -80,11 +80,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-@torch.inference_mode()
 def static_generate(model: torch.nn.Module, device: torch.device, batch: int, prompt: int,
                     new: int) -> dict[str, float]:
     """generate() on ``batch`` prompts of ``prompt`` ids U[10,1000) (device generator seed 1),
-    exactly ``new`` tokens each; a 4-token generate() first warms it up."""
+    exactly ``new`` tokens each; a 4-token generate() first warms it up. (generate() runs under
+    no_grad itself; like the peer script, no inference_mode around it.)"""
     from transformers import GenerationConfig
 
     gen = torch.Generator(device=device).manual_seed(1)
@@ -102,11 +102,12 @@ def static_generate(model: torch.nn.Module, device: torch.device, batch: int, pr
     return {"batch": batch, "prompt": prompt, "new": new, "s": dt, "out_tokens": tokens, "out_tok_s": tokens / dt}
 
 
-@torch.inference_mode()
 def continuous_batching(model: torch.nn.Module, device: torch.device, w: Workload) -> dict[str, Any]:
     """generate_batch() (transformers' continuous batching, paged sdpa) on every request of ``w``.
 
-    Versions of transformers without generate_batch() report the error instead of a figure.
+    Versions of transformers without generate_batch() report the error instead of a figure, and
+    so does a run in which requests failed (generate_batch() logs those rather than raising).
+    Not under inference_mode: generate_batch() updates its own tensors in place outside it.
     """
     from transformers import GenerationConfig
 
@@ -123,6 +124,9 @@ def continuous_batching(model: torch.nn.Module, device: torch.device, w: Workloa
     except Exception:
         return {"name": "hf-generate_batch", "error": traceback.format_exc()[-800:]}
     out_tokens = sum(len(r.generated_tokens) for r in results.values())
+    if out_tokens < w.output_tokens:
+        return {"name": "hf-generate_batch", "error": f"generate_batch() returned {len(results)} of "
+                f"{len(inputs)} requests and {out_tokens} of {w.output_tokens} tokens (see its log above)"}
     return {"name": "hf-generate_batch", "attn": "paged|sdpa", "requests": len(inputs), "done": len(results),
             "s": dt, "out_tokens": out_tokens, "out_tok_s": out_tokens / dt,
             "total_tok_s": (out_tokens + w.prompt_tokens) / dt}

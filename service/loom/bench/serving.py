@@ -156,7 +156,7 @@ class ServerProcess:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=env)
 
-    def log_tail(self, chars: int = 3000) -> str:
+    def log_tail(self, chars: int = 12000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:]
 
     async def wait_serving(self, timeout: float) -> None:

@@ -47,7 +47,7 @@ def cancel_status(context: Any) -> grpc.StatusCode:
     return grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0 else grpc.StatusCode.CANCELLED
 
 
-class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, requests: Counter, duration: Histogram) -> None:
         self._requests = requests
         self._duration = duration

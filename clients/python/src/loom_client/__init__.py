@@ -12,6 +12,7 @@ The messages are in :mod:`loom_client.v1.generation_pb2`; the asyncio client is
 from __future__ import annotations
 
 from ._requests import ChannelOptions, ChatMessageLike, Metadata
+from ._security import read_pem, tls_credentials
 from .aio import AsyncLoomClient
 from .client import LoomClient
 from .parameters import ParameterOptions, build_parameters
@@ -27,4 +28,6 @@ __all__ = [
     "ParameterOptions",
     "__version__",
     "build_parameters",
+    "read_pem",
+    "tls_credentials",
 ]

@@ -25,6 +25,7 @@ from ._requests import (
     merge_metadata,
     tokenize_request,
 )
+from ._security import api_key_metadata, resolve_credentials
 from .v1 import generation_pb2 as pb
 from .v1.generation_pb2_grpc import GenerationServiceStub
 
@@ -47,10 +48,15 @@ class AsyncLoomClient:
         metadata: Metadata | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         options: ChannelOptions | None = None,
+        api_key: str | None = None,
+        root_certificates: bytes | None = None,
+        certificate_chain: bytes | None = None,
+        private_key: bytes | None = None,
     ) -> None:
         self.target = target
         self.timeout = timeout
-        self.metadata = tuple(metadata or ())
+        self.metadata = api_key_metadata(api_key, metadata)
+        credentials = resolve_credentials(credentials, root_certificates, certificate_chain, private_key)
         if credentials is None:
             self._channel = grpc.aio.insecure_channel(target, options=options)
         else:

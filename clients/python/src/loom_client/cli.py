@@ -24,6 +24,7 @@ from google.protobuf.message import Message
 
 from . import __version__
 from ._requests import ChatMessageLike
+from ._security import read_pem, tls_credentials
 from .client import LoomClient
 from .parameters import PARAMETER_FIELDS, ParameterOptions
 from .v1 import generation_pb2 as pb
@@ -95,6 +96,24 @@ def _add_common(parser: argparse.ArgumentParser, *, suppress: bool) -> None:
     )
     parser.add_argument(
         "--tls", action="store_true", default=default(False), help="connect with TLS (system roots)"
+    )
+    parser.add_argument(
+        "--tls-ca",
+        default=default(None),
+        metavar="PEM",
+        help="connect with TLS, checking the server against this CA file",
+    )
+    parser.add_argument(
+        "--tls-cert",
+        default=default(None),
+        metavar="PEM",
+        help="client certificate for mutual TLS (with --tls-key)",
+    )
+    parser.add_argument("--tls-key", default=default(None), metavar="PEM", help="private key of --tls-cert")
+    parser.add_argument(
+        "--api-key",
+        default=default(os.environ.get("LOOM_API_KEY")),
+        help="send 'authorization: Bearer KEY' (default: $LOOM_API_KEY)",
     )
     parser.add_argument(
         "--metadata",
@@ -247,6 +266,19 @@ def _print_completions(completions: Sequence[tuple[int, str]], out: TextIO) -> N
         out.write(f"--- completion {index} ---\n{text}\n")
 
 
+def _credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise UsageError("--tls-cert and --tls-key go together")
+    files = (args.tls_ca, args.tls_cert, args.tls_key)
+    if not args.tls and all(f is None for f in files):
+        return None
+    try:
+        root, chain, key = (None if f is None else read_pem(f) for f in files)
+    except OSError as exc:
+        raise UsageError(f"cannot read {exc.filename}: {exc.strerror}") from exc
+    return tls_credentials(root, chain, key)
+
+
 def _run_generate(client: LoomClient, args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
     reply = client.generate(request_id=args.request_id, **_prompt(args), **_options(args))
     if args.json:
@@ -350,10 +382,13 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: T
     err = sys.stderr if err is None else err
     parser = build_parser()
     args = parser.parse_args(argv)
-    credentials = grpc.ssl_channel_credentials() if args.tls else None
     try:
         with LoomClient(
-            args.target, timeout=args.timeout, metadata=args.metadata, credentials=credentials
+            args.target,
+            timeout=args.timeout,
+            metadata=args.metadata,
+            credentials=_credentials(args),
+            api_key=args.api_key or None,
         ) as client:
             _COMMANDS[args.command](client, args, out, err)
     except (UsageError, ValueError, TypeError) as exc:

@@ -26,6 +26,7 @@ from ._requests import (
     merge_metadata,
     tokenize_request,
 )
+from ._security import api_key_metadata, resolve_credentials
 from .v1 import generation_pb2 as pb
 from .v1.generation_pb2_grpc import GenerationServiceStub
 
@@ -42,8 +43,13 @@ class LoomClient:
 
     ``target`` is a gRPC target (``host:port``, ``unix:/path``, ``dns:///host:port``).
     ``timeout`` (seconds) and ``metadata`` apply to every call unless the call passes its own
-    timeout or extra metadata. Without ``credentials`` the channel is plaintext; pass
-    ``grpc.ssl_channel_credentials()`` for TLS. ``options`` are gRPC channel arguments.
+    timeout or extra metadata. ``api_key`` is sent as ``authorization: Bearer <key>`` (servers
+    started with ``--api-key``). Without credentials the channel is plaintext. For TLS pass
+    ``root_certificates`` (PEM bytes of the CA that signed the server's certificate; see
+    :func:`loom_client.read_pem`) and, for a server that wants mutual TLS, the client's
+    ``certificate_chain`` and ``private_key``; or pass any ``credentials``
+    (``grpc.ssl_channel_credentials()``: TLS with the system's roots). ``options`` are gRPC
+    channel arguments.
     """
 
     def __init__(
@@ -54,10 +60,15 @@ class LoomClient:
         metadata: Metadata | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         options: ChannelOptions | None = None,
+        api_key: str | None = None,
+        root_certificates: bytes | None = None,
+        certificate_chain: bytes | None = None,
+        private_key: bytes | None = None,
     ) -> None:
         self.target = target
         self.timeout = timeout
-        self.metadata = tuple(metadata or ())
+        self.metadata = api_key_metadata(api_key, metadata)
+        credentials = resolve_credentials(credentials, root_certificates, certificate_chain, private_key)
         if credentials is None:
             self._channel = grpc.insecure_channel(target, options=options)
         else:
