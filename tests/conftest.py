@@ -26,6 +26,7 @@ if importlib.util.find_spec("loom_plugins") is None:
     _spec.loader.exec_module(_plugins)
 
 from helpers.tiny_models import save_tiny_model  # noqa: E402
+
 from loom.plugin_api import PluginRegistry  # noqa: E402
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
 from loom.layers.attention import AttentionBackend, AttentionMetadata
 
 # Attribute under which the step plan is cached on the metadata object. The runner builds a

@@ -139,7 +139,7 @@ def _paged_attn_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx_len = seq_len - q_len  # keys before the first query; cached context
 
-    TOK: tl.constexpr = BLOCK_M // GROUP  # query tokens per tile
+    TOK = BLOCK_M // GROUP  # query tokens per tile (a constexpr)
     tok0 = m_tile * TOK
     if tok0 < q_len:
         rows = tl.arange(0, BLOCK_M)

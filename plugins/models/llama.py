@@ -12,12 +12,13 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from loom.layers.activation import SiluAndMul
 from loom.layers.attention import Attention
 from loom.layers.norm import RMSNorm
 from loom.layers.rotary import RotaryEmbedding, get_rope
 from loom.model_loader.hf_config import SlidingWindowRule, head_dim_of, layer_sliding_windows, num_kv_heads_of
-from torch import nn
 
 from .weights import FusedLayout, load_fused_weights
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from loom.model_loader.errors import ModelLoadError
 from torch import nn
+
+from loom.model_loader.errors import ModelLoadError
 
 # HF module name -> (fused module name, first row, number of rows), e.g.
 # "k_proj" -> ("qkv_proj", Hq*D, Hkv*D). Weights and biases are both split along dim 0.

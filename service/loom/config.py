@@ -46,7 +46,7 @@ class EngineConfig:
             raise ConfigError(f"--block-size must be a positive power of two, got {self.block_size}")
         if self.max_batch_prefill_tokens <= 0:
             raise ConfigError("--max-batch-prefill-tokens must be positive")
-        if not 0.0 <= self.waiting_served_ratio:
+        if not self.waiting_served_ratio >= 0.0:
             raise ConfigError("--waiting-served-ratio must be >= 0")
         if self.max_waiting_tokens < 0:
             raise ConfigError("--max-waiting-tokens must be >= 0")

@@ -31,7 +31,9 @@ QUICK_ANSWER_S = 10.0  # the long request alone runs far longer than this
 
 @pytest.fixture(scope="module")
 def one_slot_server(tiny_llama_dir: Path, server_logs: Path) -> Iterator[ServerProcess]:
-    server = start_server(tiny_llama_dir, server_logs, "one-slot", "--max-concurrent-requests", "1",
+    # --max-queue 0: a second request is refused at once instead of waiting (test_admission.py
+    # covers the queue).
+    server = start_server(tiny_llama_dir, server_logs, "one-slot", "--max-concurrent-requests", "1", "--max-queue", "0",
                           "--max-batch-size", "1", "--max-batch-total-tokens", "8192",
                           "--graceful-termination-timeout", "60", "--num-threads", "1")
     yield server

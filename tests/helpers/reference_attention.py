@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from loom.layers.attention import AttentionBackend, AttentionMetadata, ForwardContext, forward_context
 from loom.model_loader.hf_config import model_dims
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import grpc
 import pytest
+
 from loom_client import AsyncLoomClient, ChatMessageLike, LoomClient, build_parameters
 from loom_client import cli as loom_cli
 from loom_client.parameters import PARAMETER_FIELDS, ParameterOptions

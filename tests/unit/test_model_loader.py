@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from loom.model_loader import (
     ModelLoadError,
     cache_root,

@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers.reference_attention import ModelHarness, ReferenceAttentionBackend
 from helpers.tiny_models import TINY_CONFIGS, hf_logits, load_hf_reference
+
 from loom.layers.attention import AttentionBackend
 from loom.model_loader import eos_token_ids, load_model, resolve_model_dir
 from loom.plugin_api import PluginRegistry

@@ -78,7 +78,7 @@ def test_unknown_architecture_lists_known_ones() -> None:
 
     reg = PluginRegistry()
     reg.register(Models(), "m", "dist")
-    with pytest.raises(PluginError, match="unsupported model architecture GPT2LMHeadModel. Known architectures: LlamaForCausalLM"):
+    with pytest.raises(PluginError, match=r"unsupported model architecture GPT2LMHeadModel\. Known architectures: LlamaForCausalLM"):
         reg.model_for_architecture(["GPT2LMHeadModel"])
 
 

@@ -7,9 +7,10 @@ from typing import Any
 
 import pytest
 import torch
-from loom.layers.rotary import get_rope, rope_parameters
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from loom.layers.rotary import get_rope, rope_parameters
 
 HEAD_DIM = 16
 SCALINGS: dict[str, dict[str, Any]] = {

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+
 from loom.layers.attention import Attention, AttentionMetadata, ForwardContext, forward_context
 from loom_plugins.attention import loom_attention_backends
 from loom_plugins.attention.torch_backend import TorchAttentionBackend, get_step_plan

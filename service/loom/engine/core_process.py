@@ -118,11 +118,10 @@ class AsyncEngineClient:
                         q = self._queues.get(out.request_id)
                         if q is not None:
                             q.put_nowait(out)
-                elif kind == "stats":
-                    if self._stats_waiters:
-                        fut = self._stats_waiters.pop(0)
-                        if not fut.done():  # its caller may have given up (wait_for timeout)
-                            fut.set_result(payload)
+                elif kind == "stats" and self._stats_waiters:
+                    fut = self._stats_waiters.pop(0)
+                    if not fut.done():  # its caller may have given up (wait_for timeout)
+                        fut.set_result(payload)
         except (EOFError, OSError) as exc:
             self._fail_all(f"engine process died: {exc!r}")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import time
+from typing import cast
 
 import structlog
 import torch
@@ -17,7 +18,7 @@ from loom.config import ConfigError, EngineConfig
 from loom.plugin_api import PluginRegistry, default_registry
 
 from .block_manager import BlockManager
-from .model_runner import ModelRunner, StepResult
+from .model_runner import CausalLM, ModelRunner, StepResult
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sequence import Sequence, SequenceStatus
 from .types import (
@@ -75,12 +76,13 @@ class LLMEngine:
             backend_spec = registry.default_attention_backend(self.device.type)
         backend = backend_spec.load()(shape.num_heads, shape.num_kv_heads, shape.head_dim, self.dtype, self.device)
 
-        self.model = loaded.model
+        self.model = cast(CausalLM, loaded.model)
         self.backend = backend
         self.shape = shape
         self.eos_token_ids = eos_token_ids(model_dir)
         self.vocab_size = shape.vocab_size
         self.requests: dict[str, list[Sequence]] = {}
+        self.runner: ModelRunner
         self._rng = random.Random()
         self.num_steps = 0
         bs = config.block_size
@@ -130,9 +132,7 @@ class LLMEngine:
     def _build(self, num_blocks: int) -> None:
         """(Re)create the KV pool, block manager, scheduler and runner for ``num_blocks`` blocks."""
         config, bs = self.config, self.config.block_size
-        self.runner = None  # type: ignore[assignment]  # drop the old pool before allocating anew
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        self._drop_pool()  # free the old pool before allocating anew
         kv_caches = self.backend.allocate_kv_cache(self.shape.num_layers, num_blocks, bs)
         self.block_manager = BlockManager(num_blocks, bs, enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -148,6 +148,11 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.model, self.backend, kv_caches, bs, self.vocab_size, self.device,
                                   self.eos_token_ids, fault_injection=config.fault_injection)
+
+    def _drop_pool(self) -> None:
+        self.__dict__.pop("runner", None)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _warmup_tokens(self) -> int:
         """GPU: the largest prefill the budgets allow (it sets the activation peak); CPU: a short
@@ -181,8 +186,7 @@ class LLMEngine:
         self.warmup(warm)
         torch.cuda.synchronize(self.device)
         activations = torch.cuda.max_memory_allocated(self.device) - base
-        self.runner = None  # type: ignore[assignment]
-        torch.cuda.empty_cache()
+        self._drop_pool()
         weights_and_state = torch.cuda.memory_allocated(self.device)
         _, total = torch.cuda.mem_get_info(self.device)
         budget = int(total * self.config.cuda_memory_fraction) - weights_and_state - activations

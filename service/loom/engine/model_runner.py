@@ -10,10 +10,9 @@ logprobs were asked for) and hands them to the sampler.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
-from torch import nn
 
 from loom.layers.attention import AttentionBackend, AttentionMetadata, ForwardContext, forward_context
 
@@ -23,6 +22,14 @@ from .sequence import Sequence
 
 if TYPE_CHECKING:
     from .cuda_graphs import CudaGraphRunner
+
+
+class CausalLM(Protocol):
+    """What the runner needs of a model plugin's module (see plugins/models)."""
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...  # [T] -> [T, H]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # [N, H] -> [N, V] fp32
 
 
 @dataclass
@@ -46,7 +53,7 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, backend: AttentionBackend, kv_caches: list[torch.Tensor],
+    def __init__(self, model: CausalLM, backend: AttentionBackend, kv_caches: list[torch.Tensor],
                  block_size: int, vocab_size: int, device: torch.device,
                  eos_token_ids: tuple[int, ...] = (), fault_injection: bool = False,
                  cuda_graphs: CudaGraphRunner | None = None) -> None:

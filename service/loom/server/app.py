@@ -27,9 +27,14 @@ from .admission import Admission
 from .auth import auth_interceptors
 from .health import GENERATION_SERVICE, HEALTH_SERVICE, ServerHealth
 from .loading import load_backend
+from .metrics import EngineStatsPoller, Metrics
+from .metrics_http import start_metrics_server
+from .rpc_metrics import RpcMetricsInterceptor
 from .servicer import GenerationService
 from .settings import ServerSettings
+from .telemetry import Telemetry
 from .tls import server_credentials
+from .tracing import Tracing, setup_tracing
 
 log = structlog.get_logger(__name__)
 
@@ -38,6 +43,7 @@ SERVER_OPTIONS = [
     ("grpc.so_reuseport", 0),
 ]
 _ENGINE_CHECK_INTERVAL_S = 1.0
+_SCRAPE_REFRESH_TIMEOUT_S = 0.25  # a scrape waits this long for a fresh engine snapshot, then serves the last
 
 
 def build_server(service: GenerationService, health: ServerHealth, *,
@@ -53,13 +59,27 @@ def build_server(service: GenerationService, health: ServerHealth, *,
 
 
 class LoomServer:
-    def __init__(self, settings: ServerSettings) -> None:
+    def __init__(self, settings: ServerSettings, tracing: Tracing | None = None) -> None:
+        """``tracing``: use this tracer provider (tests); unset, --otlp-endpoint decides (ConfigError
+        when its packages are missing)."""
         self.settings = settings
         self.health = ServerHealth()
         self.admission = Admission(settings.max_concurrent_requests, settings.max_queue,
                                    max_queue_age_s=settings.engine.max_queue_age_s)
-        self.service = GenerationService(self.admission)
-        self.server = build_server(self.service, self.health, interceptors=auth_interceptors(settings.api_key),
+        self._owns_tracing = tracing is None
+        self.tracing = tracing if tracing is not None else setup_tracing(settings.otlp_endpoint,
+                                                                         settings.otlp_service_name)
+        self.metrics = Metrics(admission_queued=lambda: self.admission.queued)
+        self.stats_poller = EngineStatsPoller(self.metrics.engine)
+        self.metrics_server: asyncio.Server | None = None
+        self.service = GenerationService(self.admission, Telemetry(self.metrics, self.tracing))
+        # Outermost first: the RPC span and the RPC metrics also see what authentication rejects.
+        telemetry_interceptors: list[grpc.aio.ServerInterceptor] = [] if self.tracing is None else [
+            self.tracing.interceptor()]
+        telemetry_interceptors.append(RpcMetricsInterceptor(self.metrics.grpc_requests,
+                                                            self.metrics.grpc_request_duration))
+        self.server = build_server(self.service, self.health,
+                                   interceptors=[*telemetry_interceptors, *auth_interceptors(settings.api_key)],
                                    max_request_bytes=settings.max_request_bytes)
         self.engine: AsyncEngineClient | None = None
         self.port = 0
@@ -85,6 +105,15 @@ class LoomServer:
         except RuntimeError as exc:
             log.error("cannot listen", address=s.address, error=str(exc))
             return 1
+        if s.prometheus_port:
+            try:
+                self.metrics_server = await start_metrics_server(
+                    s.host, s.prometheus_port, self.metrics.registry,
+                    lambda: self.stats_poller.refresh(_SCRAPE_REFRESH_TIMEOUT_S))
+            except OSError as exc:
+                log.error("cannot listen for metrics", host=s.host, prometheus_port=s.prometheus_port, error=str(exc))
+                return 1
+            log.info("metrics at /metrics", host=s.host, prometheus_port=s.prometheus_port)
         await self.health.loading()
         await self.server.start()
         log.info("listening", address=s.address, port=self.port, tls=s.tls.enabled, mutual_tls=s.tls.mutual,
@@ -111,8 +140,10 @@ class LoomServer:
             self.admission.ready = True
             log.info("serving", port=self.port)
             watchdog = asyncio.create_task(self._watch_engine())
+            stats_poller = asyncio.create_task(self.stats_poller.run())
             await self._stop.wait()
             watchdog.cancel()
+            stats_poller.cancel()
         stop_wait.cancel()
         await self._shutdown()
         return self._exit_code
@@ -127,6 +158,7 @@ class LoomServer:
         self.engine = AsyncEngineClient(self.settings.engine, log_json=self.settings.json_output)
         backend = await load_backend(self.settings, self.engine)
         self.service.attach(backend)
+        self.stats_poller.attach(self.engine, backend.info)
 
     async def _watch_engine(self) -> None:
         assert self.engine is not None
@@ -150,7 +182,13 @@ class LoomServer:
         await self.server.stop(0.5)
         if self.engine is not None:
             await self._log_engine_stats()
+            await self.stats_poller.stop()
             await self.engine.shutdown()
+        if self.metrics_server is not None:  # scrapable until here: the drain shows in the metrics
+            self.metrics_server.close()
+        if self.tracing is not None and self._owns_tracing:
+            # Flushes the spans still buffered; the exporter may block on the network.
+            await asyncio.get_running_loop().run_in_executor(None, self.tracing.shutdown)
         log.info("stopped")
 
     async def _log_engine_stats(self) -> None:
@@ -170,6 +208,11 @@ def serve(settings: ServerSettings) -> int:
 
     async def main() -> int:
         # Built inside the loop: grpc.aio objects bind to the running loop.
-        return await LoomServer(settings).run()
+        try:
+            server = LoomServer(settings)
+        except ConfigError as exc:  # e.g. --otlp-endpoint without the OpenTelemetry packages
+            log.error("cannot start", error=str(exc))
+            return 2
+        return await server.run()
 
     return asyncio.run(main())

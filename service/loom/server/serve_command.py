@@ -45,6 +45,11 @@ _SECURITY_FLAGS: list[tuple[str, Any, str]] = [
     ("--max-request-bytes", int, "largest request message accepted; larger get RESOURCE_EXHAUSTED"),
     ("--max-input-chars", int, "most characters of text or chat input per request"),
 ]
+_OBSERVABILITY_FLAGS: list[tuple[str, Any, str]] = [
+    ("--prometheus-port", int, "port of the Prometheus /metrics endpoint (plain HTTP on --host); 0 disables it"),
+    ("--otlp-endpoint", str, "OTLP/gRPC collector for traces, e.g. http://localhost:4317; unset: no tracing"),
+    ("--otlp-service-name", str, "service.name of the exported traces"),
+]
 
 
 def _dest(flag: str) -> str:
@@ -78,6 +83,9 @@ def add_serve_command(subparsers: Any) -> None:
                             f"(prefer the environment: command lines are visible to other users) [env {env_name('--api-key')}]")
     for flag, type_, help_ in _SECURITY_FLAGS:
         add_env_argument(group, flag, type=type_, default=getattr(server_defaults, _dest(flag)), help=help_)
+    group = parser.add_argument_group("observability")
+    for flag, type_, help_ in _OBSERVABILITY_FLAGS:
+        add_env_argument(group, flag, type=type_, default=getattr(server_defaults, _dest(flag)), help=help_)
     group = parser.add_argument_group("scheduling")
     add_env_argument(group, "--prefix-caching", flag_is_switch=True, default=True,
                      help="reuse the KV blocks of prompts that share a prefix")
@@ -103,7 +111,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
                           enable_chunked_prefill=args.prefill_chunking,
                           cuda_graphs=tuple(args.cuda_graphs),
                           fault_injection=args.fault_injection)
-    server = {_dest(f): getattr(args, _dest(f)) for f, _, _ in (*_SERVER_FLAGS, *_SECURITY_FLAGS)}
+    server = {_dest(f): getattr(args, _dest(f)) for f, _, _ in (*_SERVER_FLAGS, *_SECURITY_FLAGS, *_OBSERVABILITY_FLAGS)}
     return ServerSettings(engine=engine, json_output=args.json_output, warmup=args.warmup, api_key=args.api_key,
                           **server)
 

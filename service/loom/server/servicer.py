@@ -33,6 +33,7 @@ from .admission import Admission
 from .errors import ServiceError, ValidationError, internal, invalid, unavailable
 from .prompt_input import check_chat, check_size, render_chat
 from .responses import generate_response, stream_message
+from .telemetry import RequestTelemetry, Telemetry
 from .validation import RequestLimits, validate_generate
 
 log = structlog.get_logger(__name__)
@@ -61,8 +62,9 @@ def to_service_error(exc: BaseException) -> ServiceError:
 
 
 class GenerationService(pb_grpc.GenerationServiceServicer):
-    def __init__(self, admission: Admission) -> None:
+    def __init__(self, admission: Admission, telemetry: Telemetry | None = None) -> None:
         self.admission = admission
+        self.telemetry = telemetry if telemetry is not None else Telemetry()
         self.backend: Backend | None = None
         self._engine_ids: set[str] = set()
 
@@ -99,7 +101,8 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
 
     @contextlib.asynccontextmanager
     async def _admitted(self, request: pb.GenerateRequest | pb.GenerateStreamRequest, rid: str, engine_id: str,
-                        streaming: bool, arrival: float, context: Any) -> AsyncIterator[GenerationPlan]:
+                        streaming: bool, arrival: float, context: Any,
+                        telemetry: RequestTelemetry) -> AsyncIterator[GenerationPlan]:
         """Overload check, validation, then a slot (waiting in the queue if need be) for the plan.
 
         Overload and draining are answered before any work; an invalid request fails before it
@@ -108,6 +111,7 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
         self.admission.check()
         with self._engine_id(engine_id):
             plan = self._plan(request, rid, engine_id, streaming, arrival)
+            telemetry.validated(plan)
             async with self.admission.slot(plan.engine_request.priority, context.time_remaining()):
                 yield plan
 
@@ -116,10 +120,12 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
         arrival = time.monotonic()
         rid, engine_id = self._request_ids(request.request_id)
         structlog.contextvars.bind_contextvars(request_id=rid, rpc="Generate")
+        telemetry = self.telemetry.request(rid, arrival, context)
         try:
-            async with self._admitted(request, rid, engine_id, False, arrival, context) as plan:
+            async with self._admitted(request, rid, engine_id, False, arrival, context, telemetry) as plan:
                 b = self._backend()
-                async with contextlib.aclosing(generate_chunks(b.engine, b.tokenizer, plan)) as chunks:
+                engine = telemetry.observe(b.engine)
+                async with contextlib.aclosing(generate_chunks(engine, b.tokenizer, plan)) as chunks:
                     result = await collect_completions(chunks, plan)
                 response = generate_response(result, plan)
                 response.request_id = rid
@@ -127,13 +133,17 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
                          finish_reasons=[c.finish_reason.value if c.finish_reason else None
                                          for c in result.completions],
                          duration_ms=round((time.monotonic() - arrival) * 1000, 1))
+                telemetry.succeeded(result.generated_tokens,
+                                    [c.finish_reason.value for c in result.completions if c.finish_reason])
                 return response
         except asyncio.CancelledError:
+            telemetry.cancelled()
             log.info("request cancelled", reason="client cancel, disconnect or deadline",
                      duration_ms=round((time.monotonic() - arrival) * 1000, 1))
             raise
         except Exception as exc:
             error = to_service_error(exc)
+        telemetry.failed(error.code, error.message)
         self._log_failure(error)
         await context.abort_with_status(error.to_grpc_status())
         raise AssertionError("unreachable")  # abort_with_status raises
@@ -142,31 +152,38 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
         arrival = time.monotonic()
         rid, engine_id = self._request_ids(request.request_id)
         structlog.contextvars.bind_contextvars(request_id=rid, rpc="GenerateStream")
+        telemetry = self.telemetry.request(rid, arrival, context)
         sent = 0
         try:
-            async with self._admitted(request, rid, engine_id, True, arrival, context) as plan:
+            async with self._admitted(request, rid, engine_id, True, arrival, context, telemetry) as plan:
                 b = self._backend()
                 generated = 0
-                async with contextlib.aclosing(coalesced(generate_chunks(b.engine, b.tokenizer, plan))) as batches:
+                finish_reasons: list[str] = []
+                engine = telemetry.observe(b.engine)
+                async with contextlib.aclosing(coalesced(generate_chunks(engine, b.tokenizer, plan))) as batches:
                     async for batch in batches:
                         for chunk in batch:
                             msg = stream_message(chunk, plan)
                             msg.request_id = rid
                             if chunk.finish_reason is not None:
                                 generated += chunk.generated_tokens
+                                finish_reasons.append(chunk.finish_reason.value)
                             sent += 1
                             yield msg
                 log.info("request finished", generated_tokens=generated, messages=sent,
                          duration_ms=round((time.monotonic() - arrival) * 1000, 1))
+                telemetry.succeeded(generated, finish_reasons)
                 return
         except (asyncio.CancelledError, GeneratorExit):
             # CancelledError while waiting for tokens; GeneratorExit when grpc closes this
             # generator between messages. Either way the stream closes and the engine aborts.
+            telemetry.cancelled()
             log.info("request cancelled", reason="client cancel, disconnect or deadline", messages=sent,
                      duration_ms=round((time.monotonic() - arrival) * 1000, 1))
             raise
         except Exception as exc:
             error = to_service_error(exc)
+        telemetry.failed(error.code, error.message)
         self._log_failure(error, messages_sent=sent)
         await context.abort_with_status(error.to_grpc_status())
 

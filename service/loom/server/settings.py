@@ -40,10 +40,16 @@ class ServerSettings:
     tls_client_ca: str | None = None
     max_request_bytes: int = 4 << 20  # gRPC's max receive message size; larger get RESOURCE_EXHAUSTED
     max_input_chars: int = 262_144  # characters of text/chat input (bounds tokenizing work)
+    # Observability (see metrics.py, tracing.py and docs/observability.md), TGI's flags.
+    prometheus_port: int = 9000  # /metrics over plain HTTP on `host`; 0: no endpoint
+    otlp_endpoint: str | None = None  # OTLP/gRPC collector for traces; unset: no tracing
+    otlp_service_name: str = "loom"
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in [0, 65535], got {self.port}")
+        if not 0 <= self.prometheus_port <= 65535:
+            raise ConfigError(f"--prometheus-port must be in [0, 65535] (0: off), got {self.prometheus_port}")
         for flag, value in (
             ("--max-concurrent-requests", self.max_concurrent_requests),
             ("--max-best-of", self.max_best_of),

@@ -1,0 +1,202 @@
+"""`loom bench` and random-weight models: the harness on CPU with tiny shapes.
+
+The figures themselves are not checked (the machine is shared); the shapes of the results, the
+physical-limit arithmetic and the random models' determinism are.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from loom.bench.limits import Hardware, ModelCost, w1_limit, w2_limit
+from loom.bench.serving import RequestTiming, arrival_offsets, serve_args, summarize
+from loom.bench.workloads import Workload, decode_w1, gpu_workload, serving_w2, serving_w3
+from loom.config import EngineConfig
+from loom.model_loader import ModelLoadError, load_hf_config, load_model, resolve_model_dir
+from loom.model_loader.random_model import RandomWeights, init_random_weights, random_weights_of
+from loom.plugin_api import PluginRegistry
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def random_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Random-weight model directories go to a temporary cache."""
+    monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def bench_env(cache: Path | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOOM_") or k == "LOOM_CACHE_DIR"}
+    paths = [str(ROOT / "service"), str(ROOT / "clients" / "python" / "src")]
+    env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    if cache is not None:
+        env["LOOM_CACHE_DIR"] = str(cache)
+    return env
+
+
+def run_bench(*args: str, cache: Path | None = None, timeout: float = 240) -> dict:  # type: ignore[type-arg]
+    proc = subprocess.run([sys.executable, "-m", "loom.cli", "bench", *args], capture_output=True, text=True,
+                          env=bench_env(cache), timeout=timeout, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    return json.loads(last)  # type: ignore[no-any-return]
+
+
+# -- random-weight models -----------------------------------------------------------------------------------
+
+
+def test_random_model_dir_holds_a_shape_and_no_weights(random_cache: Path) -> None:
+    path = resolve_model_dir("random:tiny-llama")
+    assert path.is_relative_to(random_cache)
+    assert {"config.json", "generation_config.json", "tokenizer.json"} <= {p.name for p in path.iterdir()}
+    assert not list(path.glob("*.safetensors"))
+    config = load_hf_config(path)
+    assert random_weights_of(config) == RandomWeights(seed=0, std=0.02)
+    assert resolve_model_dir("random:tiny-llama") == path  # cached
+    big = json.loads((resolve_model_dir("random:llama-8b") / "config.json").read_text())
+    assert (big["hidden_size"], big["intermediate_size"], big["num_hidden_layers"]) == (4096, 14336, 32)
+    assert (big["num_key_value_heads"], big["vocab_size"], big["max_position_embeddings"]) == (8, 128256, 8192)
+    assert (big["bos_token_id"], big["eos_token_id"], big["pad_token_id"]) == (1, 2, 0)
+    with pytest.raises(ModelLoadError, match="random:llama-8b"):
+        resolve_model_dir("random:nope")
+
+
+def _weights(registry: PluginRegistry, path: Path, weights: RandomWeights | None = None) -> dict[str, torch.Tensor]:
+    loaded = load_model(path, torch.float32, "cpu", registry)
+    if weights is not None:
+        init_random_weights(loaded.model, weights)
+    return {k: v.clone() for k, v in loaded.model.state_dict().items()}
+
+
+def test_random_weights_are_a_function_of_the_seed(random_cache: Path, models_registry: PluginRegistry) -> None:
+    path = resolve_model_dir("random:tiny-llama")
+    first, second = _weights(models_registry, path), _weights(models_registry, path)
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    other = _weights(models_registry, path, RandomWeights(seed=1))
+    assert not torch.equal(first["model.embed_tokens.weight"], other["model.embed_tokens.weight"])
+    norm = first["model.layers.0.input_layernorm.weight"]
+    assert torch.equal(norm, torch.ones_like(norm))
+    assert abs(first["model.layers.0.mlp.down_proj.weight"].std().item() - 0.02) < 0.002
+
+
+def test_engine_generates_with_a_random_model_deterministically(random_cache: Path) -> None:
+    from loom.engine.llm_engine import LLMEngine
+    from loom.engine.types import EngineRequest, StoppingParams
+
+    def generate() -> tuple[list[int], list[float]]:
+        engine = LLMEngine(EngineConfig(model_id="random:tiny-llama", device="cpu", max_batch_total_tokens=4096))
+        engine.add_request(EngineRequest("r", tuple(range(10, 40)), stopping=StoppingParams(max_new_tokens=6,
+                                                                                             ignore_eos=True)))
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens.extend(out.token_ids)
+                logprobs.extend(out.logprobs)
+        return tokens, logprobs
+
+    first = generate()
+    assert len(first[0]) == 6
+    assert generate() == first  # same seed: the same logits (logprobs), so the same greedy tokens
+
+
+# -- workloads, limits, serving statistics ------------------------------------------------------------------
+
+
+def test_workloads_follow_the_definitions() -> None:
+    w1 = decode_w1()
+    assert [(len(p), n) for p, n in w1.requests] == [(512, 256)]
+    w2 = gpu_workload("W2", "random:llama-1b")
+    assert len(w2.requests) == 512 and all(n == 256 for _, n in w2.requests)
+    assert len(gpu_workload("W2", "random:llama-8b").requests) == 256
+    assert all(128 <= len(p) <= 1024 and all(10 <= t <= 1000 for t in p) for p, _ in w2.requests)
+    assert serving_w2(3).requests == w2.requests[:3]  # request by request from one Random(2)
+    assert serving_w3(3, 8).requests == [(p, 8) for p, _ in w2.requests[:3]]
+    quick = gpu_workload("W2", "random:llama-8b", quick=True)
+    assert len(quick.requests) == 16 and quick.requests[0][1] == 32
+
+
+def test_physical_limits_match_the_workload_notes() -> None:
+    # llama-8b on the H200 measured here: 16.06 GB at 4.3 TB/s -> 3.7 ms a decode step.
+    cost = ModelCost(weight_bytes=16_060_522_496, body_matmul_params=6_979_321_856, head_params=525_336_576,
+                     num_layers=32, num_heads=32, head_dim=128, kv_bytes_per_token=131072)
+    hw = Hardware("cuda", "bfloat16", copy_bytes_per_s=4.3e12, matmul_flop_per_s=790e12)
+    w1 = w1_limit(cost, hw, decode_w1())
+    assert w1["min_decode_step_s"] == pytest.approx(3.75e-3, rel=0.01)
+    assert 250 < w1["max_out_tok_s"] < 267
+    w2 = w2_limit(cost, hw, gpu_workload("W2", "random:llama-8b"))
+    assert w2["min_s"] == max(w2["flop_bound_s"], w2["byte_bound_s"])
+    assert 3.0 < w2["min_s"] < 5.5  # WORKLOADS.md: "cannot end in under about 5.4 s" (a looser count)
+
+
+def test_arrivals_and_serving_statistics() -> None:
+    assert arrival_offsets(4, math.inf) == [0.0] * 4
+    poisson = arrival_offsets(2000, 10.0, seed=3)
+    assert poisson == arrival_offsets(2000, 10.0, seed=3) and poisson[0] == 0.0
+    assert poisson[-1] / 1999 == pytest.approx(0.1, rel=0.1)
+    w = Workload("W3", [([1] * 10, 3), ([1] * 20, 2)], "two")
+    timings = [RequestTiming(0.0, [1.0, 1.5, 2.0]), RequestTiming(1.0, [1.5, 3.5])]
+    s = summarize(timings, w)
+    assert s["s"] == 3.5 and s["out_tokens"] == 5 and s["out_tok_s"] == pytest.approx(5 / 3.5)
+    assert s["ttft_s"]["mean"] == pytest.approx(0.75)
+    assert sorted([0.5, 2.0]) == sorted([(2.0 - 1.0) / 2, (3.5 - 1.5) / 1])  # TPOT = (E2E - TTFT)/(n-1)
+    assert s["tpot_s"]["mean"] == pytest.approx(1.25)
+    assert s["itl_s"]["p99"] == 2.0
+
+
+def test_serve_args_carry_the_engine_config() -> None:
+    cfg = EngineConfig(model_id="random:tiny-llama", device="cpu", max_total_tokens=2048, num_threads=2)
+    args = serve_args(cfg, 1234, 200)
+    assert args[:6] == ["--host", "127.0.0.1", "--port", "1234", "--max-concurrent-requests", "200"]
+    pairs = dict(zip(args[6::2], args[7::2], strict=True))
+    assert pairs == {"--model-id": "random:tiny-llama", "--device": "cpu", "--max-total-tokens": "2048",
+                     "--num-threads": "2"}
+
+
+# -- the command, end to end --------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_bench_c0_quick_keeps_its_json_shape(default_model_dir: Path) -> None:
+    result = run_bench("--workloads", "C0", "--quick")
+    assert set(result) == {"command", "loom_version", "machine", "date", "model", "threads", "quick", "workloads"}
+    assert result["command"] == "loom bench --workloads C0 --quick"
+    c0 = result["workloads"]["C0"]
+    assert c0["loom"]["out_tokens"] == 8 and c0["loom"]["out_tok_s"] > 0
+
+
+@pytest.mark.slow
+def test_bench_w1_w2_quick_on_a_random_model_with_the_peer(tmp_path: Path) -> None:
+    result = run_bench("--workloads", "W1,W2", "--model-id", "random:tiny-llama", "--quick", "--device", "cpu",
+                       "--w2-requests", "3", "--peer", "hf", cache=tmp_path)
+    assert result["engine"]["model_id"] == "random:tiny-llama"
+    assert result["limits"]["hardware"]["copy_bytes_per_s"] > 0
+    for name, out_tokens in (("W1", 32), ("W2", 3 * 32)):
+        entry = result["workloads"][name]
+        assert entry["loom"]["out_tokens"] == out_tokens
+        assert 0 < entry["ratio_to_limit"] < 1
+        assert "out_tok_s" in entry["peer"] or "error" in entry["peer"]
+    assert result["workloads"]["W1"]["ratio"] > 0  # generate() at batch 1 always works
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_bench_w3_quick_through_a_real_server(tmp_path: Path) -> None:
+    result = run_bench("--workloads", "W3", "--model-id", "random:tiny-llama", "--quick", "--device", "cpu",
+                       cache=tmp_path)
+    w3 = result["workloads"]["W3"]
+    assert w3["server"].startswith("loom serve ")
+    for side in ("grpc", "engine"):
+        assert w3[side]["requests"] == 4 and w3[side]["out_tokens"] == 4 * 8
+        assert w3[side]["ttft_s"]["p50"] > 0 and w3[side]["e2e_s"]["p99"] >= w3[side]["ttft_s"]["p99"]
+    assert w3["grpc_overhead"] == pytest.approx(1 - w3["grpc"]["out_tok_s"] / w3["engine"]["out_tok_s"])
