@@ -77,6 +77,7 @@ BACKENDS: list[AttentionBackendSpec] = [
         check=_check_flash,
         devices=("cuda",),
         priority=20,
+        block_size_multiple=256,  # flash-attn 2's paged KV: chosen automatically only then
     ),
 ]
 

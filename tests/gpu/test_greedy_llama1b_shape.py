@@ -10,10 +10,15 @@ so bf16 rounding (ours) can legitimately flip a near-tie. Hence three checks, pe
 
 1. exact match with transformers' own greedy continuation up to the first step where its top-2
    logit margin falls under ``MARGIN`` (after a flip the continuations are different texts);
-2. teacher-forced on the engine's tokens, every chosen token is within ``MARGIN`` of
+2. teacher-forced on the engine's tokens, every chosen token is within ``TIE_TOL`` of
    transformers' best logit at that position (an argmax up to a near-tie), at all positions;
 3. the engine's reported log-probability of each chosen token is within ``LOGPROB_TOL`` of
    transformers' for that token.
+
+Seen on an H200 (2026-11-29, 6 prompts x 24 tokens, CUDA-graph decode): 13 clear-margin tokens,
+all equal; teacher-forced argmax agreement 131/144, largest gap of a chosen token 0.070; largest
+log-probability difference 0.099. The tolerances are those figures with headroom; a wrong
+kernel gives gaps and log-probability errors of order 1.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ pytest.importorskip("triton")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 MARGIN = 0.1  # logits (whose std is ~0.9 for this init): a clear argmax vs a near-tie
-LOGPROB_TOL = 0.1
+TIE_TOL = 0.15  # how far below the best logit a chosen near-tie may be
+LOGPROB_TOL = 0.2
 NEW_TOKENS = 24
 PROMPT_LENS = (5, 17, 64, 130, 300, 611)
 
@@ -51,15 +57,22 @@ def _build_checkpoint(path: Path) -> Any:
 
 
 def test_greedy_equals_transformers(tmp_path: Path) -> None:
+    import loom_plugins.attention
+    import loom_plugins.models
     from loom.config import EngineConfig
     from loom.engine.cuda_graphs import maybe_capture_cuda_graphs
     from loom.engine.llm_engine import LLMEngine
     from loom.engine.types import EngineRequest, SamplingParams, StoppingParams
+    from loom.plugin_api import PluginRegistry
 
+    # The built-in plugins directly: where loom is not pip-installed there are no entry points.
+    registry = PluginRegistry()
+    registry.register(loom_plugins.models, "loom-models", "loom-server")
+    registry.register(loom_plugins.attention, "loom-attention", "loom-server")
     hf = _build_checkpoint(tmp_path)
     engine = LLMEngine(EngineConfig(model_id=str(tmp_path), device="cuda", dtype="bfloat16",
                                     attention_backend="paged", max_batch_total_tokens=32768,
-                                    max_total_tokens=1024, cuda_graphs=(1, 2, 4, 8)))
+                                    max_total_tokens=1024, cuda_graphs=(1, 2, 4, 8)), registry)
     runner = engine.runner
     assert runner is not None
     if runner.cuda_graphs is None:  # the engine may not wire graphs itself (yet)
@@ -115,7 +128,7 @@ def test_greedy_equals_transformers(tmp_path: Path) -> None:
                           f"free-running equal prefix {next((j for j, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b), NEW_TOKENS)}, "
                           f"teacher-forced argmax agreement {argmax_agree}/{NEW_TOKENS}, max gap {max(gaps):.3f}, "
                           f"max |logprob diff| {lp_err:.3f}")
-            if max(gaps) > MARGIN:
+            if max(gaps) > TIE_TOL:
                 failures.append(f"prompt {i}: a chosen token is {max(gaps):.3f} below transformers' best logit")
             if lp_err > LOGPROB_TOL:
                 failures.append(f"prompt {i}: logprob differs by {lp_err:.3f}")

@@ -86,6 +86,7 @@ class AsyncEngineClient:
         self._stats_waiters: list[asyncio.Future[EngineStats]] = []
         self.info: EngineInfo | None = None
         self.dead: str | None = None
+        self.died = asyncio.Event()  # set the moment the engine is found dead (not on shutdown)
 
     async def start(self) -> EngineInfo:
         """Spawn the engine process and wait until it has loaded the model."""
@@ -127,6 +128,7 @@ class AsyncEngineClient:
 
     def _fail_all(self, reason: str) -> None:
         self.dead = reason
+        self.died.set()
         log.error("engine process lost", reason=reason)
         with contextlib.suppress(Exception):
             asyncio.get_running_loop().remove_reader(self._conn.fileno())  # type: ignore[union-attr]

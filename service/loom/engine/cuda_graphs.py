@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
-from torch import nn
 
 from loom.layers.attention import AttentionBackend, AttentionMetadata, ForwardContext, forward_context
 
@@ -42,6 +41,9 @@ if TYPE_CHECKING:
     from .model_runner import StepInputs
 
 log = structlog.get_logger(__name__)
+
+# What is captured: the model's forward, input_ids [T], positions [T] -> hidden [T, H].
+ModelForward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class CudaGraphRunner:
@@ -60,7 +62,7 @@ class CudaGraphRunner:
         self.metas: dict[int, AttentionMetadata] = {}
         self.num_replays = 0
 
-    def capture(self, model: nn.Module, backend: AttentionBackend, kv_caches: list[torch.Tensor],
+    def capture(self, model: ModelForward, backend: AttentionBackend, kv_caches: list[torch.Tensor],
                 max_blocks_per_seq: int) -> None:
         """Warm up and capture ``model(input_ids, positions)`` for every size, largest first (the
         smaller graphs then reuse the largest one's pool memory)."""
@@ -153,7 +155,7 @@ def _capture_one(forward: Callable[[], torch.Tensor],
 
 def maybe_capture_cuda_graphs(
     sizes: Sequence[int],
-    model: nn.Module,
+    model: ModelForward,
     backend: AttentionBackend,
     kv_caches: list[torch.Tensor],
     block_size: int,

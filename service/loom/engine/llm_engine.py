@@ -18,6 +18,7 @@ from loom.config import ConfigError, EngineConfig
 from loom.plugin_api import PluginRegistry, default_registry
 
 from .block_manager import BlockManager
+from .cuda_graphs import maybe_capture_cuda_graphs
 from .model_runner import CausalLM, ModelRunner, StepResult
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sequence import Sequence, SequenceStatus
@@ -73,7 +74,7 @@ class LLMEngine:
         if config.attention_backend:
             backend_spec = registry.attention_backend(config.attention_backend)
         else:
-            backend_spec = registry.default_attention_backend(self.device.type)
+            backend_spec = registry.default_attention_backend(self.device.type, config.block_size)
         backend = backend_spec.load()(shape.num_heads, shape.num_kv_heads, shape.head_dim, self.dtype, self.device)
 
         self.model = cast(CausalLM, loaded.model)
@@ -110,6 +111,10 @@ class LLMEngine:
         if config.warmup:
             self.warmup(self._warmup_tokens())
             self._build(num_blocks)  # a clean pool: no warm-up blocks in the prefix cache
+        # Decode graphs point at this pool: captured last, after any rebuild.
+        self.runner.cuda_graphs = maybe_capture_cuda_graphs(
+            config.cuda_graphs, self.model, self.backend, self.runner.kv_caches, bs, self.max_model_len,
+            self.device, config.max_batch_size)
         pool_tokens = num_blocks * bs
         self.info = EngineInfo(
             model_id=config.model_id or "SmolLM2-135M-Instruct (embedded default)",

@@ -134,13 +134,14 @@ class PluginRegistry:
         assert isinstance(spec, AttentionBackendSpec)
         return spec
 
-    def default_attention_backend(self, device_type: str) -> AttentionBackendSpec:
-        """The available backend of highest priority that runs on ``device_type``."""
+    def default_attention_backend(self, device_type: str, block_size: int = 16) -> AttentionBackendSpec:
+        """The available backend of highest priority that runs on ``device_type`` with ``block_size``."""
         candidates = [
             i.spec
             for i in self.infos("attention")
             if isinstance(i.spec, AttentionBackendSpec)
             and device_type in i.spec.devices
+            and block_size % i.spec.block_size_multiple == 0
             and i.unavailable_reason is None
         ]
         if not candidates:

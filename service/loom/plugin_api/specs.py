@@ -46,6 +46,7 @@ class AttentionBackendSpec(_Spec):
 
     devices: tuple[str, ...] = ("cpu", "cuda")
     priority: int = 0
+    block_size_multiple: int = 1  # KV block sizes it supports: multiples of this
     kind: PluginKind = "attention"
 
 
