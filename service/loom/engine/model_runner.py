@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     from .cuda_graphs import CudaGraphRunner
 
 
+_PROMPT_LOGPROB_ROWS = 512
+
+
 class CausalLM(Protocol):
     """What the runner needs of a model plugin's module (see plugins/models)."""
 
@@ -175,9 +178,13 @@ class ModelRunner:
                 seq.prompt_logprobs = [None]
             if count <= 0:
                 continue
-            logits = self.model.compute_logits(hidden[row : row + count])  # [count, V]
-            nxt = torch.tensor(seq.token_ids[pos + 1 : pos + 1 + count], dtype=torch.int64, device=self.device)
-            seq.prompt_logprobs.extend(prompt_logprobs(logits, nxt).tolist())
+            # In slices: a [count, V] fp32 logits block for a long prompt would dominate memory.
+            for lo in range(0, count, _PROMPT_LOGPROB_ROWS):
+                hi = min(count, lo + _PROMPT_LOGPROB_ROWS)
+                logits = self.model.compute_logits(hidden[row + lo : row + hi])  # [hi - lo, V]
+                nxt = torch.tensor(seq.token_ids[pos + lo + 1 : pos + hi + 1], dtype=torch.int64,
+                                   device=self.device)
+                seq.prompt_logprobs.extend(prompt_logprobs(logits, nxt).tolist())
 
 
 class InjectedFault(RuntimeError):
