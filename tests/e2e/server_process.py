@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -42,6 +43,14 @@ class ServerProcess:
                  credentials: grpc.ChannelCredentials | None = None) -> None:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
+        # Each test server gets a metrics port of its own: the default 9000 would clash between them.
+        if "--prometheus-port" in extra:
+            self.metrics_port = int(extra[extra.index("--prometheus-port") + 1])
+        else:
+            self.metrics_port = free_port()
+            while self.metrics_port == self.port:
+                self.metrics_port = free_port()
+            extra = (*extra, "--prometheus-port", str(self.metrics_port))
         self.log_path = log_path
         args = [sys.executable, "-m", "loom.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *extra]
         if model_dir is not None:
@@ -109,3 +118,20 @@ def start_server(model_dir: Path | None, log_dir: Path, name: str, *extra: str,
         server.stop(5)
         raise
     return server
+
+
+def rss_mib(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    match = re.search(r"VmRSS:\s+(\d+) kB", status)
+    assert match, status
+    return int(match.group(1)) / 1024
+
+
+def engine_pid(server_pid: int) -> int:
+    """The engine process: the server's multiprocessing "spawn" child (not its resource tracker)."""
+    children = []
+    for task in Path(f"/proc/{server_pid}/task").iterdir():
+        children += (task / "children").read_text().split()
+    engines = [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    assert len(engines) == 1, children
+    return engines[0]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import grpc
 import pytest
 
 from loom.config import ConfigError
@@ -64,3 +65,33 @@ def test_tls_files_are_checked_at_start(tmp_path: Path) -> None:
     not_pem.write_text("hello")
     with pytest.raises(ConfigError, match="not a PEM file"):
         server_credentials(TlsFiles(cert=str(not_pem), key=str(not_pem)))
+
+
+def test_client_api_key_and_tls_arguments() -> None:
+    from loom_client._security import api_key_metadata, resolve_credentials
+
+    assert api_key_metadata("k", [("x-a", "1")]) == (("authorization", "Bearer k"), ("x-a", "1"))
+    assert api_key_metadata(None, None) == ()
+    for bad in ("", "a\nb"):
+        with pytest.raises(ValueError):
+            api_key_metadata(bad, None)
+    with pytest.raises(ValueError, match="not both"):
+        api_key_metadata("k", [("authorization", "Bearer other")])
+    assert resolve_credentials(None, None, None, None) is None
+    with pytest.raises(ValueError, match="both certificate_chain and private_key"):
+        resolve_credentials(None, None, b"chain", None)
+    with pytest.raises(ValueError, match="not both"):
+        resolve_credentials(grpc.ssl_channel_credentials(), b"ca", None, None)
+
+
+def test_api_key_from_the_environment(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from loom.cli import build_parser
+    from loom.server.serve_command import settings_from_args
+
+    monkeypatch.setenv("LOOM_API_KEY", "from-env")
+    parser = build_parser()
+    assert settings_from_args(parser.parse_args(["serve"])).api_key == "from-env"
+    assert settings_from_args(parser.parse_args(["serve", "--api-key", "flag"])).api_key == "flag"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--help"])
+    assert "from-env" not in capsys.readouterr().out  # --help never shows the key

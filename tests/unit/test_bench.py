@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -43,12 +44,13 @@ def bench_env(cache: Path | None = None) -> dict[str, str]:
     return env
 
 
-def run_bench(*args: str, cache: Path | None = None, timeout: float = 240) -> dict:  # type: ignore[type-arg]
+def run_bench(*args: str, cache: Path | None = None, timeout: float = 240) -> dict[str, Any]:
     proc = subprocess.run([sys.executable, "-m", "loom.cli", "bench", *args], capture_output=True, text=True,
                           env=bench_env(cache), timeout=timeout, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     last = proc.stdout.strip().splitlines()[-1]
-    return json.loads(last)  # type: ignore[no-any-return]
+    result: dict[str, Any] = json.loads(last)
+    return result
 
 
 # -- random-weight models -----------------------------------------------------------------------------------
@@ -157,9 +159,10 @@ def test_arrivals_and_serving_statistics() -> None:
 def test_serve_args_carry_the_engine_config() -> None:
     cfg = EngineConfig(model_id="random:tiny-llama", device="cpu", max_total_tokens=2048, num_threads=2)
     args = serve_args(cfg, 1234, 200)
-    assert args[:6] == ["--host", "127.0.0.1", "--port", "1234", "--max-concurrent-requests", "200"]
-    pairs = dict(zip(args[6::2], args[7::2], strict=True))
-    assert pairs == {"--model-id": "random:tiny-llama", "--device": "cpu", "--max-total-tokens": "2048",
+    pairs = dict(zip(args[::2], args[1::2], strict=True))
+    pairs.pop("--prometheus-port", None)
+    assert pairs == {"--host": "127.0.0.1", "--port": "1234", "--max-concurrent-requests": "200",
+                     "--model-id": "random:tiny-llama", "--device": "cpu", "--max-total-tokens": "2048",
                      "--num-threads": "2"}
 
 

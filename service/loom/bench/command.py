@@ -224,7 +224,7 @@ def _run_model_workloads(args: argparse.Namespace, names: list[str], device: tor
         from .peer_hf import run_gpu_peer
 
         big = w2_requests_for(args.model_id) == 512  # hf_peer.py: batches 64 and 128 for llama-1b
-        batches = [4] if args.quick else ([64, 128] if big else [64])
+        batches = [2] if args.quick else ([64, 128] if big else [64])
         static_new = workloads[0].requests[0][1] if args.quick else 256
         peer = run_gpu_peer(model_dir, dtype, device, workloads, batches, static_new)
         result["peer"] = {"transformers": peer["transformers"], "static_generate": peer["static"]}

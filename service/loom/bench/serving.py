@@ -130,8 +130,13 @@ def _free_port() -> int:
 
 
 def serve_args(cfg: EngineConfig, port: int, max_concurrent: int) -> list[str]:
-    """``loom serve`` flags for ``cfg``: every engine field that differs from its default."""
+    """``loom serve`` flags for ``cfg``: every engine field that differs from its default (the
+    metrics endpoint off, so its fixed port never clashes with another server)."""
+    from loom.server.settings import ServerSettings
+
     args = ["--host", "127.0.0.1", "--port", str(port), "--max-concurrent-requests", str(max_concurrent)]
+    if "prometheus_port" in {f.name for f in dataclasses.fields(ServerSettings)}:
+        args += ["--prometheus-port", "0"]  # no fixed metrics port to clash with another server
     defaults = EngineConfig()
     for f in dataclasses.fields(EngineConfig):
         value = getattr(cfg, f.name)

@@ -15,12 +15,13 @@ from collections.abc import Sequence
 
 import grpc
 import structlog
-from grpc_health.v1 import health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from loom.config import ConfigError
 from loom.engine.core_process import AsyncEngineClient
 from loom.logging_setup import configure_logging
+from loom_client.v1 import generation_pb2 as pb
 from loom_client.v1 import generation_pb2_grpc as pb_grpc
 
 from .admission import Admission
@@ -29,7 +30,7 @@ from .health import GENERATION_SERVICE, HEALTH_SERVICE, ServerHealth
 from .loading import load_backend
 from .metrics import EngineStatsPoller, Metrics
 from .metrics_http import start_metrics_server
-from .rpc_metrics import RpcMetricsInterceptor
+from .rpc_metrics import RpcMetricsInterceptor, methods_of
 from .servicer import GenerationService
 from .settings import ServerSettings
 from .telemetry import Telemetry
@@ -76,8 +77,9 @@ class LoomServer:
         # Outermost first: the RPC span and the RPC metrics also see what authentication rejects.
         telemetry_interceptors: list[grpc.aio.ServerInterceptor] = [] if self.tracing is None else [
             self.tracing.interceptor()]
-        telemetry_interceptors.append(RpcMetricsInterceptor(self.metrics.grpc_requests,
-                                                            self.metrics.grpc_request_duration))
+        telemetry_interceptors.append(RpcMetricsInterceptor(
+            self.metrics.grpc_requests, self.metrics.grpc_request_duration,
+            known_methods=methods_of(pb.DESCRIPTOR, health_pb2.DESCRIPTOR, reflection_pb2.DESCRIPTOR)))
         self.server = build_server(self.service, self.health,
                                    interceptors=[*telemetry_interceptors, *auth_interceptors(settings.api_key)],
                                    max_request_bytes=settings.max_request_bytes)
@@ -163,7 +165,10 @@ class LoomServer:
     async def _watch_engine(self) -> None:
         assert self.engine is not None
         while self.engine.is_alive():
-            await asyncio.sleep(_ENGINE_CHECK_INTERVAL_S)
+            # Woken at once when the engine's pipe breaks; the poll catches a silent death too.
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.engine.died.wait(), _ENGINE_CHECK_INTERVAL_S)
+        await self.health.failed()  # NOT_SERVING now: this replica cannot serve any more
         log.error("engine process is gone; stopping the server", reason=self.engine.dead)
         self._exit_code = 1
         self._stop.set()

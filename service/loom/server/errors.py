@@ -16,6 +16,16 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 ERROR_DOMAIN = "loom.v1"
+# A status travels in trailing metadata, which gRPC caps (8 KiB by default): a request with a
+# hundred thousand bad stop token ids, or a megabyte-long chat role quoted back, must still get
+# its INVALID_ARGUMENT rather than a transport error. The first violations say what is wrong.
+MAX_VIOLATIONS = 8
+MAX_DESCRIPTION_CHARS = 200
+MAX_MESSAGE_CHARS = 1024
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclass(frozen=True)
@@ -57,8 +67,13 @@ class ValidationError(ServiceError):
     """INVALID_ARGUMENT: one or more fields of the request break a documented rule."""
 
     def __init__(self, violations: Iterable[FieldViolation]) -> None:
-        self.violations = list(violations)
+        found = list(violations)
+        self.violations = [FieldViolation(_clip(v.field, MAX_DESCRIPTION_CHARS), _clip(v.description, MAX_DESCRIPTION_CHARS))
+                           for v in found[:MAX_VIOLATIONS]]
         message = "; ".join(f"{v.field}: {v.description}" for v in self.violations) or "invalid request"
+        if len(found) > MAX_VIOLATIONS:
+            message += f" (and {len(found) - MAX_VIOLATIONS} more violations)"
+        message = _clip(message, MAX_MESSAGE_CHARS)
         super().__init__(grpc.StatusCode.INVALID_ARGUMENT, message, "INVALID_ARGUMENT")
 
     def details(self) -> list[object]:

@@ -165,7 +165,7 @@ class EngineStatsCollector(Collector):
                                   value=s.prefix_cache_hits)
         yield CounterMetricFamily("loom_preemptions", "Sequences preempted (their KV freed, to be recomputed)",
                                   value=s.num_preemptions)
-        yield CounterMetricFamily("loom_prefill_chunks", "Prompt chunks prefilled (a whole prompt counts as one)",
+        yield CounterMetricFamily("loom_prefill_chunks", "Prompt pieces prefilled that did not finish their prompt (chunked prefill)",
                                   value=s.num_prefill_chunks)
         yield CounterMetricFamily("loom_engine_steps", "Engine steps (one forward pass each)", value=s.num_steps)
 

@@ -10,7 +10,8 @@ The status code of an RPC:
 - the handler aborted (``context.abort`` / ``abort_with_status`` raise after setting the code):
   the context's code;
 - the handler was cancelled (asyncio.CancelledError, or GeneratorExit when gRPC closes a stream
-  between messages): DEADLINE_EXCEEDED if the call's deadline has passed, else CANCELLED;
+  between messages): DEADLINE_EXCEEDED if the call's deadline has passed or is less than
+  DEADLINE_SLACK_S away, else CANCELLED;
 - any other exception: UNKNOWN (gRPC's own answer to an uncaught exception).
 """
 
@@ -20,13 +21,17 @@ import asyncio
 import contextlib
 import inspect
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from typing import Any
 
 import grpc
 from prometheus_client import Counter, Histogram
 
 Behavior = Callable[[Any, Any], Any]
+# The server's deadline is the client's plus the request's travel time, so when a deadline
+# passes the client usually cancels first, a few milliseconds before the server's own timer
+# fires: a cancel this close to the deadline is taken as the deadline.
+DEADLINE_SLACK_S = 0.1
 
 
 def status_of(context: Any, default: grpc.StatusCode) -> grpc.StatusCode:
@@ -44,13 +49,26 @@ def cancel_status(context: Any) -> grpc.StatusCode:
         remaining = context.time_remaining()
     except Exception:
         remaining = None
-    return grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0 else grpc.StatusCode.CANCELLED
+    if remaining is not None and remaining < DEADLINE_SLACK_S:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    return grpc.StatusCode.CANCELLED
+
+
+def methods_of(*files: Any) -> frozenset[str]:
+    """Full method names ("/package.Service/Method") of every service in these file descriptors."""
+    return frozenset(f"/{service.full_name}/{method.name}"
+                     for f in files for service in f.services_by_name.values() for method in service.methods)
 
 
 class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, requests: Counter, duration: Histogram) -> None:
+    """``known_methods``: label any other method "other". Without an API key gRPC answers an
+    unknown method itself (not counted), but the API-key interceptor answers every method, and
+    a client could then mint a time series per made-up method name."""
+
+    def __init__(self, requests: Counter, duration: Histogram, known_methods: Collection[str] | None = None) -> None:
         self._requests = requests
         self._duration = duration
+        self._known = known_methods
 
     def _observe(self, method: str, code: grpc.StatusCode, started: float) -> None:
         elapsed = time.perf_counter() - started
@@ -65,6 +83,8 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:  # unknown method: gRPC answers UNIMPLEMENTED; not a method of ours to count
             return None
         method = handler_call_details.method
+        if self._known is not None and method not in self._known:
+            method = "other"
         rd, rs = handler.request_deserializer, handler.response_serializer
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(self._wrap(handler.unary_unary, method), rd, rs)

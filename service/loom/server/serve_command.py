@@ -111,7 +111,8 @@ def settings_from_args(args: argparse.Namespace) -> Any:
                           enable_chunked_prefill=args.prefill_chunking,
                           cuda_graphs=tuple(args.cuda_graphs),
                           fault_injection=args.fault_injection)
-    server = {_dest(f): getattr(args, _dest(f)) for f, _, _ in (*_SERVER_FLAGS, *_SECURITY_FLAGS, *_OBSERVABILITY_FLAGS)}
+    server = {_dest(f): getattr(args, _dest(f))
+              for f, _, _ in (*_SERVER_FLAGS, *_SECURITY_FLAGS, *_OBSERVABILITY_FLAGS)}
     return ServerSettings(engine=engine, json_output=args.json_output, warmup=args.warmup, api_key=args.api_key,
                           **server)
 

@@ -56,7 +56,8 @@ def to_service_error(exc: BaseException) -> ServiceError:
     if isinstance(exc, EngineRequestError):
         return internal(f"generation failed: {exc}", "GENERATION_FAILED")
     if isinstance(exc, EngineDeadError):
-        return internal(f"the engine stopped: {exc}", "ENGINE_DEAD")
+        # Not this request's fault, and this replica is about to stop: a client should retry.
+        return unavailable(f"the engine stopped: {exc}; retry on another replica", "ENGINE_DEAD")
     log.error("unexpected error", error=repr(exc), exc_info=exc)
     return internal(f"internal error: {type(exc).__name__}: {exc}")
 

@@ -161,7 +161,8 @@ class RequestTelemetry:
         if self._spans is not None:
             error = f"{code.name}: {message}" if message else code.name
             self._end_open_phase(time.monotonic(), error, kind)
-            self._spans.rpc(error, {**self._prompt_attributes(),
+            # rpc.grpc.status_code too: the instrumentation sets it only for aborts it can see.
+            self._spans.rpc(error, {**self._prompt_attributes(), "rpc.grpc.status_code": code.value[0],
                                     "loom.generated_tokens": sum(self._tokens.values()), "loom.outcome": kind})
 
     def cancelled(self) -> None:

@@ -105,9 +105,11 @@ def _check_stopping(c: _Checker, s: pb.StoppingParameters, limits: RequestLimits
             c.add(f"{f}stop_sequences[{i}]", "must not be empty")
         elif len(seq.encode()) > MAX_STOP_SEQUENCE_BYTES:
             c.add(f"{f}stop_sequences[{i}]", f"must be at most {MAX_STOP_SEQUENCE_BYTES} bytes")
-    for i, t in enumerate(s.stop_token_ids):
-        if t >= limits.vocab_size:
-            c.add(f"{f}stop_token_ids[{i}]", f"token id {t} is not below the vocabulary size {limits.vocab_size}")
+    bad = [(i, t) for i, t in enumerate(s.stop_token_ids) if t >= limits.vocab_size]
+    if bad:  # the first one only: a list of thousands would make a status too large to send
+        i, t = bad[0]
+        more = f" ({len(bad)} ids in all)" if len(bad) > 1 else ""
+        c.add(f"{f}stop_token_ids[{i}]", f"token id {t} is not below the vocabulary size {limits.vocab_size}{more}")
     if s.HasField("time_limit_ms") and s.time_limit_ms < 1:
         c.add(f + "time_limit_ms", "must be at least 1")
 

@@ -1,0 +1,80 @@
+"""Fuzz request validation in-process: any GenerateRequest is either a sound plan or INVALID_ARGUMENT.
+
+Nothing else may come out of validation (an exception there would reach a client as INTERNAL),
+and a request that passes must be one the engine can run within the server's limits. The same
+strategies drive the real server in tests/e2e/test_fuzz_grpc.py.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers.request_strategies import generate_fields
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from loom.frontend.generation import GenerationPlan
+from loom.frontend.tokenizer import Tokenizer
+from loom.server.errors import ValidationError
+from loom.server.validation import RequestLimits, validate_generate
+from loom_client.v1 import generation_pb2 as pb
+
+LIMITS = RequestLimits(max_input_tokens=1000, max_total_tokens=1024, vocab_size=49152, max_stop_sequences=4,
+                       max_top_n_tokens=5, max_best_of=2, default_max_new_tokens=256, max_input_chars=262_144)
+
+
+@pytest.fixture(scope="module")
+def tok(default_model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_model_dir(default_model_dir)
+
+
+def check_plan(plan: GenerationPlan, streaming: bool) -> None:
+    req = plan.engine_request
+    prompt = len(req.prompt_token_ids)
+    assert 1 <= prompt <= LIMITS.max_input_tokens
+    assert all(0 <= t < LIMITS.vocab_size for t in req.prompt_token_ids)
+    assert 1 <= req.stopping.max_new_tokens <= LIMITS.max_total_tokens - prompt
+    assert req.stopping.min_new_tokens <= req.stopping.max_new_tokens
+    assert all(0 <= t < LIMITS.vocab_size for t in req.stopping.stop_token_ids)
+    assert 1 <= plan.n <= plan.best_of <= LIMITS.max_best_of
+    assert not (streaming and plan.best_of > plan.n)
+    s = req.sampling
+    for value in (s.temperature, s.top_p, s.typical_p, s.min_p, s.repetition_penalty, s.frequency_penalty,
+                  s.presence_penalty):
+        assert math.isfinite(value)
+    assert s.temperature > 0 and 0 < s.top_p <= 1 and 0 < s.typical_p <= 1 and 0 <= s.min_p < 1
+    assert s.repetition_penalty > 0 and s.top_n_tokens <= LIMITS.max_top_n_tokens
+    assert plan.time_limit_s is None or plan.time_limit_s > 0
+    assert len(plan.text.stop_sequences) <= LIMITS.max_stop_sequences and all(plan.text.stop_sequences)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                                                   HealthCheck.function_scoped_fixture])
+@given(fields=generate_fields(), streaming=st.booleans())
+def test_validation_accepts_sound_plans_or_names_fields(tok: Tokenizer, fields: dict[str, Any], streaming: bool) -> None:
+    request = pb.GenerateStreamRequest(**fields) if streaming else pb.GenerateRequest(**fields)
+    try:
+        plan = validate_generate(request, "fuzz", tok, LIMITS, streaming)
+    except ValidationError as exc:
+        assert exc.violations and all(v.field and v.description for v in exc.violations)
+        assert exc.to_grpc_status().code.name == "INVALID_ARGUMENT"
+        return
+    check_plan(plan, streaming)
+
+
+def test_a_status_with_many_violations_stays_small(tok: Tokenizer) -> None:
+    """Trailing metadata is capped (8 KiB by default): the status must fit whatever the request."""
+    request = pb.GenerateRequest(
+        chat=pb.Chat(messages=[pb.ChatMessage(role="r" * 100_000, content="x") for _ in range(50)]),
+        parameters=pb.Parameters(stopping=pb.StoppingParameters(stop_sequences=[""] * 1000,
+                                                                stop_token_ids=list(range(49152, 149152)))),
+    )
+    with pytest.raises(ValidationError) as info:
+        validate_generate(request, "fuzz", tok, LIMITS, False)
+    status = info.value.to_grpc_status()
+    size = len(status.details) + sum(len(str(k)) + len(v) for k, v in status.trailing_metadata)
+    assert size < 4096, size
+    assert "more violations" in status.details
