@@ -65,7 +65,7 @@ def add_bench_command(sub: Any) -> None:
     g.add_argument("--w2-requests", type=int, default=None,
                    help="W2 request count; unset: 512 for llama-1b, else 256 (16 with --quick)")
     g.add_argument("--w3-requests", type=int, default=None,
-                   help="W3 request count; unset: W2's on GPU, 32 on CPU (4 with --quick)")
+                   help="W3 request count; unset: W2's on GPU, 16 on CPU (4 with --quick)")
     g.add_argument("--w3-new-tokens", type=int, default=None,
                    help="W3 new tokens per request; unset: 256 on GPU, 64 on CPU (8 with --quick)")
     g.add_argument("--request-rate", type=float, default=math.inf,
@@ -247,7 +247,7 @@ def _run_serving(args: argparse.Namespace, device: torch.device, result: dict[st
     from .serving import run_w3
 
     on_gpu = device.type == "cuda"
-    count = args.w3_requests or (4 if args.quick else (w2_requests_for(args.model_id) if on_gpu else 32))
+    count = args.w3_requests or (4 if args.quick else (w2_requests_for(args.model_id) if on_gpu else 16))
     new = args.w3_new_tokens or (8 if args.quick else (256 if on_gpu else 64))
     w = serving_w3(count, new)
     cfg = engine_config(args, device, [w])

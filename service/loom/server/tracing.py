@@ -39,9 +39,19 @@ Attributes = dict[str, str | int | float | bool]
 _OTEL_HINT = "pip install 'loom-server[otel]'"
 
 
-def mono_to_ns(t: float) -> int:
-    """A time.monotonic() reading as OpenTelemetry's nanoseconds since the epoch."""
-    return time.time_ns() - int((time.monotonic() - t) * 1e9)
+def epoch_offset_ns() -> int:
+    """What to add to a time.monotonic() reading, in ns, to get OpenTelemetry's ns since the epoch."""
+    return time.time_ns() - time.monotonic_ns()
+
+
+def mono_to_ns(t: float, offset_ns: int | None = None) -> int:
+    """A time.monotonic() reading as nanoseconds since the epoch.
+
+    Pass one ``offset_ns`` for all the timestamps of a request: the same reading then always
+    maps to the same instant, so back-to-back spans stay back to back (two separately computed
+    offsets differ by the few ns between their clock reads).
+    """
+    return round(t * 1e9) + (epoch_offset_ns() if offset_ns is None else offset_ns)
 
 
 class RequestSpans:
@@ -59,7 +69,7 @@ class RequestSpans:
         span_context = self._rpc.get_span_context()
         if span_context.is_valid:
             structlog.contextvars.bind_contextvars(trace_id=format(span_context.trace_id, "032x"))
-        self._open: Any = None
+        self._offset_ns = epoch_offset_ns()
 
     def phase(self, name: str, start: float, end: float, error: str | None = None,
               attributes: Attributes | None = None) -> None:
@@ -67,7 +77,7 @@ class RequestSpans:
         self.end(self.start(name, start, attributes), end, error)
 
     def start(self, name: str, start: float, attributes: Attributes | None = None) -> Any:
-        return self._tracer.start_span(name, context=self._parent, start_time=mono_to_ns(start),
+        return self._tracer.start_span(name, context=self._parent, start_time=mono_to_ns(start, self._offset_ns),
                                        attributes={**self.attributes, **(attributes or {})})
 
     def end(self, span: Any, end: float, error: str | None = None, attributes: Attributes | None = None) -> None:
@@ -76,7 +86,7 @@ class RequestSpans:
         span.set_attributes(attributes or {})
         if error is not None:
             span.set_status(Status(StatusCode.ERROR, error))
-        span.end(end_time=mono_to_ns(end))
+        span.end(end_time=mono_to_ns(end, self._offset_ns))
 
     def rpc(self, error: str | None = None, attributes: Attributes | None = None) -> None:
         """Attributes (and an error status) on the RPC span, unless it has ended already."""
