@@ -86,9 +86,15 @@ class ModelRunner:
             start = seq.num_computed_tokens
             end = start + n
             table = seq.block_table
-            ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if n == 1:  # decode: the hot path at large batch, kept free of per-row tensor work
+                ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                ids.extend(seq.token_ids[start:end])
+                positions.extend(range(start, end))
+                pos = torch.arange(start, end)
+                slots.extend((torch.tensor(table)[pos // bs] * bs + pos % bs).tolist())
             if seq.sampling.prompt_logprobs and not seq.prompt_logprobs_sent and start < seq.num_prompt_tokens:
                 # rows for positions start.. predict the next prompt token (the last prompt
                 # position predicts the first output token: not a prompt logprob)
@@ -104,9 +110,9 @@ class ModelRunner:
             sample_seqs.append(child)
             sample_rows.append(row_of[parent.seq_id])
         max_blocks = max(len(s.block_table) for s in sched.seqs)
-        tables = torch.zeros((len(sched.seqs), max_blocks), dtype=torch.int32)
-        for i, seq in enumerate(sched.seqs):
-            tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+        # one tensor from padded rows: a torch call per row costs more than the rows themselves
+        tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in sched.seqs],
+                              dtype=torch.int32)
         dev = self.device
         meta = AttentionMetadata(
             query_start_loc=torch.tensor(query_start, dtype=torch.int32).to(dev),

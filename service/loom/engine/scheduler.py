@@ -129,8 +129,9 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, now: float, budget: int, decodes: bool) -> int:
         bm = self.block_manager
+        scheduled = {s.seq_id for s in out.seqs}
         for seq in list(self.running):
-            if seq.status is not SequenceStatus.RUNNING or seq in out.seqs:
+            if seq.status is not SequenceStatus.RUNNING or seq.seq_id in scheduled:
                 continue
             left = seq.num_uncomputed_tokens
             if left == 0:
@@ -141,6 +142,10 @@ class Scheduler:
             n = left if decodes else min(left, budget)
             if n <= 0:
                 break
+            if bm.num_new_blocks_needed(seq, n) == 0:  # the common decode case: room in its last block
+                self._add_rows(out, seq, n)
+                budget -= 0 if decodes else n
+                continue
             while not bm.can_append(seq, n):
                 victim = self._pick_victim(now)
                 if victim is None or (not decodes and victim is seq):
