@@ -214,6 +214,8 @@ def _run_model_workloads(args: argparse.Namespace, names: list[str], device: tor
     result["engine_config"] = dataclasses.asdict(cfg)
     loom, info = asyncio.run(_run_loom(cfg, workloads, full_warmup=True))
     result["engine"] = info
+    # Loom's figures first, on their own line: they survive a peer that runs out of time.
+    print(json.dumps({"partial": "loom", "workloads": loom, "engine": info}), flush=True)
     # Loom's engine process has exited: the device is free for the limits and the peer.
     dtype = _DTYPES[info["dtype"]]
     hw = measure_hardware(device, dtype, quick=args.quick)
