@@ -1,0 +1,60 @@
+"""Where a decode step's time goes: host (cProfile) and device (torch.profiler) for one model.
+
+Usage: python scripts/profile_decode.py random:llama-1b [batch] [out_dir]
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from loom.config import EngineConfig
+from loom.engine.llm_engine import LLMEngine
+from loom.engine.types import EngineRequest, SamplingParams, StoppingParams
+
+
+def main() -> None:
+    model = sys.argv[1] if len(sys.argv) > 1 else "random:llama-1b"
+    batch = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+    out = Path(sys.argv[3] if len(sys.argv) > 3 else ".")
+    engine = LLMEngine(EngineConfig(model_id=model, max_total_tokens=2048, max_batch_prefill_tokens=16384))
+    rng = random.Random(0)
+    for i in range(batch):
+        prompt = tuple(rng.randint(10, 1000) for _ in range(512))
+        engine.add_request(EngineRequest(f"p{i}", prompt, SamplingParams(),
+                                         StoppingParams(max_new_tokens=400, ignore_eos=True)))
+    for _ in range(20):
+        engine.step()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(50):
+        engine.step()
+    torch.cuda.synchronize()
+    step_ms = (time.perf_counter() - t) / 50 * 1e3
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(50):
+        engine.step()
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as p:
+        for _ in range(20):
+            engine.step()
+        torch.cuda.synchronize()
+    table = p.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+    report = f"model {model} batch {batch}: {step_ms:.3f} ms per decode step\n\n{text.getvalue()}\n\n{table}\n"
+    (out / f"profile-{model.replace(':', '-')}-b{batch}.txt").write_text(report)
+    print(report[:3000])
+
+
+if __name__ == "__main__":
+    main()
