@@ -19,7 +19,6 @@ from loom.layers.attention import AttentionBackend, AttentionMetadata, ForwardCo
 from .sampler import Sampler, build_sampling_batch, prompt_logprobs
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
-from .transfer import host_to_device, to_device
 
 if TYPE_CHECKING:
     from .cuda_graphs import CudaGraphRunner
@@ -116,10 +115,10 @@ class ModelRunner:
                               dtype=torch.int32)
         dev = self.device
         meta = AttentionMetadata(
-            query_start_loc=to_device(query_start, torch.int32, dev),
-            seq_lens=to_device(seq_lens, torch.int32, dev),
-            slot_mapping=to_device(slots, torch.int64, dev),
-            block_tables=host_to_device(tables, dev),
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32).to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev),
+            block_tables=tables.to(dev),
             query_lens_cpu=list(sched.num_new_tokens),
             seq_lens_cpu=seq_lens,
             max_query_len=max(sched.num_new_tokens),
@@ -127,8 +126,8 @@ class ModelRunner:
             block_size=bs,
         )
         return StepInputs(
-            input_ids=to_device(ids, torch.int64, dev),
-            positions=to_device(positions, torch.int64, dev),
+            input_ids=torch.tensor(ids, dtype=torch.int64).to(dev),
+            positions=torch.tensor(positions, dtype=torch.int64).to(dev),
             meta=meta,
             sample_seqs=sample_seqs,
             sample_rows=sample_rows,
@@ -150,14 +149,11 @@ class ModelRunner:
         inputs = self.prepare(sched)
         if self.fault_injection:
             _inject_faults(inputs)
-        # Everything the sampler needs is built and queued before the forward, so none of the
-        # host work after it waits on the GPU (see loom.engine.transfer).
-        rows = to_device(inputs.sample_rows, torch.int64, self.device)
-        batch = build_sampling_batch(inputs.sample_seqs, self.vocab_size, self.device, self.eos_token_ids)
         hidden = self.cuda_graphs.try_run(inputs) if self.cuda_graphs is not None else None
         if hidden is None:
             with forward_context(ForwardContext(self.backend, self.kv_caches, inputs.meta)):
                 hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
+        rows = torch.tensor(inputs.sample_rows, dtype=torch.int64, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))  # [N, V] fp32
         if self.fault_injection:
             for i, seq in enumerate(inputs.sample_seqs):
@@ -165,6 +161,7 @@ class ModelRunner:
                     logits[i] = float("nan")
         finite = torch.isfinite(logits).all(dim=-1)  # [N]: a NaN row fails only its request
         logits = torch.where(finite[:, None], logits, torch.zeros_like(logits))
+        batch = build_sampling_batch(inputs.sample_seqs, self.vocab_size, self.device, self.eos_token_ids)
         out = self.sampler(logits, batch)
         self._prompt_logprobs(hidden, inputs)
         top: list[list[tuple[int, float]]] | None = None

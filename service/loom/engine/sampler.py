@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 
 from .sequence import Sequence
-from .transfer import host_to_device, to_device
 
 _MASK53 = (1 << 53) - 1
 
@@ -85,7 +84,7 @@ def build_sampling_batch(seqs: list[Sequence], vocab_size: int, device: torch.de
     samp = [p.do_sample for p in sp]
 
     def col(values: list[float]) -> torch.Tensor:
-        return to_device(values, torch.float32, device).unsqueeze(1)
+        return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
 
     # Greedy rows keep every warper off so their logprobs are the penalised distribution's.
     temperature = [p.temperature if s else 1.0 for p, s in zip(sp, samp, strict=True)]
@@ -114,16 +113,16 @@ def build_sampling_batch(seqs: list[Sequence], vocab_size: int, device: torch.de
         for i in young:
             banned = [t for t in (*eos_token_ids, *seqs[i].stopping.stop_token_ids) if 0 <= t < vocab_size]
             suppress_mask[i, banned] = True
-        suppress_mask = host_to_device(suppress_mask, device)
+        suppress_mask = suppress_mask.to(device)
     return SamplingBatch(
-        do_sample=to_device(samp, torch.bool, device),
+        do_sample=torch.tensor(samp, dtype=torch.bool, device=device),
         temperature=col(temperature),
-        top_k=to_device(top_k, torch.int64, device).unsqueeze(1),
+        top_k=torch.tensor(top_k, dtype=torch.int64, device=device).unsqueeze(1),
         top_p=col(top_p),
         typical_p=col(typical),
         min_p=col(min_p),
-        seeds=to_device([_i64(s.seed or 0) for s in seqs], torch.int64, device),
-        steps=to_device([s.num_output_tokens for s in seqs], torch.int64, device),
+        seeds=torch.tensor([_i64(s.seed or 0) for s in seqs], dtype=torch.int64, device=device),
+        steps=torch.tensor([s.num_output_tokens for s in seqs], dtype=torch.int64, device=device),
         repetition_penalty=col([p.repetition_penalty for p in sp]) if use_rep else None,
         frequency_penalty=col([p.frequency_penalty for p in sp]) if use_freq else None,
         presence_penalty=col([p.presence_penalty for p in sp]) if use_freq else None,
@@ -145,7 +144,7 @@ def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tens
     for i, r in enumerate(rows):
         if r:
             out[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
-    return host_to_device(out, device)
+    return out.to(device)
 
 
 @dataclass
