@@ -191,6 +191,16 @@ def test_bench_w1_w2_quick_on_a_random_model(tmp_path: Path) -> None:
         assert 0 < entry["ratio_to_limit"] < 1
 
 
+def test_bench_w4_quick_runs_cache_on_and_off(tmp_path: Path) -> None:
+    result = run_bench("--workloads", "W4", "--model-id", "random:tiny-llama", "--quick", "--device", "cpu",
+                       cache=tmp_path)
+    entry = result["workloads"]["W4"]
+    for label in ("cache_on", "cache_off"):
+        assert entry[label]["out_tokens"] == 4 * 4
+        assert entry[label]["ttft_p50_s"] > 0
+    assert entry["ttft_p50_speedup"] == entry["cache_off"]["ttft_p50_s"] / entry["cache_on"]["ttft_p50_s"]
+
+
 def test_gpu_peer_measurements_run_on_cpu(random_cache: Path) -> None:
     """hf_peer.py's measurements, on the tiny shape and tiny counts (the code path, not speed)."""
     from loom.bench.peer_hf import build_hf_model, continuous_batching, static_generate

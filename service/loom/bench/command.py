@@ -36,6 +36,7 @@ from .workloads import Workload, cpu_workload, gpu_workload, serving_w3, w2_requ
 CPU_WORKLOADS = ("C0", "C1", "C2")
 MODEL_WORKLOADS = ("W1", "W2")
 SERVING_WORKLOADS = ("W3",)
+PREFIX_WORKLOADS = ("W4",)
 
 
 def add_bench_command(sub: Any) -> None:
@@ -68,6 +69,10 @@ def add_bench_command(sub: Any) -> None:
                    help="W3 request count; unset: W2's on GPU, 16 on CPU (4 with --quick)")
     g.add_argument("--w3-new-tokens", type=int, default=None,
                    help="W3 new tokens per request; unset: 256 on GPU, 64 on CPU (8 with --quick)")
+    g.add_argument("--w4-requests", type=int, default=None,
+                   help="W4 request count; unset: 128 on GPU, 16 on CPU (4 with --quick)")
+    g.add_argument("--w4-prefix", type=int, default=None,
+                   help="W4 shared prefix tokens; unset: 2048 on GPU, 512 on CPU (32 with --quick)")
     g.add_argument("--request-rate", type=float, default=math.inf,
                    help="W3 Poisson arrival rate in requests/s; inf (default): all at once")
     g.add_argument("--seed", type=int, default=0, help="W3 arrival seed")
@@ -263,12 +268,37 @@ def _run_serving(args: argparse.Namespace, device: torch.device, result: dict[st
           f"gRPC overhead {100 * entry['grpc_overhead']:.1f}%", flush=True)
 
 
+def _run_prefix_cache(args: argparse.Namespace, device: torch.device, result: dict[str, Any]) -> None:
+    """W4: the same shared-prefix requests, all at once, with the prefix cache on and then off."""
+    from .workloads import shared_prefix_w4
+
+    on_gpu = device.type == "cuda"
+    n_req = args.w4_requests or (4 if args.quick else 128 if on_gpu else 16)
+    prefix = args.w4_prefix or (32 if args.quick else 2048 if on_gpu else 512)
+    w = shared_prefix_w4(n_req, prefix, unique=8 if args.quick else 64, new=4 if args.quick else 64 if on_gpu else 16)
+    cfg = engine_config(args, device, [w])
+    runs: dict[str, Any] = {}
+    for label, enabled in (("cache_on", True), ("cache_off", False)):
+        # No workload-shaped warm-up here: it would fill the prefix cache before the timed run.
+        figures, _ = asyncio.run(_run_loom(dataclasses.replace(cfg, enable_prefix_caching=enabled), [w]))
+        runs[label] = figures["W4"]
+    on, off = runs["cache_on"], runs["cache_off"]
+    entry = {"description": w.description, **runs,
+             "ttft_p50_speedup": off["ttft_p50_s"] / on["ttft_p50_s"],
+             "throughput_ratio": on["out_tok_s"] / off["out_tok_s"],
+             "engine_config": dataclasses.asdict(cfg)}
+    result["workloads"]["W4"] = entry
+    print(f"W4: TTFT p50 {1e3 * on['ttft_p50_s']:.0f} ms with the prefix cache, {1e3 * off['ttft_p50_s']:.0f} ms "
+          f"without ({entry['ttft_p50_speedup']:.1f}x); output tok/s {on['out_tok_s']:.1f} vs "
+          f"{off['out_tok_s']:.1f}", flush=True)
+
+
 def run_bench(args: argparse.Namespace) -> int:
     from loom.engine.llm_engine import resolve_device
 
     torch.set_num_threads(args.threads)
     names = [n.strip().upper() for n in args.workloads.split(",") if n.strip()]
-    known = CPU_WORKLOADS + MODEL_WORKLOADS + SERVING_WORKLOADS
+    known = CPU_WORKLOADS + MODEL_WORKLOADS + SERVING_WORKLOADS + PREFIX_WORKLOADS
     unknown = [n for n in names if n not in known]
     if unknown:
         print(f"loom bench: unknown workload(s) {', '.join(unknown)}; choose from {', '.join(known)}",
@@ -289,13 +319,15 @@ def run_bench(args: argparse.Namespace) -> int:
     try:
         if cpu_names:
             _run_cpu_workloads(args, cpu_names, result)
-        if model_names or "W3" in names:
+        if model_names or "W3" in names or "W4" in names:
             device = resolve_device(args.device)
             result["machine"].update(software_info(device))
             if model_names:
                 _run_model_workloads(args, model_names, device, result)
             if "W3" in names:
                 _run_serving(args, device, result)
+            if "W4" in names:
+                _run_prefix_cache(args, device, result)
     except ConfigError as exc:
         print(f"loom bench: {exc}", file=sys.stderr)
         return 2

@@ -71,6 +71,7 @@ async def run_engine_workload(client: AsyncEngineClient, w: Workload, tag: str =
         "out_tok_s": w.output_tokens / dt,
         "total_tok_s": (w.output_tokens + w.prompt_tokens) / dt,
         "ttft_p50_s": _percentile(ttft, 0.5),
+        "ttft_p99_s": _percentile(ttft, 0.99),
         "itl_mean_s": statistics.fmean(itl) if itl else 0.0,
         "itl_p99_s": _percentile(itl, 0.99),
     }

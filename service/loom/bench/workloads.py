@@ -95,3 +95,13 @@ def cpu_workload(name: str, quick: bool = False) -> Workload:
             w = Workload("C2", [(p[:24], min(n, 8)) for p, n in w.requests], w.description + " (quick)")
         return w
     raise ValueError(f"unknown CPU workload {name!r}; choose C0, C1 or C2")
+
+
+def shared_prefix_w4(n_req: int = 128, prefix: int = 2048, unique: int = 64, new: int = 64,
+                     seed: int = 4) -> Workload:
+    """W4: ``n_req`` requests sharing one ``prefix``-token prompt prefix, each with ``unique`` ids
+    of its own after it (all ids U[10,1000], Random(seed)), ``new`` tokens each."""
+    rng = random.Random(seed)
+    shared = [rng.randint(10, 1000) for _ in range(prefix)]
+    reqs = [(shared + [rng.randint(10, 1000) for _ in range(unique)], new) for _ in range(n_req)]
+    return Workload("W4", reqs, f"{n_req} requests sharing a {prefix}-token prefix + {unique} unique, {new} new")
