@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from loom.layers.attention import AttentionBackend, AttentionMetadata
+from loom.layers.attention import AttentionBackend, AttentionMetadata, write_kv
 
 # flash-attn 2's paged KV (block_table) needs pages of a multiple of this many tokens.
 FLASH_PAGE_MULTIPLE = 256
@@ -48,9 +48,7 @@ def _store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: t
 
         store_kv(k, v, kv_cache, slots)
         return
-    _, num_blocks, page, hkv, d = kv_cache.shape
-    kv_cache[0].view(num_blocks * page, hkv, d).index_copy_(0, slots, k)
-    kv_cache[1].view(num_blocks * page, hkv, d).index_copy_(0, slots, v)
+    write_kv(k, v, kv_cache, slots)
 
 
 class FlashAttentionBackend(AttentionBackend):

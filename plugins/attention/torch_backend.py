@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from loom.layers.attention import AttentionBackend, AttentionMetadata
+from loom.layers.attention import AttentionBackend, AttentionMetadata, write_kv
 
 # Attribute under which the step plan is cached on the metadata object. The runner builds a
 # fresh AttentionMetadata per step, so the plan lives exactly as long as the step.
@@ -199,10 +199,8 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:  # [T, Hq, D]
-        _, num_blocks, bs, hkv, d = kv_cache.shape
         # (1) Write the new K/V: the pool viewed as flat slots [num_blocks * block_size, Hkv, D].
-        kv_cache[0].view(num_blocks * bs, hkv, d).index_copy_(0, meta.slot_mapping, k)
-        kv_cache[1].view(num_blocks * bs, hkv, d).index_copy_(0, meta.slot_mapping, v)
+        write_kv(k, v, kv_cache, meta.slot_mapping)
 
         plan = get_step_plan(meta)
         group = plan.decode

@@ -86,6 +86,13 @@ class AttentionBackend:
         raise NotImplementedError
 
 
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """Write new K/V ``[T, Hkv, D]`` into the pool at flat ``slots`` (block_id * block_size + offset)."""
+    _, num_blocks, bs, hkv, d = kv_cache.shape
+    kv_cache[0].view(num_blocks * bs, hkv, d).index_copy_(0, slots, k)
+    kv_cache[1].view(num_blocks * bs, hkv, d).index_copy_(0, slots, v)
+
+
 @dataclass
 class ForwardContext:
     backend: AttentionBackend
