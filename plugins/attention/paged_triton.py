@@ -62,6 +62,15 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     return 1 << (splits.bit_length() - 1)  # round down to a power of two
 
 
+def _ids_on(ids: list[int], device: torch.device) -> torch.Tensor:
+    """int32 ids on ``device`` through pinned memory: a pageable copy would make the host wait
+    for the GPU and stall asynchronous scheduling."""
+    t = torch.tensor(ids, dtype=torch.int32)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class PagedAttentionBackend(AttentionBackend):
     """Triton paged attention: decode with GQA-grouped tiles and split-K, varlen prefill over
     cached context, sliding windows; bf16/fp16 (fp32 works, with tf32 dots)."""
@@ -96,10 +105,10 @@ class PagedAttentionBackend(AttentionBackend):
             # Decode rows of a mixed step use one split: mixed steps carry a prefill, so the
             # GPU is busy anyway, and this keeps the step's plan simple.
             plan = _Plan(
-                decode_ids=torch.tensor(dec, dtype=torch.int32).to(dev) if dec else None,
+                decode_ids=_ids_on(dec, dev) if dec else None,
                 num_decode=len(dec),
                 # None: every sequence prefills, and the launch serves sequences 0..n-1.
-                prefill_ids=torch.tensor(pre, dtype=torch.int32).to(dev) if dec else None,
+                prefill_ids=_ids_on(pre, dev) if dec else None,
                 num_prefill=len(pre),
                 max_prefill_query_len=max(meta.query_lens_cpu[i] for i in pre),
                 num_splits=1,

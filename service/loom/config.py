@@ -33,6 +33,9 @@ class EngineConfig:
     max_queue_age_s: float = 60.0  # older requests outrank every priority (no starvation)
     # decode batch sizes captured as CUDA graphs (TGI's --cuda-graphs); empty disables
     cuda_graphs: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    # Prepare step N+1 on the host while the device runs step N ("auto": on CUDA only; on the
+    # CPU the forward runs on the host anyway, so it would only delay outputs by a step).
+    async_scheduling: str = "auto"  # auto | on | off
     cpu_kv_cache_tokens: int = 65536  # the pool size on CPU when max_batch_total_tokens is unset
     cuda_memory_fraction: float = 0.9
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
@@ -52,6 +55,8 @@ class EngineConfig:
             raise ConfigError("--max-waiting-tokens must be >= 0")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ConfigError(f"--dtype must be one of auto, float32, float16, bfloat16; got {self.dtype!r}")
+        if self.async_scheduling not in ("auto", "on", "off"):
+            raise ConfigError(f"--async-scheduling must be auto, on or off; got {self.async_scheduling!r}")
         if any(b <= 0 for b in self.cuda_graphs):
             raise ConfigError("--cuda-graphs sizes must be positive (use 0 alone to disable)")
         if self.max_batch_size is not None and self.max_batch_size <= 0:

@@ -166,3 +166,16 @@ def test_a_failing_request_fails_alone(make_engine: Callable[..., LLMEngine]) ->
     assert outs["inject-fault-1"][-1].error and "injected failure" in outs["inject-fault-1"][-1].error
     assert outs["inject-nan-1"][-1].error and "non-finite" in outs["inject-nan-1"][-1].error
     assert not engine.requests
+
+
+def test_prompts_admitted_together_share_their_prefix(make_engine: Callable[..., LLMEngine]) -> None:
+    """W4's pattern: requests with one long common prefix arriving at once. The first step fills
+    the prefix blocks once; the other prompts of that same step already start on them."""
+    prefix = list(range(40, 80))  # 10 blocks of 4
+    reqs = [req(f"r{i}", [*prefix, 100 + i, 200 + i, 7], 5) for i in range(6)]
+    off, _ = drive(make_engine(enable_prefix_caching=False, max_batch_total_tokens=1024), reqs)
+    engine = make_engine(enable_prefix_caching=True, max_batch_total_tokens=1024)
+    on, outs = drive(engine, reqs)
+    assert on == off
+    assert [outs[f"r{i}"][0].num_cached_tokens for i in range(6)] == [0] + [40] * 5
+    assert engine.num_steps == 5  # all six prefilled in the first step

@@ -144,3 +144,34 @@ def test_block_manager_invariants_under_random_scheduling(data: st.DataObject) -
             sched.remove(s)
     assert bm.num_free_blocks == num_blocks
     assert bm.allocator.refcounts == [0] * num_blocks
+
+
+def test_blocks_scheduled_in_this_step_are_shared_and_forgotten_if_the_step_does_not_run() -> None:
+    bm = BlockManager(16, 4, enable_prefix_caching=True)
+    a = seq(list(range(10, 23)), "a")  # 13 tokens: 3 full blocks
+    bm.use_prefix(a, bm.match_prefix(a))
+    bm.append_slots(a, 13)
+    bm.register_full_blocks(a, 13)  # scheduled, not computed yet: pending entries
+    b = seq([*range(10, 22), 99], "b")
+    hits = bm.match_prefix(b)
+    assert hits == a.block_table[:3]  # b shares them in the same step
+    bm.use_prefix(b, hits)
+    assert b.uses_pending_blocks
+    bm.drop_pending()  # the step failed: nothing may hit KV that was never written
+    assert bm.match_prefix(seq(list(range(10, 23)), "c")) == []
+    # Freeing the only holder of a pending block forgets it too (a preempted prefill chunk).
+    bm2 = BlockManager(16, 4, enable_prefix_caching=True)
+    d = seq(list(range(30, 39)), "d")
+    bm2.use_prefix(d, [])
+    bm2.append_slots(d, 9)
+    bm2.register_full_blocks(d, 9)
+    bm2.free(d)
+    assert bm2.match_prefix(seq(list(range(30, 39)), "e")) == []
+    # Committed (the step ran): they stay cached after the holder is freed.
+    f = seq(list(range(30, 39)), "f")
+    bm2.use_prefix(f, [])
+    bm2.append_slots(f, 9)
+    bm2.register_full_blocks(f, 9)
+    bm2.commit_pending()
+    bm2.free(f)
+    assert len(bm2.match_prefix(seq(list(range(30, 39)), "g"))) == 2

@@ -62,6 +62,8 @@ def add_bench_command(sub: Any) -> None:
     g.add_argument("--cuda-memory-fraction", type=float, default=None, help="share of free GPU memory for KV")
     g.add_argument("--cuda-graphs", default=None,
                    help="passed to the engine's cuda_graphs setting when the engine has one (e.g. 1,2,4,8 or 0)")
+    g.add_argument("--async-scheduling", default=None, choices=("auto", "on", "off"),
+                   help="the engine's async_scheduling setting (default: auto, on for CUDA)")
     g = p.add_argument_group("workload sizes")
     g.add_argument("--w2-requests", type=int, default=None,
                    help="W2 request count; unset: 512 for llama-1b, else 256 (16 with --quick)")
@@ -184,6 +186,8 @@ def engine_config(args: argparse.Namespace, device: torch.device, workloads: lis
         kwargs["num_threads"] = args.threads
     if args.cuda_memory_fraction is not None:
         kwargs["cuda_memory_fraction"] = args.cuda_memory_fraction
+    if args.async_scheduling is not None:
+        kwargs["async_scheduling"] = args.async_scheduling
     fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
     if args.cuda_graphs is not None:
         # CUDA graphs may not exist in this engine yet: pass the setting only when it does.

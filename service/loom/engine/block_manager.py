@@ -10,6 +10,10 @@ GPU-free, so it is unit-tested on CPU.
   never share). A new prompt reuses the longest run of indexed blocks that match, by refcount,
   and computes only the rest. The tokens are stored with the hash and compared on every hit, so
   a hash collision can never hand out the wrong KV.
+* A block is indexed as soon as a step is scheduled to fill it, so prompts admitted in the same
+  step already share it: every attention backend writes a layer's K/V for all rows before any
+  row reads the pool. Until that step has run, such an entry is *pending*: freeing its sequence
+  (preemption, abort) or a failed step removes it, so nothing can hit KV that was never written.
 * A freed block keeps its hash and content: it can still be hit until it is handed out again,
   which is when it is evicted (removed from the index). Only unreferenced blocks are evicted.
 * A partially filled block may be shared by the completions of one request (n > 1); writing
@@ -99,6 +103,7 @@ class BlockManager:
         self.blocks_to_copy: list[tuple[int, int]] = []
         self._index: dict[int, int] = {}  # block hash -> block id
         self._content: dict[int, tuple[int, tuple[int, ...]]] = {}  # block id -> (hash, tokens)
+        self._pending: set[int] = set()  # indexed blocks whose step has not run yet
         self.stats = PrefixCacheStats()
 
     @property
@@ -115,10 +120,8 @@ class BlockManager:
     # -- allocation -----------------------------------------------------------------------------
     def _new_block(self) -> int:
         block = self.allocator.allocate()
-        cached = self._content.pop(block, None)
-        if cached is not None:  # evict: the block gets new content
-            if self._index.get(cached[0]) == block:
-                del self._index[cached[0]]
+        if block in self._content:  # evict: the block gets new content
+            self._unindex(block)
             self.stats.evictions += 1
         return block
 
@@ -183,6 +186,7 @@ class BlockManager:
     def use_prefix(self, seq: Sequence, hits: list[int]) -> None:
         """Start ``seq`` on the cached blocks ``hits`` (from :meth:`match_prefix`)."""
         assert not seq.block_table
+        seq.uses_pending_blocks = any(b in self._pending for b in hits)
         for block in hits:
             self.allocator.take(block)
         seq.block_table = list(hits)
@@ -195,12 +199,16 @@ class BlockManager:
         self.stats.queries += num_prompt_tokens
         self.stats.hits += num_hit_tokens
 
-    def register_full_blocks(self, seq: Sequence) -> None:
-        """Index the blocks of ``seq`` that became full and computed (prompt and output alike)."""
+    def register_full_blocks(self, seq: Sequence, num_new_tokens: int = 0) -> None:
+        """Index the blocks of ``seq`` that are full once ``num_new_tokens`` more are computed
+        (prompt and output alike). With ``num_new_tokens`` > 0 (called when a step is scheduled)
+        the new entries stay pending until :meth:`commit_pending`."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        full = seq.num_computed_tokens // bs
+        # Only blocks whose token ids are all known on the host (a token sampled by a step that
+        # has not been read back yet is not).
+        full = min(seq.num_computed_tokens + num_new_tokens, seq.num_known_tokens) // bs
         hashes = seq.block_hashes
         while len(hashes) < full:
             i = len(hashes)
@@ -211,6 +219,23 @@ class BlockManager:
             if h not in self._index and block not in self._content:
                 self._index[h] = block
                 self._content[block] = (h, tokens)
+                if i * bs + bs > seq.num_computed_tokens:
+                    self._pending.add(block)
+
+    def commit_pending(self) -> None:
+        """The scheduled step ran: its pending entries now hold computed KV."""
+        self._pending.clear()
+
+    def drop_pending(self) -> None:
+        """The scheduled step failed: forget the entries whose KV it was to write."""
+        for block in self._pending:
+            self._unindex(block)
+        self._pending.clear()
+
+    def _unindex(self, block: int) -> None:
+        cached = self._content.pop(block, None)
+        if cached is not None and self._index.get(cached[0]) == block:
+            del self._index[cached[0]]
 
     # -- sharing and freeing -----------------------------------------------------------------------
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -227,6 +252,10 @@ class BlockManager:
         # evicted first; the prompt's leading blocks stay cached longest.
         for block in reversed(seq.block_table):
             self.allocator.decref(block)
+            if block in self._pending and self.allocator.refcounts[block] == 0:
+                # scheduled to be filled by a step that will not run for it now
+                self._pending.discard(block)
+                self._unindex(block)
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0

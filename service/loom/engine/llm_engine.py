@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import dataclass
 from typing import cast
 
 import structlog
@@ -19,9 +20,9 @@ from loom.plugin_api import PluginRegistry, default_registry
 
 from .block_manager import BlockManager
 from .cuda_graphs import maybe_capture_cuda_graphs
-from .model_runner import CausalLM, ModelRunner, StepResult
+from .model_runner import CausalLM, LaunchedStep, ModelRunner, StepResult
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from .sequence import Sequence, SequenceStatus
+from .sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from .types import (
     EngineInfo,
     EngineOutput,
@@ -52,6 +53,21 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: torch.dtype
     if checkpoint_dtype in (torch.float16, torch.bfloat16):
         return checkpoint_dtype
     return torch.bfloat16
+
+
+def _needs_host_tokens(seq: Sequence) -> bool:
+    """Penalties read the output so far, and prompt logprobs are read back at once: such a
+    sequence's next step cannot be prepared while its last token is still on the device."""
+    sp = seq.sampling
+    return (sp.repetition_penalty != 1.0 or sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0
+            or (sp.prompt_logprobs and not seq.prompt_logprobs_sent))
+
+
+@dataclass
+class _Launched:
+    sched: SchedulerOutput
+    step: LaunchedStep
+    positions: list[int]  # where each sampled token goes in its sequence's token_ids
 
 
 class LLMEngine:
@@ -86,6 +102,10 @@ class LLMEngine:
         self.runner: ModelRunner
         self._rng = random.Random()
         self.num_steps = 0
+        self._inflight: _Launched | None = None  # a launched step whose results are not read yet
+        self.num_async_steps = 0  # steps left in flight while the next one was prepared
+        self._async = config.async_scheduling == "on" or (
+            config.async_scheduling == "auto" and self.device.type == "cuda")
         bs = config.block_size
         self.max_model_len = config.max_total_tokens or min(shape.max_position_embeddings, 4096)
         if self.max_model_len > shape.max_position_embeddings:
@@ -219,6 +239,8 @@ class LLMEngine:
             seed = self._rng.getrandbits(63)
         # Completion i draws with seed + i: re-running it alone with that seed reproduces it.
         seqs = [Sequence(request, i, None if seed is None else seed + i) for i in range(max(1, request.n))]
+        for seq in seqs:
+            seq.max_model_len = self.max_model_len
         self.requests[request.request_id] = seqs
         self.scheduler.add(seqs[0], seqs[1:])
 
@@ -228,7 +250,7 @@ class LLMEngine:
                 self.scheduler.remove(seq)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self._inflight is not None or self.scheduler.has_unfinished()
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -245,48 +267,119 @@ class LLMEngine:
 
     # -- the step -----------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
-        """Schedule, run one forward, sample, and report the new tokens of every request."""
+        """Schedule, run one forward, sample, and report the new tokens of every request.
+
+        With asynchronous scheduling (on by default on CUDA) the step just launched is left in
+        flight and the outputs returned are the previous step's: the host schedules and prepares
+        step N+1 while the device computes step N, and step N+1 takes N's sampled tokens as
+        input straight from the device. A sequence that step N finishes (EOS, stop token) has
+        computed one row too many in step N+1, which is dropped. Steps that need every token on
+        the host (penalties, prompt logprobs) run synchronously.
+        """
+        outputs: list[EngineOutput] = []
+        prev, self._inflight = self._inflight, None
+        overlap = self._async and not self._needs_sync()
+        if prev is not None and not overlap:
+            outputs += self._complete(prev)
+            prev = None
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return []
+            if prev is not None:
+                outputs += self._complete(prev)
+            return outputs
         self.num_steps += 1
         started = time.monotonic()
         for seq in sched.seqs:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = started
-        outputs: list[EngineOutput] = []
         try:
-            runs = [(sched, self.runner.execute(sched))]
+            launched = self._launch(sched)
         except Exception as exc:  # one request's fault must not fail the others
             log.warning("step failed; re-running its sequences one by one", error=repr(exc))
+            if prev is not None:
+                outputs += self._complete(prev)  # every input token is on the host again
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            runs = self._isolate(sched, outputs)
-        for part, result in runs:
-            for seq, n in zip(part.seqs, part.num_new_tokens, strict=True):
-                seq.num_computed_tokens += n
-                self.block_manager.register_full_blocks(seq)
-            for child, parent in part.forks:
-                child.num_computed_tokens = parent.num_computed_tokens
-                child.first_scheduled_time = parent.first_scheduled_time
-            outputs += self._process_result(result)
+            self._isolate(sched, outputs)
+            return outputs
+        if prev is not None:
+            outputs += self._complete(prev)
+        if overlap and not self._needs_sync():
+            self._inflight = launched
+            self.num_async_steps += 1
+        else:
+            outputs += self._complete(launched)
         return outputs
 
-    def _isolate(self, sched: SchedulerOutput, outputs: list[EngineOutput]) -> list[tuple[SchedulerOutput, StepResult]]:
-        """Run each sequence of a failed step alone; a sequence that fails alone fails its request."""
-        runs = []
-        for i, (seq, n) in enumerate(zip(sched.seqs, sched.num_new_tokens, strict=True)):
+    def _needs_sync(self) -> bool:
+        """Whether some live sequence needs all its tokens on the host before its next step."""
+        return any(_needs_host_tokens(s) for s in self.scheduler.running) or any(
+            _needs_host_tokens(s) for s in self.scheduler.waiting)
+
+    def _launch(self, sched: SchedulerOutput) -> _Launched:
+        """Launch ``sched`` on the device and advance its sequences: computed tokens, and a
+        placeholder for each token being sampled."""
+        step = self.runner.launch(sched)
+        self.block_manager.commit_pending()
+        for seq, n in zip(sched.seqs, sched.num_new_tokens, strict=True):
+            seq.num_computed_tokens += n
+            seq.uses_pending_blocks = False
+        for child, parent in sched.forks:
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.first_scheduled_time = parent.first_scheduled_time
+        positions = []
+        for row, seq in enumerate(step.sample_seqs):
+            positions.append(seq.num_tokens)
+            seq.token_ids.append(PENDING_TOKEN)
+            seq.num_pending_tokens += 1
+            seq.pending_row = row
+        return _Launched(sched, step, positions)
+
+    def _complete(self, launched: _Launched) -> list[EngineOutput]:
+        """Wait for a launched step, put its tokens in place, and turn them into outputs."""
+        result = self.runner.finish(launched.step)
+        outputs = []
+        now = time.monotonic()
+        for i, seq in enumerate(result.seqs):
             if seq.is_finished:
+                continue  # finished or aborted while the step ran, or failed earlier in it
+            pos = launched.positions[i]
+            seq.token_ids[pos] = result.token_ids[i]
+            seq.num_pending_tokens -= 1
+            if seq.seq_id in result.failed:
+                outputs += self.fail_request(seq.request_id, result.failed[seq.seq_id])
+                continue
+            outputs += self._token_output(seq, pos, result, i, now)
+        for seq in launched.sched.seqs:
+            if not seq.is_finished:
+                self.block_manager.register_full_blocks(seq)
+        return outputs
+
+    def _isolate(self, sched: SchedulerOutput, outputs: list[EngineOutput]) -> None:
+        """Run each sequence of a failed step alone; a sequence that fails alone fails its request.
+
+        Prefix blocks this step was to fill are forgotten, and sequences that had started on
+        them go back to the queue (their KV was never written)."""
+        self.block_manager.drop_pending()
+        for seq in sched.seqs:
+            if seq.uses_pending_blocks and not seq.is_finished:
+                self.scheduler.requeue(seq)
+                for child, parent in sched.forks:
+                    if parent is seq:  # it shares those blocks too
+                        self.scheduler.requeue(child)
+        copies = sched.blocks_to_copy
+        for seq, n in zip(sched.seqs, sched.num_new_tokens, strict=True):
+            if seq.is_finished or seq.status is not SequenceStatus.RUNNING:
                 continue
             part = SchedulerOutput(seqs=[seq], num_new_tokens=[n],
                                    forks=[(c, p) for c, p in sched.forks if p is seq],
-                                   blocks_to_copy=sched.blocks_to_copy if i == 0 else [])
+                                   blocks_to_copy=copies)
+            copies = []
             try:
-                runs.append((part, self.runner.execute(part)))
+                outputs += self._complete(self._launch(part))
             except Exception as exc:
                 log.error("request failed in the model step", request_id=seq.request_id, error=repr(exc))
                 outputs += self.fail_request(seq.request_id, f"model step failed: {type(exc).__name__}: {exc}")
-        return runs
 
     def fail_request(self, request_id: str, message: str) -> list[EngineOutput]:
         """End every completion of ``request_id`` with an error; its blocks are freed."""
@@ -299,48 +392,44 @@ class LLMEngine:
                 self.scheduler.remove(seq)
         return outs
 
-    def _process_result(self, result: StepResult) -> list[EngineOutput]:
-        outputs = []
-        now = time.monotonic()
-        for i, seq in enumerate(result.seqs):
-            if seq.is_finished:
-                continue  # its request failed earlier in this step
-            if seq.seq_id in result.failed:
-                outputs += self.fail_request(seq.request_id, result.failed[seq.seq_id])
-                continue
-            token = result.token_ids[i]
-            lp = result.logprobs[i]
-            seq.token_ids.append(token)
-            seq.cumulative_logprob += lp
-            reason = self._finish_reason(seq, token, now)
-            out = EngineOutput(
-                request_id=seq.request_id,
-                index=seq.index,
-                token_ids=[token],
-                logprobs=[lp],
-                top_tokens=[result.top_tokens[i]] if result.top_tokens is not None else None,
-                finish_reason=reason,
-                seed=seq.seed,
-                num_prompt_tokens=seq.num_prompt_tokens,
-                num_cached_tokens=seq.num_cached_tokens,
-                first_scheduled_time=seq.first_scheduled_time,
-            )
-            if seq.sampling.prompt_logprobs and not seq.prompt_logprobs_sent:
-                out.prompt_logprobs = seq.prompt_logprobs
-                seq.prompt_logprobs_sent = True
-            outputs.append(out)
-            if reason is not None:
-                self._finish(seq, reason)
-        return outputs
+    def _token_output(self, seq: Sequence, pos: int, result: StepResult, i: int, now: float) -> list[EngineOutput]:
+        """The output for ``seq``'s token at ``pos`` (row ``i`` of ``result``); finishes it when done."""
+        token = result.token_ids[i]
+        lp = result.logprobs[i]
+        seq.cumulative_logprob += lp
+        reason = self._finish_reason(seq, token, pos, now)
+        out = EngineOutput(
+            request_id=seq.request_id,
+            index=seq.index,
+            token_ids=[token],
+            logprobs=[lp],
+            top_tokens=[result.top_tokens[i]] if result.top_tokens is not None else None,
+            finish_reason=reason,
+            seed=seq.seed,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            first_scheduled_time=seq.first_scheduled_time,
+        )
+        if seq.sampling.prompt_logprobs and not seq.prompt_logprobs_sent:
+            out.prompt_logprobs = seq.prompt_logprobs
+            seq.prompt_logprobs_sent = True
+        if reason is not None:
+            # a token sampled after this one (the step in flight) is not part of the output
+            del seq.token_ids[pos + 1 :]
+            seq.num_pending_tokens = 0
+            self._finish(seq, reason)
+        return [out]
 
-    def _finish_reason(self, seq: Sequence, token: int, now: float) -> FinishReason | None:
+    def _finish_reason(self, seq: Sequence, token: int, pos: int, now: float) -> FinishReason | None:
+        """Why ``seq`` ends with ``token`` at position ``pos`` (None: it goes on)."""
         st = seq.stopping
-        past_min = seq.num_output_tokens >= st.min_new_tokens
+        num_output = pos + 1 - seq.num_prompt_tokens
+        past_min = num_output >= st.min_new_tokens
         if past_min and not st.ignore_eos and token in self.eos_token_ids:
             return FinishReason.EOS_TOKEN
         if past_min and token in st.stop_token_ids:
             return FinishReason.STOP_SEQUENCE
-        if seq.num_output_tokens >= st.max_new_tokens or seq.num_tokens >= self.max_model_len:
+        if num_output >= st.max_new_tokens or pos + 1 >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 

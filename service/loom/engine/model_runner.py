@@ -19,6 +19,7 @@ from loom.layers.attention import AttentionBackend, AttentionMetadata, ForwardCo
 from .sampler import Sampler, build_sampling_batch, prompt_logprobs
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
+from .staging import DeviceToHost, Stager
 
 if TYPE_CHECKING:
     from .cuda_graphs import CudaGraphRunner
@@ -47,6 +48,17 @@ class StepInputs:
 
 
 @dataclass
+class LaunchedStep:
+    """A step whose forward and sampling are queued on the device; :meth:`ModelRunner.finish`
+    reads the results back."""
+
+    sample_seqs: list[Sequence]
+    sampled_ids: torch.Tensor  # [N] int64 on the device: the next step's input for these rows
+    host: list[torch.Tensor]  # token ids, logprobs, finite flags[, top ids, top logprobs] (host)
+    transfer: DeviceToHost
+
+
+@dataclass
 class StepResult:
     seqs: list[Sequence]
     token_ids: list[int]
@@ -70,6 +82,10 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.fault_injection = fault_injection  # tests only: see _inject_faults
         self.sampler = Sampler()
+        self.stager = Stager(device)
+        # The last launched step's sampled ids [N] (device): inputs for rows whose token the
+        # host has not read back yet (Sequence.pending_row indexes it).
+        self.last_sampled: torch.Tensor | None = None
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         bs = self.block_size
@@ -81,16 +97,23 @@ class ModelRunner:
         sample_seqs: list[Sequence] = []
         sample_rows: list[int] = []
         prompt_rows: list[tuple[Sequence, int, int, int]] = []
+        pending_dst: list[int] = []  # flat rows whose input token is still on the device ...
+        pending_src: list[int] = []  # ... at these rows of last_sampled
         row_of: dict[int, int] = {}
         for seq, n in zip(sched.seqs, sched.num_new_tokens, strict=True):
             start = seq.num_computed_tokens
             end = start + n
             table = seq.block_table
             if n == 1:  # decode: the hot path at large batch, kept free of per-row tensor work
+                if start >= seq.num_known_tokens:
+                    assert start == seq.num_tokens - 1 and seq.pending_row >= 0, seq
+                    pending_dst.append(query_start[-1])
+                    pending_src.append(seq.pending_row)
                 ids.append(seq.token_ids[start])
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
             else:
+                assert end <= seq.num_known_tokens, seq  # a prefill's tokens are all known
                 ids.extend(seq.token_ids[start:end])
                 positions.extend(range(start, end))
                 pos = torch.arange(start, end)
@@ -113,21 +136,27 @@ class ModelRunner:
         # one tensor from padded rows: a torch call per row costs more than the rows themselves
         tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in sched.seqs],
                               dtype=torch.int32)
-        dev = self.device
+        stage = self.stager
+        stage.next_step()
         meta = AttentionMetadata(
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32).to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev),
-            block_tables=tables.to(dev),
+            query_start_loc=stage.to_device(query_start, torch.int32),
+            seq_lens=stage.to_device(seq_lens, torch.int32),
+            slot_mapping=stage.to_device(slots, torch.int64),
+            block_tables=stage.to_device(tables, torch.int32),
             query_lens_cpu=list(sched.num_new_tokens),
             seq_lens_cpu=seq_lens,
             max_query_len=max(sched.num_new_tokens),
             max_seq_len=max(seq_lens),
             block_size=bs,
         )
+        input_ids = stage.to_device(ids, torch.int64)
+        if pending_dst:
+            assert self.last_sampled is not None
+            src = stage.to_device(pending_src, torch.int64)
+            input_ids.index_copy_(0, stage.to_device(pending_dst, torch.int64), self.last_sampled.index_select(0, src))
         return StepInputs(
-            input_ids=torch.tensor(ids, dtype=torch.int64).to(dev),
-            positions=torch.tensor(positions, dtype=torch.int64).to(dev),
+            input_ids=input_ids,
+            positions=stage.to_device(positions, torch.int64),
             meta=meta,
             sample_seqs=sample_seqs,
             sample_rows=sample_rows,
@@ -138,22 +167,28 @@ class ModelRunner:
         """Copy-on-write: duplicate whole blocks in every layer's pool."""
         if not pairs:
             return
-        src = torch.tensor([s for s, _ in pairs], device=self.device)
-        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        src = self.stager.to_device([s for s, _ in pairs], torch.int64)
+        dst = self.stager.to_device([d for _, d in pairs], torch.int64)
         for cache in self.kv_caches:  # [2, num_blocks, block_size, Hkv, D]
             cache[:, dst] = cache[:, src]
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
-        self.copy_blocks(sched.blocks_to_copy)
+        """Run one step and wait for its results."""
+        return self.finish(self.launch(sched))
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> LaunchedStep:
+        """Queue the step's forward and sampling on the device; the host does not wait for them
+        (except for prompt logprobs, which are read back at once)."""
         inputs = self.prepare(sched)
+        self.copy_blocks(sched.blocks_to_copy)  # queued after prepare's copies, before the forward
         if self.fault_injection:
             _inject_faults(inputs)
         hidden = self.cuda_graphs.try_run(inputs) if self.cuda_graphs is not None else None
         if hidden is None:
             with forward_context(ForwardContext(self.backend, self.kv_caches, inputs.meta)):
                 hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
-        rows = torch.tensor(inputs.sample_rows, dtype=torch.int64, device=self.device)
+        rows = self.stager.to_device(inputs.sample_rows, torch.int64)
         logits = self.model.compute_logits(hidden.index_select(0, rows))  # [N, V] fp32
         if self.fault_injection:
             for i, seq in enumerate(inputs.sample_seqs):
@@ -161,21 +196,35 @@ class ModelRunner:
                     logits[i] = float("nan")
         finite = torch.isfinite(logits).all(dim=-1)  # [N]: a NaN row fails only its request
         logits = torch.where(finite[:, None], logits, torch.zeros_like(logits))
-        batch = build_sampling_batch(inputs.sample_seqs, self.vocab_size, self.device, self.eos_token_ids)
+        batch = build_sampling_batch(inputs.sample_seqs, self.vocab_size, self.device, self.eos_token_ids,
+                                     self.stager)
         out = self.sampler(logits, batch)
         self._prompt_logprobs(hidden, inputs)
-        top: list[list[tuple[int, float]]] | None = None
+        results = [out.token_ids, out.logprobs, finite]
         if out.top_ids is not None and out.top_logprobs is not None:
-            ids_l, lps_l = out.top_ids.tolist(), out.top_logprobs.tolist()
+            results += [out.top_ids, out.top_logprobs]
+        transfer = DeviceToHost(self.device)
+        host = transfer.fetch(results)
+        self.last_sampled = out.token_ids
+        return LaunchedStep(inputs.sample_seqs, out.token_ids, host, transfer)
+
+    def finish(self, step: LaunchedStep) -> StepResult:
+        """Wait for a launched step and read its sampled tokens back."""
+        step.transfer.wait()
+        token_ids, logprobs, finite = step.host[:3]
+        seqs = step.sample_seqs
+        top: list[list[tuple[int, float]]] | None = None
+        if len(step.host) == 5:
+            ids_l, lps_l = step.host[3].tolist(), step.host[4].tolist()
             top = [
                 list(zip(i[: s.sampling.top_n_tokens], lp[: s.sampling.top_n_tokens], strict=True))
-                for s, i, lp in zip(inputs.sample_seqs, ids_l, lps_l, strict=True)
+                for s, i, lp in zip(seqs, ids_l, lps_l, strict=True)
             ]
         failed = {
             seq.seq_id: "the model produced non-finite logits (NaN or inf) for this request"
-            for seq, ok in zip(inputs.sample_seqs, finite.tolist(), strict=True) if not ok
+            for seq, ok in zip(seqs, finite.tolist(), strict=True) if not ok
         }
-        return StepResult(inputs.sample_seqs, out.token_ids.tolist(), out.logprobs.tolist(), top, failed)
+        return StepResult(seqs, token_ids.tolist(), logprobs.tolist(), top, failed)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs) -> None:
         """Accumulate prompt logprobs on the sequence, chunk by chunk (``seq.prompt_logprobs``)."""

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .sequence import Sequence
+from .staging import Stager
 
 _MASK53 = (1 << 53) - 1
 
@@ -78,63 +79,85 @@ class SamplingBatch:
     max_top_n: int
 
 
-def build_sampling_batch(seqs: list[Sequence], vocab_size: int, device: torch.device,
-                         eos_token_ids: tuple[int, ...] = ()) -> SamplingBatch:
-    sp = [s.sampling for s in seqs]
-    samp = [p.do_sample for p in sp]
+_SAMPLE, _TOP_K, _TOP_P, _TYPICAL, _MIN_P, _REP, _FREQ = (1 << i for i in range(7))
 
-    def col(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
 
+def _row_params(seq: Sequence, vocab_size: int) -> tuple[tuple[float, ...], tuple[int, int], int]:
+    """A sequence's fixed sampler parameters, computed once per sequence: the float columns
+    (temperature, top_p, typical_p, min_p, do_sample, repetition, frequency and presence
+    penalties), (top_k, seed) and a bit set of the processors it enables."""
+    cached = seq.sampler_row
+    if cached is not None:
+        return cached
+    p, on = seq.sampling, seq.sampling.do_sample
     # Greedy rows keep every warper off so their logprobs are the penalised distribution's.
-    temperature = [p.temperature if s else 1.0 for p, s in zip(sp, samp, strict=True)]
-    top_k = [p.top_k if s and 0 < p.top_k < vocab_size else vocab_size for p, s in zip(sp, samp, strict=True)]
-    top_p = [p.top_p if s else 1.0 for p, s in zip(sp, samp, strict=True)]
-    typical = [p.typical_p if s else 1.0 for p, s in zip(sp, samp, strict=True)]
-    min_p = [p.min_p if s else 0.0 for p, s in zip(sp, samp, strict=True)]
+    top_k = p.top_k if on and 0 < p.top_k < vocab_size else vocab_size
+    floats = (p.temperature if on else 1.0, p.top_p if on else 1.0, p.typical_p if on else 1.0,
+              p.min_p if on else 0.0, 1.0 if on else 0.0,
+              p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
+    flags = ((_SAMPLE if on else 0) | (_TOP_K if top_k < vocab_size else 0) | (_TOP_P if floats[1] < 1.0 else 0)
+             | (_TYPICAL if floats[2] < 1.0 else 0) | (_MIN_P if floats[3] > 0.0 else 0)
+             | (_REP if p.repetition_penalty != 1.0 else 0)
+             | (_FREQ if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 else 0))
+    row = (floats, (top_k, _i64(seq.seed or 0)), flags)
+    seq.sampler_row = row
+    return row
 
-    use_rep = any(p.repetition_penalty != 1.0 for p in sp)
-    use_freq = any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in sp)
+
+def build_sampling_batch(seqs: list[Sequence], vocab_size: int, device: torch.device,
+                         eos_token_ids: tuple[int, ...] = (), stager: Stager | None = None) -> SamplingBatch:
+    """Per-row parameters on ``device``. With a ``stager`` the small per-row arrays go through
+    pinned buffers without making the host wait (see :mod:`loom.engine.staging`)."""
+    stage = stager or Stager(device)
+    rows = [_row_params(s, vocab_size) for s in seqs]
+    flags = 0
+    for r in rows:
+        flags |= r[2]
+    # One transfer per dtype: float columns [N, 8], int64 columns [N, 3] (top_k, seed, step).
+    floats = stage.to_device([r[0] for r in rows], torch.float32)
+    ints = stage.to_device([(*r[1], s.num_output_tokens) for r, s in zip(rows, seqs, strict=True)], torch.int64)
+    n = len(seqs)
+    use_rep, use_freq = bool(flags & _REP), bool(flags & _FREQ)
     seen_mask = output_counts = None
     if use_rep:
-        seen_mask = torch.zeros(len(seqs), vocab_size + 1, dtype=torch.bool, device=device)
+        seen_mask = torch.zeros(n, vocab_size + 1, dtype=torch.bool, device=device)
         ids = _padded([s.token_ids for s in seqs], vocab_size, device)
         seen_mask.scatter_(1, ids, True)
         seen_mask = seen_mask[:, :vocab_size]
     if use_freq:
-        counts = torch.zeros(len(seqs), vocab_size + 1, dtype=torch.float32, device=device)
+        counts = torch.zeros(n, vocab_size + 1, dtype=torch.float32, device=device)
         ids = _padded([s.output_token_ids for s in seqs], vocab_size, device)
         counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
         output_counts = counts[:, :vocab_size]
     suppress_mask = None
     young = [i for i, s in enumerate(seqs) if s.num_output_tokens < s.stopping.min_new_tokens]
     if young:
-        suppress_mask = torch.zeros(len(seqs), vocab_size, dtype=torch.bool)
+        mask = torch.zeros(n, vocab_size, dtype=torch.bool)
         for i in young:
             banned = [t for t in (*eos_token_ids, *seqs[i].stopping.stop_token_ids) if 0 <= t < vocab_size]
-            suppress_mask[i, banned] = True
-        suppress_mask = suppress_mask.to(device)
+            mask[i, banned] = True
+        suppress_mask = stage.to_device(mask, torch.bool)
     return SamplingBatch(
-        do_sample=torch.tensor(samp, dtype=torch.bool, device=device),
-        temperature=col(temperature),
-        top_k=torch.tensor(top_k, dtype=torch.int64, device=device).unsqueeze(1),
-        top_p=col(top_p),
-        typical_p=col(typical),
-        min_p=col(min_p),
-        seeds=torch.tensor([_i64(s.seed or 0) for s in seqs], dtype=torch.int64, device=device),
-        steps=torch.tensor([s.num_output_tokens for s in seqs], dtype=torch.int64, device=device),
-        repetition_penalty=col([p.repetition_penalty for p in sp]) if use_rep else None,
-        frequency_penalty=col([p.frequency_penalty for p in sp]) if use_freq else None,
-        presence_penalty=col([p.presence_penalty for p in sp]) if use_freq else None,
+        do_sample=floats[:, 4] > 0.5,
+        temperature=floats[:, 0:1],
+        top_k=ints[:, 0:1],
+        top_p=floats[:, 1:2],
+        typical_p=floats[:, 2:3],
+        min_p=floats[:, 3:4],
+        seeds=ints[:, 1],
+        steps=ints[:, 2],
+        repetition_penalty=floats[:, 5:6] if use_rep else None,
+        frequency_penalty=floats[:, 6:7] if use_freq else None,
+        presence_penalty=floats[:, 7:8] if use_freq else None,
         seen_mask=seen_mask,
         output_counts=output_counts,
         suppress_mask=suppress_mask,
-        any_sample=any(samp),
-        use_top_k=any(k < vocab_size for k in top_k),
-        use_top_p=any(p < 1.0 for p in top_p),
-        use_typical=any(p < 1.0 for p in typical),
-        use_min_p=any(p > 0.0 for p in min_p),
-        max_top_n=max((p.top_n_tokens for p in sp), default=0),
+        any_sample=bool(flags & _SAMPLE),
+        use_top_k=bool(flags & _TOP_K),
+        use_top_p=bool(flags & _TOP_P),
+        use_typical=bool(flags & _TYPICAL),
+        use_min_p=bool(flags & _MIN_P),
+        max_top_n=max((s.sampling.top_n_tokens for s in seqs), default=0),
     )
 
 

@@ -136,6 +136,8 @@ class Scheduler:
             left = seq.num_uncomputed_tokens
             if left == 0:
                 continue  # a forked child waiting for its parent's prompt
+            if seq.num_pending_tokens and seq.length_exhausted:
+                continue  # the step in flight samples its last token
             is_decode = left == 1 and seq.num_output_tokens > 0
             if is_decode != decodes:
                 continue
@@ -166,6 +168,8 @@ class Scheduler:
     def _add_rows(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
         out.seqs.append(seq)
         out.num_new_tokens.append(n)
+        # Index the blocks this step fills now, so prompts admitted below share them already.
+        self.block_manager.register_full_blocks(seq, n)
         if seq.num_computed_tokens + n < seq.num_tokens:
             self.counters.prefill_chunks += 1
         elif seq.seq_id in self.pending_forks and seq.num_output_tokens == 0:
@@ -184,16 +188,20 @@ class Scheduler:
         return max(candidates, key=lambda s: (self._rank(s, now), s.arrival_time, s.seq_id))
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        self.running.remove(seq)
         if seq in out.seqs:  # already given rows this step: take them back
             i = out.seqs.index(seq)
             del out.seqs[i], out.num_new_tokens[i]
+        self.requeue(seq)
+        self.counters.preemptions += 1
+        out.preempted.append(seq)
+
+    def requeue(self, seq: Sequence) -> None:
+        """Free a running sequence's blocks and queue it to be recomputed."""
+        self.running.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
-        self.counters.preemptions += 1
         self.waiting.append(seq)
-        out.preempted.append(seq)
 
     def _prefill_allowed(self) -> bool:
         if self.config.enable_chunked_prefill or not self.running:

@@ -9,6 +9,8 @@ from .types import EngineRequest, FinishReason, SamplingParams, StoppingParams
 
 _seq_ids = itertools.count()
 
+PENDING_TOKEN = -1  # a sampled token not yet read back from the device
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued, or preempted and waiting to be recomputed
@@ -22,6 +24,10 @@ class Sequence:
     The tokens still to compute in the next forward are ``token_ids[num_computed_tokens:]``:
     the whole prompt for a new sequence, the last sampled token while decoding, everything after
     a preemption (recompute).
+
+    With asynchronous scheduling the last ``num_pending_tokens`` entries of ``token_ids`` are
+    placeholders (``PENDING_TOKEN``): tokens a launched step samples on the device and the host
+    has not read back yet. The next step already takes them as input, from the device.
     """
 
     def __init__(self, request: EngineRequest, index: int, seed: int | None) -> None:
@@ -47,6 +53,12 @@ class Sequence:
         self.first_scheduled_time: float | None = None  # monotonic: when a step first ran it (prefill began)
         self.prompt_logprobs_sent = False
         self.prompt_logprobs: list[float | None] = []  # accumulated over prefill chunks
+        self.num_pending_tokens = 0  # trailing placeholders (see the class docstring)
+        self.pending_row = -1  # row of the newest placeholder in the last launched step's samples
+        self.uses_pending_blocks = False  # started on prefix blocks the current step is still filling
+        self.max_model_len: int | None = None  # the engine's limit: stop scheduling past it
+        # the sampler's per-row constants, computed on first use (see sampler._row_params)
+        self.sampler_row: tuple[tuple[float, ...], tuple[int, int], int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -63,6 +75,18 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def num_known_tokens(self) -> int:
+        return len(self.token_ids) - self.num_pending_tokens
+
+    @property
+    def length_exhausted(self) -> bool:
+        """Its tokens (placeholders included) already reach max_new_tokens or the model's length:
+        the step that sampled the last one will finish it, so it needs no further step."""
+        if self.num_output_tokens >= self.stopping.max_new_tokens:
+            return True
+        return self.max_model_len is not None and self.num_tokens >= self.max_model_len
 
     @property
     def is_finished(self) -> bool:

@@ -93,6 +93,9 @@ def add_serve_command(subparsers: Any) -> None:
                      help="split long prompts so prefill chunks and decodes share each step")
     add_env_argument(group, "--cuda-graphs", type=_parse_sizes, default=engine_defaults.cuda_graphs,
                      help="decode batch sizes captured as CUDA graphs, e.g. 1,2,4,8; 0 disables")
+    add_env_argument(group, "--async-scheduling", type=str,
+                     default=engine_defaults.async_scheduling,
+                     help="auto, on or off: prepare the next step while the device runs this one (auto: on CUDA)")
     parser.set_defaults(func=run_serve)
 
 
@@ -110,6 +113,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
                           enable_prefix_caching=args.prefix_caching,
                           enable_chunked_prefill=args.prefill_chunking,
                           cuda_graphs=tuple(args.cuda_graphs),
+                          async_scheduling=args.async_scheduling,
                           fault_injection=args.fault_injection)
     server = {_dest(f): getattr(args, _dest(f))
               for f, _, _ in (*_SERVER_FLAGS, *_SECURITY_FLAGS, *_OBSERVABILITY_FLAGS)}

@@ -1,0 +1,100 @@
+"""Host <-> device transfers of a step's small arrays without stalling the host.
+
+``torch.tensor(values, device="cuda")`` copies from pageable memory, which makes the host wait
+until the copy has run, i.e. until every kernel queued before it has finished. A step makes a
+dozen such tensors (token ids, positions, slots, block tables, sampler parameters), so the host
+could never run ahead of the GPU. Here every array goes through *pinned* buffers allocated once
+and reused: the host writes into them, the copy is queued without waiting, and the host moves
+on to prepare the next step while the GPU works.
+
+Buffers come in ``num_slots`` sets used round-robin, one set per step: a set is written again
+only ``num_slots`` steps later, and the engine keeps at most one step in flight, so the copies
+that read it have long finished. On the CPU nothing is staged: tensors are made directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+_INITIAL_ELEMS = 1 << 16
+
+
+class _Slot:
+    """Pinned host buffers and matching device buffers, one pair per dtype, bump-allocated."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.host: dict[torch.dtype, torch.Tensor] = {}
+        self.dev: dict[torch.dtype, torch.Tensor] = {}
+        self.offset: dict[torch.dtype, int] = {}
+        self.retired: list[torch.Tensor] = []  # outgrown buffers some queued copy may still use
+
+    def reset(self) -> None:
+        self.offset = dict.fromkeys(self.offset, 0)
+        self.retired.clear()
+
+    def take(self, dtype: torch.dtype, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        off = self.offset.get(dtype, 0)
+        host = self.host.get(dtype)
+        if host is None or off + n > host.numel():
+            if host is not None:
+                self.retired += [host, self.dev[dtype]]
+            size = max(_INITIAL_ELEMS, 2 * (off + n))
+            self.host[dtype] = host = torch.empty(size, dtype=dtype, pin_memory=True)
+            self.dev[dtype] = torch.empty(size, dtype=dtype, device=self.device)
+            off = 0
+        self.offset[dtype] = off + n
+        return host[off : off + n], self.dev[dtype][off : off + n]
+
+
+class Stager:
+    """``to_device(values, dtype)``: a device tensor holding ``values``, queued, not waited for."""
+
+    def __init__(self, device: torch.device, num_slots: int = 3) -> None:
+        self.device = device
+        self.pinned = device.type == "cuda"
+        self._slots = [_Slot(device) for _ in range(num_slots)] if self.pinned else []
+        self._current = 0
+
+    def next_step(self) -> None:
+        """Start filling the next buffer set (call once per step, before its transfers)."""
+        if self.pinned:
+            self._current = (self._current + 1) % len(self._slots)
+            self._slots[self._current].reset()
+
+    def to_device(self, values: Sequence[int] | Sequence[float] | Sequence[bool] | torch.Tensor,
+                  dtype: torch.dtype) -> torch.Tensor:
+        cpu = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+        if not self.pinned:
+            return cpu.to(dtype)
+        flat = cpu.reshape(-1)
+        host, dev = self._slots[self._current].take(dtype, flat.numel())
+        host.copy_(flat)
+        dev.copy_(host, non_blocking=True)
+        return dev.view(cpu.shape)
+
+
+class DeviceToHost:
+    """Queue device -> pinned host copies of a step's results; read them after ``wait()``."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.pinned = device.type == "cuda"
+        self.event: torch.cuda.Event | None = None
+
+    def fetch(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        if not self.pinned:
+            return tensors
+        out = []
+        for t in tensors:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            out.append(host)
+        self.event = torch.cuda.Event()
+        self.event.record()
+        return out
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
