@@ -15,6 +15,7 @@ that read it have long finished. On the CPU nothing is staged: tensors are made 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -64,8 +65,8 @@ class Stager:
             self._current = (self._current + 1) % len(self._slots)
             self._slots[self._current].reset()
 
-    def to_device(self, values: Sequence[int] | Sequence[float] | Sequence[bool] | torch.Tensor,
-                  dtype: torch.dtype) -> torch.Tensor:
+    def to_device(self, values: Sequence[Any] | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``values``: a tensor, or a (nested) list of numbers, as ``torch.tensor`` takes it."""
         cpu = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
         if not self.pinned:
             return cpu.to(dtype)
