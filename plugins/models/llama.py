@@ -96,11 +96,23 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
-                rotary: RotaryEmbedding) -> torch.Tensor:  # [T, H] -> [T, H]
-        # Residual adds in the activation dtype, in HF's order, so half precision matches too.
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rotary)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(hidden, residual) -> (mlp output, residual)``, all ``[T, H]``.
+
+        The residual stream is carried alongside rather than added at the end of the layer: each
+        add is done by the norm that follows it (``forward_with_residual``: one fused kernel on
+        CUDA). The adds and norms are HF's, in HF's order and dtype, so the results are the same
+        bits as ``h = h + attn(norm1(h)); h = h + mlp(norm2(h))``. ``residual`` is None for the
+        first layer, whose ``hidden`` is the embedding output.
+        """
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.forward_with_residual(hidden, residual)
+        hidden = self.self_attn(positions, hidden, rotary)
+        hidden, residual = self.post_attention_layernorm.forward_with_residual(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -116,9 +128,12 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, H]
+        residual: torch.Tensor | None = None
         for layer in self.layers:
-            hidden = layer(positions, hidden, self.rotary_emb)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual, self.rotary_emb)
+        if residual is None:  # no layers
+            return self.norm(hidden)
+        return self.norm.forward_with_residual(hidden, residual)[0]  # the last layer's add, fused
 
 
 class LlamaForCausalLM(nn.Module):

@@ -4,6 +4,14 @@ Must be imported before the kernel modules: ``triton.jit`` decides at decoration
 function is compiled or interpreted. Also works around the interpreter of triton 3.6 turning a
 scalar into a one-element 1-d array, which numpy >= 2.4 refuses to convert with ``int()`` (so a
 ``range`` over loaded bounds fails).
+
+Two more differences from a GPU are patched so that kernels can be checked bit for bit:
+
+* the interpreter casts float32 to bfloat16 by truncating (and its "rtne" mode rounds ties away
+  from zero and can lose the carry into the exponent), where GPUs and torch round to nearest
+  even; the patched cast rounds to nearest even;
+* it does not implement ``triton.language.extra.libdevice``: its ``exp`` (the accurate expf of
+  CUDA) stands for ``tl.exp``, which the interpreter computes with numpy in float32.
 """
 
 from __future__ import annotations
@@ -28,4 +36,35 @@ def enable() -> bool:
 
         patched._loom_patched = True  # type: ignore[attr-defined]
         interp._patch_lang_tensor = patched
+    _patch_bf16_rounding(interp)
+    _patch_libdevice()
     return True
+
+
+def _patch_bf16_rounding(interp: Any) -> None:
+    import numpy as np
+    import triton.language as tl
+
+    original = interp._convert_float
+    if getattr(original, "_loom_patched", False):
+        return
+
+    def convert(data: Any, src: Any, dst: Any, rounding_mode: Any) -> Any:
+        if src != tl.float32 or dst != tl.bfloat16:
+            return original(data, src, dst, rounding_mode)
+        values = np.asarray(data, dtype=np.float32)
+        bits = values.view(np.uint32).astype(np.uint64)
+        # Round to nearest even on the 16 dropped bits; a carry moves into the exponent.
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        return np.where(np.isnan(values), np.uint16(0x7FC0), rounded).reshape(values.shape)
+
+    convert._loom_patched = True  # type: ignore[attr-defined]
+    interp._convert_float = convert
+
+
+def _patch_libdevice() -> None:
+    import triton.language as tl
+    from triton.language.extra import libdevice
+
+    # Looked up at call time: inside a kernel, tl.exp is the interpreter's patched builtin.
+    libdevice.exp = lambda x: tl.exp(x)

@@ -1,9 +1,16 @@
-"""RMSNorm, numerically identical to Hugging Face's Llama/Qwen implementation."""
+"""RMSNorm, numerically identical to Hugging Face's Llama/Qwen implementation.
+
+On CUDA (with triton, unless ``LOOM_FUSED_KERNELS=0``) one fused kernel does the whole norm, and
+``forward_with_residual`` also folds in the residual add that precedes it; elsewhere the torch
+code below runs, which is the reference the kernel reproduces.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from loom.layers import fused_ops
 
 
 class RMSNorm(nn.Module):
@@ -19,6 +26,20 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., H]
+        if fused_ops.norm_supported(x, self.weight):
+            return fused_ops.fused_add_rms_norm(x, None, self.weight, self.eps)[0]
+        return self._forward_torch(x)
+
+    def forward_with_residual(self, x: torch.Tensor,
+                              residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``h = residual + x``, then ``(norm(h), h)``: the residual stream's add, fused into the
+        norm that follows it (x, residual: ``[T, H]``; ``h`` is the next residual)."""
+        if fused_ops.norm_supported(x, self.weight, residual):
+            return fused_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        h = residual + x
+        return self(h), h
+
+    def _forward_torch(self, x: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype
         h = x.to(torch.float32)
         variance = h.pow(2).mean(-1, keepdim=True)

@@ -3,7 +3,8 @@
 Reads both config styles: transformers 4 (``rope_theta`` + ``rope_scaling``) and transformers 5
 (``rope_parameters = {"rope_theta": ..., "rope_type": ...}``). Supported types: default, linear,
 dynamic, llama3, yarn. cos/sin are cached in float32 for every position up to the model's
-maximum, so applying RoPE is a gather plus elementwise math (no per-step trig).
+maximum, so applying RoPE is a gather plus elementwise math (no per-step trig). On CUDA that math
+is one fused kernel for q and k (``fused_ops.rotary``), rounding as the torch code here does.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from loom.layers import fused_ops
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
@@ -145,6 +148,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if fused_ops.rotary_supported(positions, q, k):  # CUDA: q and k in one kernel
+            return fused_ops.rotary(positions, q, k, self.cos_cached, self.sin_cached)
         cos = self.cos_cached[positions].unsqueeze(1)  # [T, 1, D/2]
         sin = self.sin_cached[positions].unsqueeze(1)
         # Cast to the activation dtype first, as HF does, so half precision rounds the same way.

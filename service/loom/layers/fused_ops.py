@@ -1,0 +1,267 @@
+"""Fused Triton kernels for the elementwise work of a Llama-family layer, used on CUDA only.
+
+Unfused, a decode step spends more time launching tiny elementwise kernels than doing them
+(RMSNorm alone is eight: cast, pow, mean, add eps, rsqrt, mul, cast, weight multiply). Each
+kernel here does one such group in one launch:
+
+* ``fused_add_rms_norm``: ``h = residual + x`` (optional), then HF's RMSNorm of ``h``.
+* ``rotary``: rotate-half RoPE of q and k together, reading cos/sin at each token's position.
+* ``silu_and_mul``: ``silu(gate) * up`` of a fused ``[gate | up]`` projection.
+
+They reproduce the torch path's roundings, not just its math: every intermediate that torch
+materialises in the activation dtype is rounded to that dtype here too (computing in float32 and
+casting with round-to-nearest-even, which is what torch's half-precision ops do). So bf16/fp16
+outputs are bit-identical to the torch path, except the norm, whose float32 sum of squares is
+reduced in a different order (a float32 ulp there can move the rounded output by one ulp).
+float32 kernels are compiled without FMA contraction, so their products are rounded as torch's.
+
+Launches depend only on shapes (no host syncs, no data-dependent sizes): CUDA-graph capturable.
+Triton is optional: without it this module still imports and ``enabled`` is always False.
+"""
+
+# mypy: disable-error-code="no-untyped-def"
+# (Triton kernels take untyped pointer arguments; annotations there would change their meaning.)
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+
+    HAS_TRITON = True
+except ImportError:
+    HAS_TRITON = False
+
+
+def _jit(fn: Callable[..., Any]) -> Any:
+    """``triton.jit``; without triton the kernels stay plain functions, never launched."""
+    return triton.jit(fn) if HAS_TRITON else fn
+
+
+# A norm row is held in registers in one block; past this, the torch path is used instead.
+_MAX_NORM_BLOCK = 32768
+
+
+def enabled(x: torch.Tensor) -> bool:
+    """Whether the fused kernels serve tensors like ``x``: on CUDA, with triton installed,
+    unless the environment sets ``LOOM_FUSED_KERNELS=0`` (read at every call, so a test or an
+    operator can switch back to the torch path without a restart)."""
+    return x.is_cuda and HAS_TRITON and os.environ.get("LOOM_FUSED_KERNELS", "1") != "0"
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@_jit
+def _round(x, dtype: tl.constexpr):
+    """``x`` (float32) rounded to ``dtype`` and widened back: what torch stores between two ops."""
+    return x.to(dtype).to(tl.float32)
+
+
+# ------------------------------------------------------------------------------------------------
+# (residual add +) RMSNorm
+# ------------------------------------------------------------------------------------------------
+
+
+def norm_supported(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
+    """Whether ``fused_add_rms_norm`` handles these operands (else use the torch path).
+
+    The weight must share the activation dtype: HF's ``weight * h.to(dtype)`` would otherwise
+    promote the output to the weight's dtype.
+    """
+    ok = (enabled(x) and x.dim() in (2, 3) and x.stride(-1) == 1 and weight.dtype == x.dtype
+          and _next_pow2(x.shape[-1]) <= _MAX_NORM_BLOCK)
+    if residual is not None:
+        ok = ok and residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1
+    return ok
+
+
+@_jit
+def _add_rms_norm_kernel(
+    x_ptr, res_ptr,  # [T, R, H] views, unit stride along H (R = 1 for a 2-D input)
+    w_ptr,  # [H]
+    out_ptr, res_out_ptr,  # [T, R, H] contiguous: the normed rows, and h = residual + x
+    stride_xt, stride_xr, stride_rt, stride_rr,
+    R, H, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # One program normalises one row (t, r).
+    t = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(1)
+    dtype = out_ptr.dtype.element_ty
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    h = tl.load(x_ptr + t * stride_xt + r * stride_xr + cols, mask=mask, other=0.0).to(tl.float32)
+    out_row = (t * R + r) * H
+    if HAS_RESIDUAL:
+        res = tl.load(res_ptr + t * stride_rt + r * stride_rr + cols, mask=mask, other=0.0)
+        h = _round(res.to(tl.float32) + h, dtype)  # torch's add, rounded to the activation dtype
+        tl.store(res_out_ptr + out_row + cols, h.to(dtype), mask=mask)
+    # HF: statistics in float32; the normalised value is cast to the activation dtype *before*
+    # the weight multiply, whose product is rounded again. Masked columns are 0: no effect.
+    variance = tl.sum(h * h, axis=0) / H
+    normed = _round(h * tl.rsqrt(variance + eps), dtype)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + out_row + cols, (w * normed).to(dtype), mask=mask)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = residual + x`` (``h = x`` without a residual), returns ``(rms_norm(h) * weight, h)``.
+
+    ``x``: ``[T, H]``, or ``[T, R, H]`` for a per-head norm (Qwen3's q/k norm over a strided
+    view of the qkv output); ``weight``: ``[H]``. The normed output is a new contiguous tensor
+    shaped like ``x``, and so is ``h`` unless there is no residual (then ``h`` is ``x``); no
+    operand is written. See ``norm_supported`` for what is accepted.
+    """
+    x3 = x if x.dim() == 3 else x.unsqueeze(1)  # [T, R, H]
+    T, R, H = x3.shape
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if residual is None:
+        res3, res_out = x3, x  # res_ptr/res_out_ptr are not read nor written without HAS_RESIDUAL
+    else:
+        res3 = residual if residual.dim() == 3 else residual.unsqueeze(1)
+        res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out, res_out
+    block = _next_pow2(H)
+    _add_rms_norm_kernel[(T, R)](
+        x3, res3, weight, out, res_out,
+        x3.stride(0), x3.stride(1), res3.stride(0), res3.stride(1),
+        R, H, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=block,
+        num_warps=min(16, max(1, block // 256)), enable_fp_fusion=False,
+    )
+    return out, res_out
+
+
+# ------------------------------------------------------------------------------------------------
+# Rotary embedding (rotate-half / NeoX layout)
+# ------------------------------------------------------------------------------------------------
+
+
+def rotary_supported(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether ``rotary`` handles these operands (else use the torch path)."""
+    return (enabled(q) and q.dim() == 3 and k.dim() == 3 and q.dtype == k.dtype
+            and q.shape[-1] == k.shape[-1] and q.shape[-1] % 2 == 0
+            and q.stride(-1) == 1 and k.stride(-1) == 1
+            and positions.shape == (q.shape[0],) and k.shape[0] == q.shape[0])
+
+
+@_jit
+def _rotate_heads(src, dst, stride_h, heads, cos, sin,
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK: tl.constexpr):
+    """All heads of one token: ``[x1 | x2] -> [x1*cos - x2*sin | x2*cos + x1*sin]``, each product
+    and each sum rounded to the dtype as torch's separate ops are.
+
+    ``src``: ``heads`` rows of D = 2*HALF elements, ``stride_h`` apart; ``dst``: the same rows,
+    contiguous; ``cos``/``sin``: ``[BLOCK]`` float32, already rounded to the dtype.
+    """
+    dtype = dst.dtype.element_ty
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK)[None, :]
+    mask = (h < heads) & (d < HALF)
+    x1 = tl.load(src + h * stride_h + d, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK]
+    x2 = tl.load(src + h * stride_h + HALF + d, mask=mask, other=0.0).to(tl.float32)
+    c, s = cos[None, :], sin[None, :]
+    out1 = _round(x1 * c, dtype) - _round(x2 * s, dtype)
+    out2 = _round(x2 * c, dtype) + _round(x1 * s, dtype)
+    tl.store(dst + h * (2 * HALF) + d, out1.to(dtype), mask=mask)
+    tl.store(dst + h * (2 * HALF) + HALF + d, out2.to(dtype), mask=mask)
+
+
+@_jit
+def _rotary_kernel(
+    q_ptr, k_ptr,  # [T, Hq, D] and [T, Hkv, D] views, unit stride along D
+    q_out_ptr, k_out_ptr,  # the same shapes, contiguous
+    pos_ptr,  # [T] integer positions
+    cos_ptr, sin_ptr,  # [P, D/2] float32 tables
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cos,
+    HQ, HKV,
+    HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # One program rotates every q and k head of one token, reading its cos/sin row once.
+    t = tl.program_id(0).to(tl.int64)
+    dtype = q_out_ptr.dtype.element_ty
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < HALF
+    # The float32 tables are cast to the activation dtype first, as HF does.
+    cos = _round(tl.load(cos_ptr + pos * stride_cos + offs, mask=mask, other=0.0), dtype)
+    sin = _round(tl.load(sin_ptr + pos * stride_cos + offs, mask=mask, other=0.0), dtype)
+    _rotate_heads(q_ptr + t * stride_qt, q_out_ptr + t * HQ * (2 * HALF), stride_qh, HQ, cos, sin,
+                  HALF, BLOCK_HQ, BLOCK)
+    _rotate_heads(k_ptr + t * stride_kt, k_out_ptr + t * HKV * (2 * HALF), stride_kh, HKV, cos, sin,
+                  HALF, BLOCK_HKV, BLOCK)
+
+
+def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor,
+           sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE of ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` at ``positions [T]``, in one launch.
+
+    ``q``/``k`` may be strided views (e.g. of the fused qkv projection's output); they are not
+    written. ``cos_cache``/``sin_cache``: ``[P, D/2]`` float32; positions must be ``< P`` (not
+    checked: a check would need a host sync). Returns new contiguous rotated ``q``, ``k``.
+    """
+    T, hq, d = q.shape
+    hkv = k.shape[1]
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if T == 0:
+        return q_out, k_out
+    half = d // 2
+    block, block_hq = _next_pow2(half), _next_pow2(hq)
+    _rotary_kernel[(T,)](
+        q, k, q_out, k_out, positions, cos_cache, sin_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_cache.stride(0),
+        hq, hkv,
+        HALF=half, BLOCK_HQ=block_hq, BLOCK_HKV=_next_pow2(hkv), BLOCK=block,
+        num_warps=min(8, max(1, block_hq * block // 256)), enable_fp_fusion=False,
+    )
+    return q_out, k_out
+
+
+# ------------------------------------------------------------------------------------------------
+# SiLU-and-multiply
+# ------------------------------------------------------------------------------------------------
+
+_SILU_BLOCK = 1024
+
+
+def silu_and_mul_supported(x: torch.Tensor) -> bool:
+    """Whether ``silu_and_mul`` handles ``x`` (else use the torch path)."""
+    return enabled(x) and x.dim() >= 1 and x.shape[-1] % 2 == 0 and x.stride(-1) == 1
+
+
+@_jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_xt, INTER, BLOCK: tl.constexpr):
+    # x: [T, 2*INTER] rows holding [gate | up]; out: [T, INTER] contiguous. Grid (T, column tiles).
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < INTER
+    dtype = out_ptr.dtype.element_ty
+    gate = tl.load(x_ptr + t * stride_xt + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + t * stride_xt + INTER + cols, mask=mask, other=0.0).to(tl.float32)
+    # torch's silu: x / (1 + exp(-x)) in float32, then rounded. The accurate expf and an IEEE
+    # division (tl.exp and `/` are approximate on GPUs) make it bit-identical to torch's kernel.
+    act = _round(tl.math.div_rn(gate, 1.0 + libdevice.exp(-gate)), dtype)
+    tl.store(out_ptr + t * INTER + cols, (act * up).to(dtype), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``x [..., 2*I]`` holding ``[gate | up]`` -> new ``[..., I]``."""
+    inter = x.shape[-1] // 2
+    x2 = x.reshape(-1, x.shape[-1])  # [T, 2*I]; a view for the usual contiguous input
+    out = torch.empty((x2.shape[0], inter), dtype=x.dtype, device=x.device)
+    if out.numel() > 0:
+        grid = (x2.shape[0], triton.cdiv(inter, _SILU_BLOCK))
+        _silu_and_mul_kernel[grid](x2, out, x2.stride(0), inter, BLOCK=_SILU_BLOCK, num_warps=4,
+                                   enable_fp_fusion=False)
+    return out.view(*x.shape[:-1], inter)

@@ -1,0 +1,245 @@
+"""Checks of ``loom.layers.fused_ops`` against the torch path of the layers it serves.
+
+Shared by the CPU run through Triton's interpreter (``helpers/fused_interpret_check.py``, driven by
+``tests/unit/test_fused_layers.py``) and the GPU tests (``tests/gpu/test_fused_layers_gpu.py``).
+Each check calls a kernel's launcher directly and the layer with ``LOOM_FUSED_KERNELS=0`` for the
+reference, on the same device, and raises AssertionError on a mismatch.
+
+What is compared, and how closely (distances in units in the last place, ulps, of the dtype):
+
+* rotary, the residual sum ``h``, and silu_and_mul on a GPU: bit-identical. The kernels round
+  every intermediate as torch's separate ops do, and on a GPU silu uses the same expf and IEEE
+  division as torch's CUDA kernel.
+* RMSNorm in half precision: within 1 ulp of the normalised value. The float32 sum of squares
+  is reduced in another order than torch's (and rsqrt may differ in its last bit), so the
+  float32 value just before the cast can differ in its last bits and, near a rounding midpoint,
+  round the other way. With a weight, whose product is rounded again, that 1 ulp of the
+  normalised value can become 2 ulps of the output. Such flips are rare: at most 1% of the
+  elements, where a rounding bug (e.g. a truncating cast) moves about half of them.
+* RMSNorm in float32: rstd differs by a few ulps (sum order, and on a GPU Triton's approximate
+  division and rsqrt) and scales the whole row, so most elements differ: up to 4 float32 ulps
+  seen on an H200, 3 in the interpreter; 8 allowed (a relative 1e-6).
+* silu_and_mul on the CPU: the interpreter's exp is numpy's and torch's CPU silu uses its own
+  vectorised expf; they disagree in the last float32 bit now and then, which can move a rounded
+  half-precision output by 1 ulp (rarely: share bounded as for the norm), float32 ones by a few.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loom.layers import fused_ops
+from loom.layers.activation import SiluAndMul
+from loom.layers.norm import RMSNorm
+from loom.layers.rotary import RotaryEmbedding, _default_inv_freq
+
+# (T, Hq, Hkv, D) of the rotary checks: GQA 4, GQA 6, MHA; D = 96 has a half (48) that is no
+# power of two, so the kernel's masked lanes are exercised.
+ROPE_HEADS = [(8, 2), (6, 1), (4, 4)]
+NORM_SIZES = [64, 576, 2048]
+SILU_SIZES = [64, 576, 2816]  # 2816: not a multiple of the kernel's column tile
+TOKENS = [1, 7, 64]
+MAX_POSITIONS = 4096
+
+
+@contextlib.contextmanager
+def torch_path() -> Iterator[None]:
+    """Run the layers' torch code even on CUDA (the reference of every check)."""
+    before = os.environ.get("LOOM_FUSED_KERNELS")
+    os.environ["LOOM_FUSED_KERNELS"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["LOOM_FUSED_KERNELS"]
+        else:
+            os.environ["LOOM_FUSED_KERNELS"] = before
+
+
+def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise number of representable values between ``a`` and ``b`` (same float dtype)."""
+    assert a.dtype == b.dtype and a.shape == b.shape
+    int_type, magnitude = {
+        torch.float32: (torch.int32, 0x7FFFFFFF), torch.bfloat16: (torch.int16, 0x7FFF),
+        torch.float16: (torch.int16, 0x7FFF),
+    }[a.dtype]
+
+    def ordered(x: torch.Tensor) -> torch.Tensor:  # monotonic in the value; +0 and -0 both 0
+        bits = x.contiguous().view(int_type).to(torch.int64)
+        return torch.where(bits < 0, -(bits & magnitude), bits)
+
+    return (ordered(a) - ordered(b)).abs()
+
+
+def assert_ulps(got: torch.Tensor, ref: torch.Tensor, max_ulps: int, max_share: float, what: str) -> None:
+    """``got`` within ``max_ulps`` of ``ref`` everywhere, and differing at most in ``max_share``
+    of the elements (0: bit-identical)."""
+    assert got.shape == ref.shape and got.dtype == ref.dtype, f"{what}: {got.shape}/{got.dtype} vs {ref.shape}/{ref.dtype}"
+    assert torch.isfinite(got).all(), f"{what}: non-finite output"
+    dist = ulp_distance(got.cpu(), ref.cpu())
+    worst, share = int(dist.max()), float((dist > 0).float().mean())
+    assert worst <= max_ulps and share <= max_share, (
+        f"{what}: max {worst} ulps (allowed {max_ulps}), {share:.2e} of elements differ (allowed {max_share})")
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(shape: tuple[int, ...], seed: int, dtype: torch.dtype, device: str, scale: float = 1.0) -> torch.Tensor:
+    # Drawn on the CPU so every device sees the same values.
+    return (torch.randn(shape, generator=_gen(seed)) * scale).to(dtype).to(device)
+
+
+def check_norm(device: str, dtype: torch.dtype, tokens: int, hidden: int, with_residual: bool) -> None:
+    """``fused_add_rms_norm`` on ``[T, H]`` rows, with and without the residual add."""
+    seed = tokens * 100_003 + hidden * 7 + with_residual
+    x = _randn((tokens, hidden), seed, dtype, device)
+    residual = _randn((tokens, hidden), seed + 1, dtype, device, scale=4.0) if with_residual else None
+    for unit_weight in (True, False):  # the normalised value alone, then through the weight
+        norm = RMSNorm(hidden, eps=1e-6).to(device=device, dtype=dtype)
+        if not unit_weight:
+            norm.weight.data = 1 + _randn((hidden,), seed + 2, dtype, device, scale=0.5)
+        out, h = fused_ops.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+        with torch_path():
+            ref_h = x if residual is None else residual + x
+            ref = norm(ref_h)
+        assert_ulps(h, ref_h, 0, 0.0, "residual sum")
+        assert_ulps(out, ref, *_norm_tolerance(dtype, unit_weight), f"norm (unit weight: {unit_weight})")
+
+
+def _norm_tolerance(dtype: torch.dtype, unit_weight: bool) -> tuple[int, float]:
+    """(max ulps, max share of differing elements) of an RMSNorm output: see the module docstring."""
+    if dtype == torch.float32:
+        return 8, 1.0
+    return (1 if unit_weight else 2), 0.01
+
+
+def check_head_norm(device: str, dtype: torch.dtype, tokens: int, heads: int, head_dim: int) -> None:
+    """The per-head norm of Qwen3 (q_norm): ``[T, heads, D]`` over a strided view of a qkv row."""
+    seed = tokens * 31 + heads * 5 + head_dim
+    qkv = _randn((tokens, (heads + 2) * head_dim), seed, dtype, device)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)  # row stride (heads + 2) * D
+    norm = RMSNorm(head_dim, eps=1e-6).to(device=device, dtype=dtype)
+    norm.weight.data = 1 + _randn((head_dim,), seed + 1, dtype, device, scale=0.5)
+    out, _ = fused_ops.fused_add_rms_norm(q, None, norm.weight, norm.eps)
+    with torch_path():
+        ref = norm(q)
+    assert_ulps(out, ref, *_norm_tolerance(dtype, unit_weight=False), "per-head norm")
+
+
+def check_rotary(device: str, dtype: torch.dtype, tokens: int, hq: int, hkv: int, head_dim: int) -> None:
+    """RoPE of q and k taken as views of one fused qkv projection output, as the model does."""
+    seed = tokens * 1009 + hq * 17 + hkv * 3 + head_dim
+    rope = RotaryEmbedding(head_dim, MAX_POSITIONS, _default_inv_freq(500000.0, head_dim)).to(device)
+    q_size, kv_size = hq * head_dim, hkv * head_dim
+    qkv = _randn((tokens, q_size + 2 * kv_size), seed, dtype, device, scale=2.0)
+    q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q, k = q.view(tokens, hq, head_dim), k.view(tokens, hkv, head_dim)  # non-contiguous along T
+    positions = torch.randint(0, MAX_POSITIONS, (tokens,), generator=_gen(seed))
+    positions[0] = MAX_POSITIONS - 1  # the table's last row
+    positions = positions.to(device)
+    before = qkv.clone()
+    got_q, got_k = fused_ops.rotary(positions, q, k, rope.cos_cached, rope.sin_cached)
+    with torch_path():
+        ref_q, ref_k = rope(positions, q, k)
+    assert torch.equal(qkv, before), "rotary wrote into its inputs"
+    assert_ulps(got_q, ref_q.contiguous(), 0, 0.0, "rotated q")
+    assert_ulps(got_k, ref_k.contiguous(), 0, 0.0, "rotated k")
+
+
+def check_silu_and_mul(device: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """``silu(gate) * up`` of a ``[..., 2*I]`` input; gates spread wide enough for both tails."""
+    seed = sum(shape) * 13 + len(shape)
+    x = _randn(shape, seed, dtype, device, scale=3.0)
+    got = fused_ops.silu_and_mul(x)
+    with torch_path():
+        ref = SiluAndMul()(x)
+    if device == "cpu":  # numpy's expf (interpreter) against torch's: see the module docstring
+        max_ulps, share = (4, 1.0) if dtype == torch.float32 else (1, 1e-3)
+    else:
+        max_ulps, share = 0, 0.0
+    assert_ulps(got, ref, max_ulps, share, "silu_and_mul")
+
+
+def norm_cases(full: bool) -> list[tuple[torch.dtype, int, int, bool]]:
+    """Every size at T = 1 and 7, and T = 64 at the largest; ``full``: every size at every T (the
+    interpreter runs one program per row, sequentially, so it gets the short list)."""
+    tokens = TOKENS if full else TOKENS[:2]
+    return [(dtype, t, h, res) for dtype in (torch.float32, torch.bfloat16) for t in tokens
+            for h in NORM_SIZES for res in (False, True)] + [
+        (dtype, TOKENS[-1], NORM_SIZES[-1], True) for dtype in (torch.float32, torch.bfloat16) if not full] + [
+        (torch.bfloat16, 3, 8192, True), (torch.float16, 7, 576, True)]
+
+
+def head_norm_cases() -> list[tuple[torch.dtype, int, int, int]]:
+    return [(dtype, t, 8, d) for dtype in (torch.float32, torch.bfloat16) for t in (1, 7) for d in (64, 128)]
+
+
+def rotary_cases(full: bool) -> list[tuple[torch.dtype, int, int, int, int]]:
+    """Every head layout at T = 1 and 7, and T = 64 for one; ``full``: all at every T."""
+    tokens = TOKENS if full else TOKENS[:2]
+    return [(dtype, t, hq, hkv, d) for dtype in (torch.float32, torch.bfloat16) for t in tokens
+            for hq, hkv in ROPE_HEADS for d in (64, 128)] + [
+        (dtype, TOKENS[-1], 8, 2, 128) for dtype in (torch.float32, torch.bfloat16) if not full] + [
+        (torch.bfloat16, 7, 4, 2, 96), (torch.float16, 7, 8, 2, 128), (torch.bfloat16, 5, 32, 8, 128)]
+
+
+def silu_cases() -> list[tuple[torch.dtype, tuple[int, ...]]]:
+    return [(dtype, (t, 2 * i)) for dtype in (torch.float32, torch.bfloat16) for t in TOKENS
+            for i in SILU_SIZES] + [(torch.float16, (7, 2 * 576)), (torch.bfloat16, (2, 3, 2 * 64))]
+
+
+@contextlib.contextmanager
+def count_launches() -> Iterator[dict[str, int]]:
+    """Counts the calls the layers make into each fused kernel's launcher while active."""
+    counts = {"fused_add_rms_norm": 0, "rotary": 0, "silu_and_mul": 0}
+    originals = {name: getattr(fused_ops, name) for name in counts}
+
+    def counting(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counts[name] += 1
+            return originals[name](*args, **kwargs)
+        return call
+
+    for name in counts:
+        setattr(fused_ops, name, counting(name))
+    try:
+        yield counts
+    finally:
+        for name, fn in originals.items():
+            setattr(fused_ops, name, fn)
+
+
+def check_model(device: str, model_dir: Path, registry: Any) -> None:
+    """A tiny bf16 model's prefill logits with the fused kernels against the torch path.
+
+    Both runs use the float32 reference attention, so only the fused ops differ; the kernels are
+    bit-identical but for rare 1-ulp flips of the norm, which the logits absorb well within the
+    tolerance. Also checks the layers really called every kernel.
+    """
+    from helpers.reference_attention import ModelHarness
+    from loom.model_loader import load_model
+
+    prompt = [1, 17, 42, 99, 3, 250, 7, 7, 128, 64, 5, 300, 12]
+    loaded = load_model(model_dir, torch.bfloat16, torch.device(device), registry)
+    layers = int(loaded.hf_config.num_hidden_layers)
+
+    def logits() -> torch.Tensor:
+        return ModelHarness(loaded.model, loaded.hf_config, dtype=torch.bfloat16, device=device).prefill(prompt)
+
+    with count_launches() as counts:
+        got = logits()
+    qk_norm = 2 if getattr(loaded.model.model.layers[0].self_attn, "q_norm", None) is not None else 0
+    assert counts == {"fused_add_rms_norm": (2 + qk_norm) * layers + 1, "rotary": layers,
+                      "silu_and_mul": layers}, counts
+    with torch_path(), count_launches() as counts:
+        ref = logits()
+    assert sum(counts.values()) == 0, counts
+    torch.testing.assert_close(got, ref, atol=0.05, rtol=0.02)
