@@ -1,6 +1,6 @@
 """Where a decode step's time goes: host (cProfile) and device (torch.profiler) for one model.
 
-Usage: python scripts/profile_decode.py random:llama-1b [batch] [out_dir]
+Usage: python scripts/profile_decode.py random:llama-1b [batch] [out_dir] [async: auto|on|off]
 """
 
 from __future__ import annotations
@@ -24,15 +24,22 @@ def main() -> None:
     model = sys.argv[1] if len(sys.argv) > 1 else "random:llama-1b"
     batch = int(sys.argv[2]) if len(sys.argv) > 2 else 1
     out = Path(sys.argv[3] if len(sys.argv) > 3 else ".")
-    engine = LLMEngine(EngineConfig(model_id=model, max_total_tokens=2048, max_batch_prefill_tokens=16384))
+    mode = sys.argv[4] if len(sys.argv) > 4 else "auto"
+    engine = LLMEngine(EngineConfig(model_id=model, max_total_tokens=2048, max_batch_prefill_tokens=16384,
+                                    async_scheduling=mode))
     rng = random.Random(0)
     for i in range(batch):
         prompt = tuple(rng.randint(10, 1000) for _ in range(512))
         engine.add_request(EngineRequest(f"p{i}", prompt, SamplingParams(),
                                          StoppingParams(max_new_tokens=400, ignore_eos=True)))
-    for _ in range(20):
-        engine.step()
     torch.cuda.synchronize()
+    warm_ms = []
+    for _ in range(20):  # the prefill steps (16384 prompt tokens each), then the first decodes
+        t = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        warm_ms.append(round((time.perf_counter() - t) * 1e3, 1))
+    print("first 20 steps (ms, synchronized):", warm_ms, flush=True)
     t = time.perf_counter()
     for _ in range(50):
         engine.step()
@@ -51,8 +58,9 @@ def main() -> None:
             engine.step()
         torch.cuda.synchronize()
     table = p.key_averages().table(sort_by="cuda_time_total", row_limit=30)
-    report = f"model {model} batch {batch}: {step_ms:.3f} ms per decode step\n\n{text.getvalue()}\n\n{table}\n"
-    (out / f"profile-{model.replace(':', '-')}-b{batch}.txt").write_text(report)
+    report = (f"model {model} batch {batch} async {mode}: {step_ms:.3f} ms per decode step\n"
+              f"first 20 steps (ms, synchronized): {warm_ms}\n\n{text.getvalue()}\n\n{table}\n")
+    (out / f"profile-{model.replace(':', '-')}-b{batch}-{mode}.txt").write_text(report)
     print(report[:3000])
 
 

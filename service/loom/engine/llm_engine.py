@@ -86,6 +86,10 @@ class LLMEngine:
             ckpt_dtype = _DTYPES.get(ckpt_dtype)
         self.dtype = resolve_dtype(config.dtype, self.device, ckpt_dtype)
         loaded = load_model(model_dir, self.dtype, self.device, registry)
+        if self.device.type == "cuda" and not config.num_threads:
+            # The host only schedules and launches: intra-op threads would just spin after each
+            # small CPU copy and take cores from this thread and the front end.
+            torch.set_num_threads(1)
         shape = model_dims(loaded.hf_config)
         if config.attention_backend:
             backend_spec = registry.attention_backend(config.attention_backend)
@@ -278,7 +282,7 @@ class LLMEngine:
         """
         outputs: list[EngineOutput] = []
         prev, self._inflight = self._inflight, None
-        overlap = self._async and not self._needs_sync()
+        overlap = self._overlap_helps() and not self._needs_sync()
         if prev is not None and not overlap:
             outputs += self._complete(prev)
             prev = None
@@ -304,12 +308,24 @@ class LLMEngine:
             return outputs
         if prev is not None:
             outputs += self._complete(prev)
-        if overlap and not self._needs_sync():
+        if overlap and not self._needs_sync() and self._overlap_helps():
             self._inflight = launched
             self.num_async_steps += 1
         else:
             outputs += self._complete(launched)
         return outputs
+
+    def _overlap_helps(self) -> bool:
+        """``on``: always. ``auto`` (CUDA): while the running batch fits the largest captured
+        decode graph. Measured on the H200 (docs/benchmarks.md), eager steps of 512 sequences got
+        slower when overlapped (llama-1b: 23-26 ms a step against 13-19 ms), while graph-sized
+        batches gain the whole host time."""
+        if not self._async:
+            return False
+        if self.config.async_scheduling == "on":
+            return True
+        graphs = self.runner.cuda_graphs
+        return graphs is not None and len(self.scheduler.running) <= graphs.sizes[-1]
 
     def _needs_sync(self) -> bool:
         """Whether some live sequence needs all its tokens on the host before its next step."""

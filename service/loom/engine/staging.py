@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 _INITIAL_ELEMS = 1 << 16
+_ALIGN = 64  # elements
 
 
 class _Slot:
@@ -46,7 +47,9 @@ class _Slot:
             self.host[dtype] = host = torch.empty(size, dtype=dtype, pin_memory=True)
             self.dev[dtype] = torch.empty(size, dtype=dtype, device=self.device)
             off = 0
-        self.offset[dtype] = off + n
+        # Keep every slice 64-element aligned: Triton specialises kernels on 16-byte pointer
+        # alignment, and a misaligned slice would compile (and launch) another variant.
+        self.offset[dtype] = off + -(-n // _ALIGN) * _ALIGN
         return host[off : off + n], self.dev[dtype][off : off + n]
 
 
