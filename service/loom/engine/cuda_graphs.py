@@ -121,14 +121,16 @@ class CudaGraphRunner:
             return None
         n = meta.num_seqs
         bs = self.size_for(n)
-        width = meta.block_tables.shape[1]
+        # The runner pads tables to a multiple of 16 columns; columns past the captured width are
+        # padding (no sequence is longer than max_model_len, which the capture covers).
+        width = min(meta.block_tables.shape[1], self.max_blocks_per_seq)
         if bs is None or inputs.input_ids.shape[0] != n or width > self.max_blocks_per_seq:
             return None
         self.input_ids[:n].copy_(inputs.input_ids)
         self.positions[:n].copy_(inputs.positions)
         self.slot_mapping[:n].copy_(meta.slot_mapping)
         self.seq_lens[:n].copy_(meta.seq_lens)
-        self.block_tables[:n, :width].copy_(meta.block_tables)
+        self.block_tables[:n, :width].copy_(meta.block_tables[:, :width])
         if bs > n:  # a larger step may have left real rows here
             self.slot_mapping[n:bs].fill_(-1)
             self.seq_lens[n:bs].zero_()

@@ -195,6 +195,11 @@ class LLMEngine:
         sampling = SamplingParams(do_sample=True, temperature=0.7, top_k=50, top_p=0.9, typical_p=0.95,
                                   min_p=0.01, seed=0, repetition_penalty=1.1, frequency_penalty=0.1,
                                   presence_penalty=0.1, top_n_tokens=5, prompt_logprobs=True)
+        # A short greedy request first, so that the big prompt's prefill shares a step with its
+        # decode: the mixed-step kernel variants compile here, not in the middle of serving.
+        self.add_request(EngineRequest("__loom_warmup_short__", (3, 4, 5), SamplingParams(),
+                                       StoppingParams(max_new_tokens=4, ignore_eos=True)))
+        self.step()
         self.add_request(EngineRequest("__loom_warmup__", prompt, sampling,
                                        StoppingParams(max_new_tokens=2, min_new_tokens=1, ignore_eos=True)))
         while self.has_unfinished():

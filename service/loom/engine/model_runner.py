@@ -132,7 +132,10 @@ class ModelRunner:
         for child, parent in sched.forks:
             sample_seqs.append(child)
             sample_rows.append(row_of[parent.seq_id])
-        max_blocks = max(len(s.block_table) for s in sched.seqs)
+        # Padded to a multiple of 16: Triton specialises integer arguments on divisibility by 16,
+        # so a table stride that changed with the longest sequence would compile new kernel
+        # variants in the middle of serving (a second or more each, seen on the H200).
+        max_blocks = -(-max(len(s.block_table) for s in sched.seqs) // 16) * 16
         # one tensor from padded rows: a torch call per row costs more than the rows themselves
         tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in sched.seqs],
                               dtype=torch.int32)
