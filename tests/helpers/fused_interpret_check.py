@@ -11,7 +11,6 @@ tolerances are in ``helpers/fused_cases.py``.
 from __future__ import annotations
 
 import atexit
-import importlib.util
 import os
 import shutil
 import sys
@@ -28,18 +27,7 @@ def _setup() -> None:
     sys.path.insert(0, str(ROOT / "tests"))
     from helpers import triton_interpret
 
-    if not triton_interpret.enable():
-        raise SystemExit("triton is not installed")
-    if importlib.util.find_spec("loom") is None:
-        sys.path.insert(0, str(ROOT / "service"))
-    if importlib.util.find_spec("loom_plugins") is None:
-        spec = importlib.util.spec_from_file_location(
-            "loom_plugins", ROOT / "plugins" / "__init__.py", submodule_search_locations=[str(ROOT / "plugins")]
-        )
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["loom_plugins"] = module
-        spec.loader.exec_module(module)
+    triton_interpret.setup_script()
 
 
 def _model_cases() -> list[tuple[str, Callable[[], None]]]:

@@ -12,7 +12,6 @@ no bf16), so fp16 and fp32 stand in; the GPU tests cover bf16.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -23,18 +22,7 @@ def _setup() -> None:
     sys.path.insert(0, str(ROOT / "tests"))
     from helpers import triton_interpret
 
-    if not triton_interpret.enable():
-        raise SystemExit("triton is not installed")
-    if importlib.util.find_spec("loom") is None:
-        sys.path.insert(0, str(ROOT / "service"))
-    if importlib.util.find_spec("loom_plugins") is None:
-        spec = importlib.util.spec_from_file_location(
-            "loom_plugins", ROOT / "plugins" / "__init__.py", submodule_search_locations=[str(ROOT / "plugins")]
-        )
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["loom_plugins"] = module
-        spec.loader.exec_module(module)
+    triton_interpret.setup_script()
 
 
 # (sequences as (context_len, query_len), Hq, Hkv, D, dtype name, window, forced splits, page)
