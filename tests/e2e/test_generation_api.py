@@ -44,6 +44,7 @@ def test_get_model_info(tiny_server: ServerProcess) -> None:
     assert info.vocab_size == 49152 and list(info.eos_token_ids) == [2]
     assert info.limits.max_total_tokens == 1024 and info.limits.max_input_tokens == 1000
     assert info.limits.max_concurrent_requests == 128 and info.limits.max_best_of == 2
+    assert info.limits.max_queue == 1024 and info.limits.max_stop_token_ids == 64
     assert info.has_chat_template and info.server_version and info.dtype == "float32"
     assert {p.kind for p in info.plugins} >= {"attention", "model"}
 

@@ -62,6 +62,8 @@ INVALID = [
      "parameters.stopping.stop_sequences"),
     ("empty stop", {"parameters": params(stopping={"stop_sequences": ["a", ""]})}, "parameters.stopping.stop_sequences[1]"),
     ("stop id", {"parameters": params(stopping={"stop_token_ids": [5, 10**6]})}, "parameters.stopping.stop_token_ids[1]"),
+    ("too many stop ids", {"parameters": params(stopping={"stop_token_ids": list(range(3, 68))})},
+     "parameters.stopping.stop_token_ids"),
     ("time limit", {"parameters": params(stopping={"time_limit_ms": 0})}, "parameters.stopping.time_limit_ms"),
     ("top_n", {"parameters": params(response={"top_n_tokens": 6})}, "parameters.response.top_n_tokens"),
     ("n 0", {"parameters": params(top={"n": 0})}, "parameters.n"),

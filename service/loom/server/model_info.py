@@ -11,7 +11,7 @@ from loom.engine.types import EngineInfo
 from loom_client.v1 import generation_pb2 as pb
 
 from .settings import ServerSettings
-from .validation import RequestLimits
+from .validation import MAX_STOP_TOKEN_IDS, RequestLimits
 
 log = structlog.get_logger(__name__)
 
@@ -68,6 +68,8 @@ def model_info_response(info: EngineInfo, settings: ServerSettings, limits: Requ
             max_stop_sequences=limits.max_stop_sequences,
             max_top_n_tokens=limits.max_top_n_tokens,
             max_best_of=limits.max_best_of,
+            max_queue=settings.max_queue,
+            max_stop_token_ids=MAX_STOP_TOKEN_IDS,
         ),
         block_size=info.block_size,
         plugins=plugins,

@@ -22,6 +22,9 @@ from .prompt_input import check_input, check_size, tokenize_prompt
 
 MAX_REQUEST_ID_BYTES = 256
 MAX_STOP_SEQUENCE_BYTES = 256
+# Stop ids are checked against every sampled token on the engine's hot path; a bound keeps a
+# request from sending the whole vocabulary.
+MAX_STOP_TOKEN_IDS = 64
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,8 @@ def _check_stopping(c: _Checker, s: pb.StoppingParameters, limits: RequestLimits
             c.add(f"{f}stop_sequences[{i}]", "must not be empty")
         elif len(seq.encode()) > MAX_STOP_SEQUENCE_BYTES:
             c.add(f"{f}stop_sequences[{i}]", f"must be at most {MAX_STOP_SEQUENCE_BYTES} bytes")
+    if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        c.add(f + "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(s.stop_token_ids)}")
     bad = [(i, t) for i, t in enumerate(s.stop_token_ids) if t >= limits.vocab_size]
     if bad:  # the first one only: a list of thousands would make a status too large to send
         i, t = bad[0]

@@ -1078,6 +1078,8 @@ class ModelLimits(_message.Message):
     MAX_STOP_SEQUENCES_FIELD_NUMBER: _builtins.int
     MAX_TOP_N_TOKENS_FIELD_NUMBER: _builtins.int
     MAX_BEST_OF_FIELD_NUMBER: _builtins.int
+    MAX_QUEUE_FIELD_NUMBER: _builtins.int
+    MAX_STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     max_input_tokens: _builtins.int
     """Most prompt tokens of one request (after truncate_input_tokens)."""
     max_total_tokens: _builtins.int
@@ -1098,6 +1100,12 @@ class ModelLimits(_message.Message):
     """Most top_n_tokens per request."""
     max_best_of: _builtins.int
     """Most best_of (and n) per request."""
+    max_queue: _builtins.int
+    """Requests that may wait for a slot once max_concurrent_requests are admitted; more fail with
+    RESOURCE_EXHAUSTED. 0: none wait.
+    """
+    max_stop_token_ids: _builtins.int
+    """Most stop_token_ids per request."""
     def __init__(
         self,
         *,
@@ -1110,10 +1118,12 @@ class ModelLimits(_message.Message):
         max_stop_sequences: _builtins.int = ...,
         max_top_n_tokens: _builtins.int = ...,
         max_best_of: _builtins.int = ...,
+        max_queue: _builtins.int = ...,
+        max_stop_token_ids: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["default_max_new_tokens", b"default_max_new_tokens", "max_batch_prefill_tokens", b"max_batch_prefill_tokens", "max_batch_total_tokens", b"max_batch_total_tokens", "max_best_of", b"max_best_of", "max_concurrent_requests", b"max_concurrent_requests", "max_input_tokens", b"max_input_tokens", "max_stop_sequences", b"max_stop_sequences", "max_top_n_tokens", b"max_top_n_tokens", "max_total_tokens", b"max_total_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["default_max_new_tokens", b"default_max_new_tokens", "max_batch_prefill_tokens", b"max_batch_prefill_tokens", "max_batch_total_tokens", b"max_batch_total_tokens", "max_best_of", b"max_best_of", "max_concurrent_requests", b"max_concurrent_requests", "max_input_tokens", b"max_input_tokens", "max_queue", b"max_queue", "max_stop_sequences", b"max_stop_sequences", "max_stop_token_ids", b"max_stop_token_ids", "max_top_n_tokens", b"max_top_n_tokens", "max_total_tokens", b"max_total_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
