@@ -73,6 +73,46 @@ def test_stop_string_closes_the_engine_stream(tok: Tokenizer) -> None:
     assert engine.closed_early
 
 
+def test_a_completion_ended_by_a_stop_string_is_stopped_in_the_engine(tok: Tokenizer) -> None:
+    class RecordingEngine(FakeEngine):
+        def __init__(self, outputs: list[EngineOutput]) -> None:
+            super().__init__(outputs)
+            self.stopped: list[tuple[str, int]] = []
+
+        def abort_completion(self, request_id: str, index: int) -> None:
+            self.stopped.append((request_id, index))
+
+    # Completion 0 hits " three" early; completion 1 runs to its end. Interleaved, as the engine sends.
+    a, b = outs(tok, "one two three four five six", 0), outs(tok, "alpha beta gamma delta", 1)
+    script = [x for pair in zip(a, b, strict=False) for x in pair] + a[len(b):] + b[len(a):]
+    engine = RecordingEngine(script)
+    p = plan(n=2, best_of=2, text=TextOptions(stop_sequences=(" three",)))
+    result = run(collect_completions(generate_chunks(engine, tok, p), p))
+    texts = {c.index: c.text for c in result.completions}  # type: ignore[attr-defined]
+    assert texts == {0: "one two", 1: "alpha beta gamma delta"}
+    assert engine.stopped == [("r", 0)]  # once, for the completion the stop string ended
+
+
+def test_engine_abort_completion_frees_its_blocks_only(tiny_model_dir: object) -> None:
+    from loom.config import EngineConfig
+    from loom.engine.llm_engine import LLMEngine
+    from loom.engine.types import StoppingParams
+
+    engine = LLMEngine(EngineConfig(model_id=str(tiny_model_dir("llama")), block_size=4,  # type: ignore[operator]
+                                    max_batch_total_tokens=512))
+    engine.add_request(EngineRequest("n3", tuple(range(10, 23)), SamplingParams(do_sample=True, seed=3),
+                                     StoppingParams(max_new_tokens=12, ignore_eos=True), n=3))
+    counts = {0: 0, 1: 0, 2: 0}
+    for step in range(12):
+        if step == 3:
+            engine.abort_completion("n3", 1)
+        for o in engine.step():
+            counts[o.index] += len(o.token_ids)
+    assert counts[0] == counts[2] == 12 and counts[1] == 3
+    assert not engine.has_unfinished() and not engine.requests
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
 def test_best_of_keeps_the_highest_cumulative_logprob(tok: Tokenizer) -> None:
     script = outs(tok, "bad answer", 0, lp=-3.0) + outs(tok, "good answer", 1, lp=-0.1)
     p = plan(n=1, best_of=2)

@@ -6,6 +6,7 @@ outputs go back as one message. The front end's :class:`AsyncEngineClient` reads
 the event loop (``add_reader``, no thread) and routes outputs to per-request queues.
 
 Messages front end -> engine: ``("add", EngineRequest)``, ``("abort", request_id)``,
+``("abort_completion", (request_id, index))``,
 ``("stats", None)``, ``("shutdown", None)``. Engine -> front end: ``("ready", EngineInfo)``,
 ``("fatal", str)``, ``("outputs", list[EngineOutput])``, ``("stats", EngineStats)``.
 """
@@ -64,6 +65,8 @@ def run_engine_core(config: EngineConfig, conn: Connection, log_json: bool = Fal
                                                         finish_reason=FinishReason.ERROR, error=str(exc))]))
             elif kind == "abort":
                 engine.abort(payload)
+            elif kind == "abort_completion":
+                engine.abort_completion(*payload)
             elif kind == "stats":
                 conn.send(("stats", engine.stats()))
             elif kind == "shutdown":
@@ -178,6 +181,12 @@ class AsyncEngineClient:
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
+
+    def abort_completion(self, request_id: str, index: int) -> None:
+        """Stop completion ``index`` of a running request; its stream simply ends for it."""
+        if not self.dead:
+            with contextlib.suppress(EngineDeadError):
+                self._send(("abort_completion", (request_id, index)))
 
     async def stats(self) -> EngineStats:
         fut: asyncio.Future[EngineStats] = asyncio.get_running_loop().create_future()

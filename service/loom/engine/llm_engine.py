@@ -258,6 +258,17 @@ class LLMEngine:
             if not seq.is_finished:
                 self.scheduler.remove(seq)
 
+    def abort_completion(self, request_id: str, index: int) -> None:
+        """Stop one completion of a request (n > 1) whose output the front end has ended, e.g.
+        on a stop string; its blocks are freed, the other completions go on."""
+        seqs = self.requests.get(request_id, [])
+        for seq in seqs:
+            if seq.index == index and not seq.is_finished:
+                seq.finish_reason = FinishReason.STOP_SEQUENCE
+                self.scheduler.remove(seq)
+        if seqs and all(s.is_finished for s in seqs):
+            self.requests.pop(request_id, None)
+
     def has_unfinished(self) -> bool:
         return self._inflight is not None or self.scheduler.has_unfinished()
 

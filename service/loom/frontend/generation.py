@@ -71,6 +71,7 @@ async def generate_chunks(engine: EngineClient, tokenizer: Tokenizer, plan: Gene
     req = plan.engine_request
     states = [CompletionState(i, tokenizer, req.prompt_token_ids, plan.text) for i in range(req.n)]
     started = [False] * req.n
+    stopped: set[int] = set()  # completions ended here whose engine sequences were stopped
     deadline = None if plan.time_limit_s is None else plan.arrival + plan.time_limit_s
     outputs = engine.generate(req)
     async with _closing(outputs):
@@ -94,6 +95,12 @@ async def generate_chunks(engine: EngineClient, tokenizer: Tokenizer, plan: Gene
             if not 0 <= out.index < len(states):
                 raise EngineRequestError(f"the engine sent completion index {out.index} of {len(states)}")
             chunk = states[out.index].process(out)
+            if len(states) > 1 and states[out.index].finished and not out.finished and out.index not in stopped:
+                # Ended here (a stop string) while the others go on: stop computing it.
+                stopped.add(out.index)
+                abort_one = getattr(engine, "abort_completion", None)
+                if abort_one is not None:
+                    abort_one(req.request_id, out.index)
             if chunk is None:
                 continue
             if not started[out.index]:
