@@ -208,8 +208,11 @@ class BlockManager:
         bs = self.block_size
         # Only blocks whose token ids are all known on the host (a token sampled by a step that
         # has not been read back yet is not).
-        full = min(seq.num_computed_tokens + num_new_tokens, seq.num_known_tokens) // bs
+        known = len(seq.token_ids) - seq.num_pending_tokens
+        full = min(seq.num_computed_tokens + num_new_tokens, known) // bs
         hashes = seq.block_hashes
+        if len(hashes) >= full:
+            return  # the common decode step: no block became full
         while len(hashes) < full:
             i = len(hashes)
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
