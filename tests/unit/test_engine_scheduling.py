@@ -179,3 +179,13 @@ def test_prompts_admitted_together_share_their_prefix(make_engine: Callable[...,
     assert on == off
     assert [outs[f"r{i}"][0].num_cached_tokens for i in range(6)] == [0] + [40] * 5
     assert engine.num_steps == 5  # all six prefilled in the first step
+
+
+def test_a_long_prompt_alone_is_chunked_and_exact(make_engine: Callable[..., LLMEngine]) -> None:
+    """Steps that only carry prefill chunks sample nothing (no row completes a prompt)."""
+    prompt = [(7 * i) % 300 + 3 for i in range(90)]
+    whole, _ = drive(make_engine(max_batch_total_tokens=1024), [req("a", prompt, 6)])
+    engine = make_engine(max_batch_total_tokens=1024, max_batch_prefill_tokens=16)
+    chunked, _ = drive(engine, [req("a", prompt, 6)])
+    assert chunked == whole
+    assert engine.stats().num_prefill_chunks == 5  # 90 tokens: 5 chunks of 16, then the last 10

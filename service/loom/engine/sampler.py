@@ -114,9 +114,10 @@ def build_sampling_batch(seqs: list[Sequence], vocab_size: int, device: torch.de
     for r in rows:
         flags |= r[2]
     # One transfer per dtype: float columns [N, 8], int64 columns [N, 3] (top_k, seed, step).
-    floats = stage.to_device([r[0] for r in rows], torch.float32)
-    ints = stage.to_device([(*r[1], s.num_output_tokens) for r, s in zip(rows, seqs, strict=True)], torch.int64)
-    n = len(seqs)
+    n = len(seqs)  # 0 in a step of prefill chunks that complete no prompt
+    floats = stage.to_device([r[0] for r in rows], torch.float32).view(n, 8)
+    ints = stage.to_device([(*r[1], s.num_output_tokens) for r, s in zip(rows, seqs, strict=True)],
+                           torch.int64).view(n, 3)
     use_rep, use_freq = bool(flags & _REP), bool(flags & _FREQ)
     seen_mask = output_counts = None
     if use_rep:
