@@ -273,3 +273,14 @@ def test_plugin_spec() -> None:
 def test_rejects_head_counts_that_do_not_group() -> None:
     with pytest.raises(ValueError, match="multiple"):
         TorchAttentionBackend(9, 4, 64, torch.float32, torch.device("cpu"))
+
+
+def test_decode_sequences_are_grouped_by_length() -> None:
+    from loom_plugins.attention.torch_backend import _length_groups
+
+    lens = [100, 98, 97, 96, 30, 29, 28, 27, 99, 3]
+    groups = _length_groups(list(range(10)), lens)
+    # longest first; a group closes where a length drops under 0.75 x its longest (once it has 4);
+    # the 1-sequence tail joins the group before it; inside a group, step order
+    assert groups == [[0, 1, 2, 3, 8], [4, 5, 6, 7, 9]]
+    assert _length_groups([0, 1, 2], [500, 3, 40]) == [[0, 1, 2]]  # small batches stay whole
