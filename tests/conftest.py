@@ -4,26 +4,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `import helpers`
-if importlib.util.find_spec("loom") is None:
-    sys.path.insert(0, str(ROOT / "service"))
-if importlib.util.find_spec("loom_plugins") is None:
-    # Not installed: import plugins/ as the loom_plugins package (what setuptools' package-dir does).
-    _spec = importlib.util.spec_from_file_location(
-        "loom_plugins", ROOT / "plugins" / "__init__.py", submodule_search_locations=[str(ROOT / "plugins")]
-    )
-    assert _spec is not None and _spec.loader is not None
-    _plugins = importlib.util.module_from_spec(_spec)
-    sys.modules["loom_plugins"] = _plugins
-    _spec.loader.exec_module(_plugins)
+from helpers.source_tree import make_importable
+
+make_importable()
 
 from helpers.tiny_models import save_tiny_model  # noqa: E402
 
@@ -59,3 +50,17 @@ def default_model_dir() -> Path:
     from loom.model_loader import resolve_model_dir
 
     return resolve_model_dir(None)
+
+
+@pytest.fixture(scope="session")
+def make_engine(tiny_model_dir: Callable[[str], Path]) -> Callable[..., Any]:
+    """``make_engine(**config)``: an in-process LLMEngine on the tiny Llama, 4-token blocks."""
+    from loom.config import EngineConfig
+    from loom.engine.llm_engine import LLMEngine
+
+    path = tiny_model_dir("llama")
+
+    def make(**kw: Any) -> LLMEngine:
+        return LLMEngine(EngineConfig(model_id=str(path), block_size=4, **kw))
+
+    return make

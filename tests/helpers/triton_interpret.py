@@ -16,13 +16,8 @@ Two more differences from a GPU are patched so that kernels can be checked bit f
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
-from pathlib import Path
 from typing import Any
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def setup_script() -> None:
@@ -30,16 +25,9 @@ def setup_script() -> None:
     ``loom_plugins`` importable from the source tree when they are not installed."""
     if not enable():
         raise SystemExit("triton is not installed")
-    if importlib.util.find_spec("loom") is None:
-        sys.path.insert(0, str(ROOT / "service"))
-    if importlib.util.find_spec("loom_plugins") is None:
-        spec = importlib.util.spec_from_file_location(
-            "loom_plugins", ROOT / "plugins" / "__init__.py", submodule_search_locations=[str(ROOT / "plugins")]
-        )
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["loom_plugins"] = module
-        spec.loader.exec_module(module)
+    from helpers.source_tree import make_importable
+
+    make_importable()
 
 
 def enable() -> bool:

@@ -10,25 +10,11 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from pathlib import Path
 
-import pytest
-
-from loom.config import EngineConfig
 from loom.engine.llm_engine import LLMEngine
 from loom.engine.types import EngineOutput, EngineRequest, FinishReason, SamplingParams, StoppingParams
 
 Outputs = dict[str, list[tuple[int, list[int], FinishReason | None, str | None]]]
-
-
-@pytest.fixture(scope="module")
-def make_engine(tiny_model_dir: Callable[[str], Path]) -> Callable[..., LLMEngine]:
-    path = tiny_model_dir("llama")
-
-    def make(**kw: object) -> LLMEngine:
-        return LLMEngine(EngineConfig(model_id=str(path), block_size=4, **kw))  # type: ignore[arg-type]
-
-    return make
 
 
 def drive(engine: LLMEngine, reqs: list[EngineRequest], arrivals: dict[str, int] | None = None,

@@ -60,53 +60,43 @@ def test_greedy_equals_transformers_in_a_mixed_batch(arch: str, tiny_model_dir: 
         assert got[f"r{i}"] == hf_greedy(hf, p, n), f"{arch} request {i}"
 
 
-@pytest.fixture(scope="module")
-def llama_engine_factory(tiny_model_dir: Callable[[str], Path]) -> Callable[..., LLMEngine]:
-    path = tiny_model_dir("llama")
-
-    def make(**kw: object) -> LLMEngine:
-        return LLMEngine(EngineConfig(model_id=str(path), block_size=4, **kw))  # type: ignore[arg-type]
-
-    return make
-
-
-def test_same_tokens_alone_and_in_a_batch_of_32_joining_and_leaving(llama_engine_factory: Callable[..., LLMEngine]) -> None:
+def test_same_tokens_alone_and_in_a_batch_of_32_joining_and_leaving(make_engine: Callable[..., LLMEngine]) -> None:
     rng = random.Random(7)
     ps = prompts(32, 320, seed=2, lo=2, hi=60)
     reqs = [req(f"r{i}", p, rng.randint(1, 40)) for i, p in enumerate(ps)]
     arrivals = {r.request_id: rng.randint(0, 30) for r in reqs}
-    engine = llama_engine_factory(max_batch_total_tokens=4096, max_batch_prefill_tokens=128)
+    engine = make_engine(max_batch_total_tokens=4096, max_batch_prefill_tokens=128)
     batched = run_all(engine, reqs, arrivals)
-    alone_engine = llama_engine_factory(max_batch_total_tokens=4096)
+    alone_engine = make_engine(max_batch_total_tokens=4096)
     for r in reqs:
         assert run_all(alone_engine, [r])[r.request_id] == batched[r.request_id], r.request_id
     assert engine.num_steps < sum(r.stopping.max_new_tokens for r in reqs)  # they really shared steps
 
 
-def test_forced_preemption_gives_the_same_tokens(llama_engine_factory: Callable[..., LLMEngine]) -> None:
+def test_forced_preemption_gives_the_same_tokens(make_engine: Callable[..., LLMEngine]) -> None:
     ps = prompts(12, 320, seed=3, lo=10, hi=30)
     reqs = [req(f"r{i}", p, 40) for i, p in enumerate(ps)]
-    roomy = run_all(llama_engine_factory(max_batch_total_tokens=4096), reqs)
+    roomy = run_all(make_engine(max_batch_total_tokens=4096), reqs)
     # 32 blocks of 4 = 128 tokens: far too few for 12 x ~60 tokens, but >= one sequence's max
-    tight_engine = llama_engine_factory(max_batch_total_tokens=128, max_total_tokens=128)
+    tight_engine = make_engine(max_batch_total_tokens=128, max_total_tokens=128)
     tight = run_all(tight_engine, reqs)
     assert tight_engine.scheduler.num_preemptions > 0
     assert tight == roomy
 
 
-def test_seeded_sampling_survives_preemption_and_batching(llama_engine_factory: Callable[..., LLMEngine]) -> None:
+def test_seeded_sampling_survives_preemption_and_batching(make_engine: Callable[..., LLMEngine]) -> None:
     ps = prompts(10, 320, seed=4, lo=10, hi=30)
     reqs = [req(f"r{i}", p, 30, do_sample=True, seed=100 + i, temperature=1.5, top_k=50) for i, p in enumerate(ps)]
-    roomy = run_all(llama_engine_factory(max_batch_total_tokens=4096), reqs)
-    tight_engine = llama_engine_factory(max_batch_total_tokens=128, max_total_tokens=128)
+    roomy = run_all(make_engine(max_batch_total_tokens=4096), reqs)
+    tight_engine = make_engine(max_batch_total_tokens=128, max_total_tokens=128)
     assert run_all(tight_engine, reqs) == roomy
     assert tight_engine.scheduler.num_preemptions > 0
-    alone = run_all(llama_engine_factory(max_batch_total_tokens=4096), [reqs[3]])
+    alone = run_all(make_engine(max_batch_total_tokens=4096), [reqs[3]])
     assert alone["r3"] == roomy["r3"]
 
 
-def test_n_completions_share_the_prompt_blocks(llama_engine_factory: Callable[..., LLMEngine]) -> None:
-    engine = llama_engine_factory(max_batch_total_tokens=512)
+def test_n_completions_share_the_prompt_blocks(make_engine: Callable[..., LLMEngine]) -> None:
+    engine = make_engine(max_batch_total_tokens=512)
     prompt = prompts(1, 320, seed=5, lo=10, hi=10)[0]
     r = EngineRequest("n3", tuple(prompt), SamplingParams(do_sample=True, seed=9),
                       StoppingParams(max_new_tokens=6, ignore_eos=True), n=3)
@@ -127,8 +117,8 @@ def test_n_completions_share_the_prompt_blocks(llama_engine_factory: Callable[..
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-def test_eos_and_stop_tokens_finish_requests(llama_engine_factory: Callable[..., LLMEngine]) -> None:
-    engine = llama_engine_factory(max_batch_total_tokens=512)
+def test_eos_and_stop_tokens_finish_requests(make_engine: Callable[..., LLMEngine]) -> None:
+    engine = make_engine(max_batch_total_tokens=512)
     prompt = prompts(1, 320, seed=6)[0]
     free_run = run_all(engine, [req("a", prompt, 10)])["a"]
     stop_at = free_run[3]
@@ -141,8 +131,8 @@ def test_eos_and_stop_tokens_finish_requests(llama_engine_factory: Callable[...,
     assert outs[-1].finish_reason is FinishReason.STOP_SEQUENCE
 
 
-def test_abort_frees_blocks(llama_engine_factory: Callable[..., LLMEngine]) -> None:
-    engine = llama_engine_factory(max_batch_total_tokens=512)
+def test_abort_frees_blocks(make_engine: Callable[..., LLMEngine]) -> None:
+    engine = make_engine(max_batch_total_tokens=512)
     engine.add_request(req("a", prompts(1, 320, seed=8)[0], 50))
     engine.step()
     engine.step()

@@ -4,23 +4,11 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 
-from loom.config import EngineConfig
 from loom.engine.llm_engine import LLMEngine
 from loom.engine.types import EngineOutput, EngineRequest, SamplingParams, StoppingParams
-
-
-@pytest.fixture(scope="module")
-def make_engine(tiny_model_dir: Callable[[str], Path]) -> Callable[..., LLMEngine]:
-    path = tiny_model_dir("llama")
-
-    def make(**kw: object) -> LLMEngine:
-        return LLMEngine(EngineConfig(model_id=str(path), block_size=4, **kw))  # type: ignore[arg-type]
-
-    return make
 
 
 def req(rid: str, prompt: list[int], new: int, **kw: object) -> EngineRequest:

@@ -324,7 +324,9 @@ class LLMEngine:
             return outputs
         if prev is not None:
             outputs += self._complete(prev)
-        if overlap and not self._needs_sync() and self._overlap_helps():
+        # Admissions may have grown the batch past the largest graph: check that again. (Penalties
+        # and prompt logprobs were checked over every live sequence before scheduling.)
+        if overlap and self._overlap_helps():
             self._inflight = launched
             self.num_async_steps += 1
         else:
