@@ -34,9 +34,17 @@ def main() -> None:
                                          StoppingParams(max_new_tokens=400, ignore_eos=True)))
     torch.cuda.synchronize()
     warm_ms = []
-    for _ in range(20):  # the prefill steps (16384 prompt tokens each), then the first decodes
+    prefill_table = ""
+    for i in range(20):  # the prefill steps (16384 prompt tokens each), then the first decodes
         t = time.perf_counter()
-        engine.step()
+        if i == 2 and batch * 512 > 2 * 16384:  # a full prefill step (with decode rows), profiled
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as p:
+                engine.step()
+                torch.cuda.synchronize()
+            prefill_table = p.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+        else:
+            engine.step()
         torch.cuda.synchronize()
         warm_ms.append(round((time.perf_counter() - t) * 1e3, 1))
     print("first 20 steps (ms, synchronized):", warm_ms, flush=True)
@@ -59,7 +67,8 @@ def main() -> None:
         torch.cuda.synchronize()
     table = p.key_averages().table(sort_by="cuda_time_total", row_limit=30)
     report = (f"model {model} batch {batch} async {mode}: {step_ms:.3f} ms per decode step\n"
-              f"first 20 steps (ms, synchronized): {warm_ms}\n\n{text.getvalue()}\n\n{table}\n")
+              f"first 20 steps (ms, synchronized): {warm_ms}\n\n{text.getvalue()}\n\n{table}\n"
+              f"\nthe third step (a prefill step, profiled):\n{prefill_table}\n")
     (out / f"profile-{model.replace(':', '-')}-b{batch}-{mode}.txt").write_text(report)
     print(report[:3000])
 

@@ -32,7 +32,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True  # --prefill-chunking / LOOM_PREFILL_CHUNKING
     max_queue_age_s: float = 60.0  # older requests outrank every priority (no starvation)
     # decode batch sizes captured as CUDA graphs (TGI's --cuda-graphs); empty disables
-    cuda_graphs: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    # Up to 512: past 256 sequences an eager llama-1b step is bound by host Python (launches).
+    cuda_graphs: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512)
     # Prepare step N+1 on the host while the device runs step N ("auto": on CUDA only; on the
     # CPU the forward runs on the host anyway, so it would only delay outputs by a step).
     async_scheduling: str = "auto"  # auto | on | off

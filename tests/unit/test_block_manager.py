@@ -102,3 +102,22 @@ def test_full_shared_block_needs_no_copy() -> None:
     bm.append_slots(child, 1)
     assert child.block_table == [0, 1, 2]
     assert bm.take_blocks_to_copy() == []
+
+
+def test_decode_fits_agrees_with_num_new_blocks_needed() -> None:
+    bm = BlockManager(num_blocks=16, block_size=4)
+    parent, child = seq(6), seq(6)
+    bm.append_slots(parent, 6)
+    parent.num_computed_tokens = 6
+    bm.fork(parent, child)  # block 1 is shared and partly filled: a write there copies it
+    lone = seq(8)
+    bm.append_slots(lone, 8)
+    lone.num_computed_tokens = 8  # its blocks are full: the next token needs a new block
+    grown = seq(5)
+    bm.append_slots(grown, 5)
+    grown.num_computed_tokens = 4  # the next token lands at the start of a block it already has
+    for s in (parent, child, lone, grown):
+        assert bm.decode_fits(s) == (bm.num_new_blocks_needed(s, 1) == 0), s
+    assert [bm.decode_fits(s) for s in (parent, child, lone, grown)] == [False, False, False, True]
+    bm.append_slots(child, 1)  # the child's private copy: now the parent owns block 1 alone
+    assert bm.decode_fits(parent) and bm.num_new_blocks_needed(parent, 1) == 0

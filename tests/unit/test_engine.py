@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -155,3 +156,26 @@ def test_smollm2_greedy_equals_transformers(default_model_dir: Path) -> None:
     hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
     for i, p in enumerate(ps):
         assert got[f"r{i}"] == hf_greedy(hf, p, 16), texts[i]
+
+
+def test_step_trace_has_a_line_per_step(make_engine: Callable[..., LLMEngine], tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    trace = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("LOOM_STEP_TRACE", str(trace))
+    engine = make_engine(warmup=False, max_batch_prefill_tokens=8)
+    run_all(engine, [req("a", list(range(3, 13)), 3), req("b", [5, 6], 2)], arrivals={"b": 2})
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    # a 10-token prompt in chunks of 8, then "b" joins at the third step beside "a"'s first decode
+    assert [(x["prefill_tokens"], x["decode_rows"], x["running"]) for x in lines] == [
+        (8, 0, 1), (2, 0, 1), (2, 1, 2), (0, 2, 2)]
+    assert all(not x["overlapped"] for x in lines)  # CPU: synchronous steps
+
+
+def test_block_tables_are_zero_padded_rows() -> None:
+    from loom.engine.model_runner import _block_tables
+    from loom.engine.sequence import Sequence
+
+    seqs = [Sequence(req(str(i), [3], 1), 0, None) for i in range(3)]
+    for s, table in zip(seqs, ([4, 9], [], [7, 1, 8]), strict=True):
+        s.block_table = table
+    assert _block_tables(seqs, 4).tolist() == [[4, 9, 0, 0], [0, 0, 0, 0], [7, 1, 8, 0]]

@@ -132,3 +132,25 @@ def test_sampling_follows_the_distribution() -> None:
     out = Sampler()(logits, build_sampling_batch(seqs, V, torch.device("cpu")))
     freq = torch.bincount(out.token_ids, minlength=V)[:3].float() / 3000
     assert torch.allclose(freq, probs[:3], atol=0.04)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_row_is_flagged_and_leaves_the_others_alone(bad: float) -> None:
+    torch.manual_seed(4)
+    logits = torch.randn(3, V) * 3
+    params = [SamplingParams(), SamplingParams(do_sample=True, seed=7, top_p=0.9), SamplingParams(top_n_tokens=3)]
+    clean = Sampler()(logits.clone(), build_sampling_batch([seq(p) for p in params], V, torch.device("cpu")))
+    poisoned = logits.clone()
+    poisoned[1, 5] = bad
+    out = Sampler()(poisoned, build_sampling_batch([seq(p) for p in params], V, torch.device("cpu")))
+    assert out.finite.tolist() == [True, False, True]
+    assert clean.finite.all()
+    for i in (0, 2):
+        assert out.token_ids[i] == clean.token_ids[i] and out.logprobs[i] == clean.logprobs[i]
+
+
+def test_a_row_of_minus_infinity_except_one_token_is_finite() -> None:
+    logits = torch.full((1, V), float("-inf"))
+    logits[0, 9] = 0.0
+    out = Sampler()(logits, build_sampling_batch([seq(SamplingParams())], V, torch.device("cpu")))
+    assert out.finite.tolist() == [True] and out.token_ids.tolist() == [9] and out.logprobs.tolist() == [0.0]

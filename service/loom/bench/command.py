@@ -30,6 +30,7 @@ import torch
 
 from loom import __version__
 from loom.config import ConfigError, EngineConfig
+from loom.process_gc import freeze_startup_objects
 
 from .workloads import Workload, cpu_workload, gpu_workload, serving_w3, w2_requests_for
 
@@ -120,6 +121,7 @@ async def _run_loom(cfg: EngineConfig, workloads: list[Workload],
 
     client = AsyncEngineClient(cfg)
     info = await client.start()
+    freeze_startup_objects()  # as the server's front end does once started
     try:
         results = {w.name: await run_engine_workload(client, w, full_warmup=full_warmup) for w in workloads}
     finally:

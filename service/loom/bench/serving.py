@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from loom.config import EngineConfig
+from loom.process_gc import freeze_startup_objects
 
 from .run_loom import warmup_prompts
 from .workloads import Workload
@@ -240,6 +241,7 @@ async def run_engine(cfg: EngineConfig, w: Workload, offsets: list[float]) -> li
 
     client = AsyncEngineClient(cfg)
     await client.start()
+    freeze_startup_objects()  # as the gRPC server's front end does once started
     try:
         async def stream(rid: str, prompt: list[int], new: int) -> AsyncIterator[int]:
             req = EngineRequest(rid, tuple(prompt), SamplingParams(),

@@ -133,6 +133,15 @@ class BlockManager:
             extra += 1
         return extra
 
+    def decode_fits(self, seq: Sequence) -> bool:
+        """``num_new_blocks_needed(seq, 1) == 0``, cheaply: the next token has a slot in a block
+        ``seq`` owns alone. Runs for every decoding sequence every step."""
+        c = seq.num_computed_tokens
+        bs = self.block_size
+        if c % bs == 0:
+            return c < len(seq.block_table) * bs
+        return self.allocator.refcounts[seq.block_table[c // bs]] == 1
+
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.num_new_blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
 

@@ -26,6 +26,7 @@ from typing import Any
 import structlog
 
 from loom.config import EngineConfig
+from loom.process_gc import freeze_startup_objects
 
 from .types import EngineInfo, EngineOutput, EngineRequest, EngineStats, FinishReason
 
@@ -50,6 +51,8 @@ def run_engine_core(config: EngineConfig, conn: Connection, log_json: bool = Fal
         conn.send(("fatal", f"{type(exc).__name__}: {exc}"))
         log.error("engine failed to start", error=traceback.format_exc())
         return
+    frozen = freeze_startup_objects()
+    log.debug("start-up objects frozen for the garbage collector", objects=frozen)
     conn.send(("ready", engine.info))
     while True:
         # Block only when idle; otherwise pick up whatever arrived during the last step.

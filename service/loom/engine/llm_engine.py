@@ -7,10 +7,12 @@ so the step loop never shares an interpreter lock with request handling.
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import time
 from dataclasses import dataclass
-from typing import cast
+from typing import TextIO, cast
 
 import structlog
 import torch
@@ -107,6 +109,8 @@ class LLMEngine:
         self._rng = random.Random()
         self.num_steps = 0
         self._inflight: _Launched | None = None  # a launched step whose results are not read yet
+        trace = os.environ.get("LOOM_STEP_TRACE")  # a JSON line per step (see _trace_step)
+        self._trace: TextIO | None = open(trace, "a", buffering=1) if trace else None  # noqa: SIM115
         self.num_async_steps = 0  # steps left in flight while the next one was prepared
         self._async = config.async_scheduling == "on" or (
             config.async_scheduling == "auto" and self.device.type == "cuda")
@@ -309,6 +313,8 @@ class LLMEngine:
             return outputs
         self.num_steps += 1
         started = time.monotonic()
+        if self._trace is not None:
+            self._trace_step(sched, started, overlapped=prev is not None)
         for seq in sched.seqs:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = started
@@ -332,6 +338,17 @@ class LLMEngine:
         else:
             outputs += self._complete(launched)
         return outputs
+
+    def _trace_step(self, sched: SchedulerOutput, now: float, overlapped: bool) -> None:
+        """One JSON line per step (``LOOM_STEP_TRACE=FILE``): when it was scheduled, its prefill
+        tokens, decode rows, running batch, and whether it was prepared while the previous step
+        ran on the device. The gaps between lines are the step times."""
+        decodes = sum(1 for n in sched.num_new_tokens if n == 1)
+        assert self._trace is not None
+        self._trace.write(json.dumps({
+            "t": round(now, 6), "prefill_tokens": sum(sched.num_new_tokens) - decodes, "decode_rows": decodes,
+            "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+            "overlapped": overlapped}) + "\n")
 
     def _overlap_helps(self) -> bool:
         """``on``: always. ``auto`` (CUDA): while the running batch fits the largest captured
@@ -384,8 +401,11 @@ class LLMEngine:
                 outputs += self.fail_request(seq.request_id, result.failed[seq.seq_id])
                 continue
             outputs += self._token_output(seq, pos, result, i, now)
+        bs = self.block_manager.block_size
         for seq in launched.sched.seqs:
-            if not seq.is_finished:
+            # Blocks that filled while their last token was still on the device (checked here
+            # first: most steps fill none, and this runs for every row).
+            if seq.status is not SequenceStatus.FINISHED and seq.num_known_tokens // bs > len(seq.block_hashes):
                 self.block_manager.register_full_blocks(seq)
         return outputs
 

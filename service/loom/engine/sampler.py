@@ -175,6 +175,7 @@ def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tens
 class SamplerOutput:
     token_ids: torch.Tensor  # [N] int64
     logprobs: torch.Tensor  # [N] float32: log-probability of the chosen token
+    finite: torch.Tensor  # [N] bool: False where the row's logits held NaN or +inf (or all -inf)
     top_ids: torch.Tensor | None  # [N, max_top_n]
     top_logprobs: torch.Tensor | None  # [N, max_top_n]
 
@@ -240,10 +241,15 @@ class Sampler:
             sampled = (logprobs + gumbel).argmax(-1)
             token_ids = torch.where(b.do_sample, sampled, token_ids)
         chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
+        # A NaN or +inf logit (or a row of -inf) makes the whole log_softmax row NaN, so the
+        # chosen token's logprob tells whether the row is usable: an [N] check instead of
+        # isfinite passes over [N, V] (five kernels, ~1 ms a step at batch 512 on the H200).
+        # Rows never mix, so a bad row harms no other; its request fails on the host.
+        finite = torch.isfinite(chosen)
         top_ids = top_lp = None
         if b.max_top_n > 0:
             top_lp, top_ids = logprobs.topk(b.max_top_n, dim=-1)
-        return SamplerOutput(token_ids, chosen, top_ids, top_lp)
+        return SamplerOutput(token_ids, chosen, finite, top_ids, top_lp)
 
 
 def prompt_logprobs(logits: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:

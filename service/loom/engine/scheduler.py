@@ -119,38 +119,47 @@ class Scheduler:
         now = self.clock()
         out = SchedulerOutput(seqs=[], num_new_tokens=[])
         budget = self.config.max_batch_prefill_tokens
-        budget = self._schedule_running(out, now, budget, decodes=True)
+        decodes, chunks = self._running_work()
+        budget = self._schedule_running(out, now, budget, decodes, is_decode=True)
         if self.config.enable_chunked_prefill:
-            budget = self._schedule_running(out, now, budget, decodes=False)
+            budget = self._schedule_running(out, now, budget, chunks, is_decode=False)
         if not out.preempted:
             self._schedule_waiting(out, now, budget)
         out.blocks_to_copy = self.block_manager.take_blocks_to_copy()
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, now: float, budget: int, decodes: bool) -> int:
-        bm = self.block_manager
-        scheduled = {s.seq_id for s in out.seqs}
-        for seq in list(self.running):
-            if seq.status is not SequenceStatus.RUNNING or seq.seq_id in scheduled:
-                continue
-            left = seq.num_uncomputed_tokens
+    def _running_work(self) -> tuple[list[Sequence], list[Sequence]]:
+        """Running sequences with work this step, in admission order, split into decodes (one
+        token to compute after the first output) and prompts part-way through (chunked prefill)."""
+        decodes: list[Sequence] = []
+        chunks: list[Sequence] = []
+        for seq in self.running:
+            left = len(seq.token_ids) - seq.num_computed_tokens
             if left == 0:
                 continue  # a forked child waiting for its parent's prompt
             if seq.num_pending_tokens and seq.length_exhausted:
                 continue  # the step in flight samples its last token
-            is_decode = left == 1 and seq.num_output_tokens > 0
-            if is_decode != decodes:
-                continue
-            n = left if decodes else min(left, budget)
+            if left == 1 and len(seq.token_ids) > seq.num_prompt_tokens:
+                decodes.append(seq)
+            else:
+                chunks.append(seq)
+        return decodes, chunks
+
+    def _schedule_running(self, out: SchedulerOutput, now: float, budget: int, seqs: list[Sequence],
+                          is_decode: bool) -> int:
+        bm = self.block_manager
+        for seq in seqs:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this step
+            n = 1 if is_decode else min(seq.num_uncomputed_tokens, budget)
             if n <= 0:
                 break
-            if bm.num_new_blocks_needed(seq, n) == 0:  # the common decode case: room in its last block
-                self._add_rows(out, seq, n)
-                budget -= 0 if decodes else n
+            if is_decode and bm.decode_fits(seq):  # the common case: room in its last block
+                self._add_rows(out, seq, 1)
                 continue
             while not bm.can_append(seq, n):
                 victim = self._pick_victim(now)
-                if victim is None or (not decodes and victim is seq):
+                if victim is None or (not is_decode and victim is seq):
                     n = 0  # a prefill chunk waits rather than evict itself
                     break
                 self._preempt(victim, out)
@@ -161,15 +170,17 @@ class Scheduler:
                 continue
             bm.append_slots(seq, n)
             self._add_rows(out, seq, n)
-            if not decodes:
+            if not is_decode:
                 budget -= n
         return budget
 
     def _add_rows(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
         out.seqs.append(seq)
         out.num_new_tokens.append(n)
-        # Index the blocks this step fills now, so prompts admitted below share them already.
-        self.block_manager.register_full_blocks(seq, n)
+        # Index the blocks this step fills now, so prompts admitted below share them already
+        # (checked here first: most decode steps fill no block, and this runs for every row).
+        if (seq.num_computed_tokens + n) // self.block_manager.block_size > len(seq.block_hashes):
+            self.block_manager.register_full_blocks(seq, n)
         if seq.num_computed_tokens + n < seq.num_tokens:
             self.counters.prefill_chunks += 1
         elif seq.seq_id in self.pending_forks and seq.num_output_tokens == 0:

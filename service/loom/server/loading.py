@@ -13,6 +13,7 @@ from loom.engine.core_process import AsyncEngineClient
 from loom.engine.types import EngineInfo, EngineRequest, StoppingParams
 from loom.frontend.generation import GenerationPlan, collect_completions, generate_chunks
 from loom.frontend.tokenizer import Tokenizer
+from loom.process_gc import freeze_startup_objects
 
 from .model_info import model_info_response, plugins_in_use
 from .servicer import Backend
@@ -68,6 +69,7 @@ async def load_backend(settings: ServerSettings, engine: AsyncEngineClient) -> B
     if settings.warmup:
         await warm_up(engine, tokenizer)
     model_info = model_info_response(info, settings, limits, tokenizer.has_chat_template, plugins_in_use(info))
+    freeze_startup_objects()  # the tokenizer and protobuf state live as long as the server
     log.info("model loaded", model_id=info.model_id, duration_s=round(time.monotonic() - started, 2),
              max_input_tokens=limits.max_input_tokens, max_total_tokens=limits.max_total_tokens)
     return Backend(engine, tokenizer, limits, info, model_info)
