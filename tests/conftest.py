@@ -21,6 +21,15 @@ from helpers.tiny_models import save_tiny_model  # noqa: E402
 from loom.plugin_api import PluginRegistry  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cpu_kernel_built() -> bool:
+    """Compile the torch backend's CPU kernel once, before any server process starts (they then
+    load it from torch's extension cache instead of compiling it during their start-up)."""
+    from loom_plugins.attention.cpu_kernels import cpu_decode_kernel_available
+
+    return cpu_decode_kernel_available()
+
+
 @pytest.fixture(scope="session")
 def models_registry() -> PluginRegistry:
     """A registry holding only the built-in model architectures (no entry points needed)."""

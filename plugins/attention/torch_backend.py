@@ -6,10 +6,13 @@ indices and masks) and the plan is cached on the step's :class:`AttentionMetadat
 layers of the model reuse it. Per layer the work is then:
 
 * write the new K/V into the pool at ``slot_mapping``;
-* the pure-decode sequences (``query_len == 1``) in a few groups of similar length: each group's
-  blocks are gathered into one padded ``[Bd, Hkv, L, D]`` batch for a single SDPA call, with an
-  additive mask hiding padding. Grouping by length bounds the padding: with lengths from 16 to
-  768 in one batch (C2), one group gathered and attended over about twice the real keys;
+* the pure-decode sequences (``query_len == 1``): in fp32 on the CPU, one call of a compiled
+  kernel that reads their keys and values in place from the pool (``cpu_kernels.py``: about 2x
+  faster than the gather below, which it falls back to when it cannot be built). Otherwise in a
+  few groups of similar length: each group's blocks are gathered into one padded
+  ``[Bd, Hkv, L, D]`` batch for a single SDPA call, with an additive mask hiding padding.
+  Grouping by length bounds the padding: with lengths from 16 to 768 in one batch (C2), one
+  group gathered and attended over about twice the real keys;
 * each prefill sequence (``query_len > 1``) with its own SDPA call: plain causal when it has no
   cached context, otherwise an explicit bottom-right-aligned causal mask over its gathered K/V.
 
@@ -27,6 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from loom.layers.attention import AttentionBackend, AttentionMetadata, write_kv
+
+from . import cpu_kernels
 
 # Attribute under which the step plan is cached on the metadata object. The runner builds a
 # fresh AttentionMetadata per step, so the plan lives exactly as long as the step.
@@ -47,6 +52,7 @@ class _DecodeGroup:
     row_slice: tuple[int, int] | None
     row_index: torch.Tensor | None  # [Bd] int64
     block_ids: torch.Tensor  # [Bd * nblk] ids of the blocks to gather, row-major per sequence
+    tables: torch.Tensor  # [Bd, nblk] int32, contiguous: the same ids for the in-place CPU kernel
     blocks_per_seq: int  # nblk: enough blocks for the longest sequence of the group
     padded_len: int  # L: the longest sequence's length; shorter ones are padded to it
     seq_lens: torch.Tensor  # [Bd] int, on device
@@ -100,8 +106,9 @@ def _length_groups(dec_seqs: list[int], seq_lens: list[int]) -> list[list[int]]:
     return [sorted(g) for g in groups]  # step order inside a group: rows stay a slice when they can
 
 
-def _plan_step(meta: AttentionMetadata) -> _StepPlan:
-    """Split the step into the decode group and the prefills, from host-side lists only."""
+def _plan_step(meta: AttentionMetadata, split_by_length: bool = True) -> _StepPlan:
+    """Split the step into decode groups and prefills, from host-side lists only. Without
+    ``split_by_length`` (the in-place kernel pads nothing) all decodes form one group."""
     bs = meta.block_size
     device = meta.block_tables.device
     starts: list[int] = []
@@ -112,7 +119,8 @@ def _plan_step(meta: AttentionMetadata) -> _StepPlan:
 
     dec_seqs = [i for i, ql in enumerate(meta.query_lens_cpu) if ql == 1]
     decodes: list[_DecodeGroup] = []
-    for members in _length_groups(dec_seqs, meta.seq_lens_cpu) if dec_seqs else []:
+    groups = _length_groups(dec_seqs, meta.seq_lens_cpu) if split_by_length else [dec_seqs]
+    for members in groups if dec_seqs else []:
         nd = len(members)
         max_len = max(meta.seq_lens_cpu[i] for i in members)
         nblk = -(-max_len // bs)
@@ -134,6 +142,7 @@ def _plan_step(meta: AttentionMetadata) -> _StepPlan:
             # Padding columns of a short sequence point at whatever block the table holds there
             # (0 by default): readable memory whose keys the mask then hides.
             block_ids=tables.reshape(-1),
+            tables=tables.to(torch.int32).contiguous(),
             blocks_per_seq=nblk,
             padded_len=max_len,
             seq_lens=seq_lens,
@@ -187,7 +196,7 @@ def _prefill_mask(
     return mask
 
 
-def get_step_plan(meta: AttentionMetadata) -> _StepPlan:
+def get_step_plan(meta: AttentionMetadata, split_by_length: bool = True) -> _StepPlan:
     """The step's plan, built on the first layer's call and reused by the others.
 
     Keyed by the metadata object itself: a runner must build a new AttentionMetadata for each
@@ -195,7 +204,7 @@ def get_step_plan(meta: AttentionMetadata) -> _StepPlan:
     """
     plan: _StepPlan | None = getattr(meta, _PLAN_ATTR, None)
     if plan is None:
-        plan = _plan_step(meta)
+        plan = _plan_step(meta, split_by_length)
         with contextlib.suppress(AttributeError):  # a slotted/frozen metadata: plan per call
             setattr(meta, _PLAN_ATTR, plan)
     return plan
@@ -216,6 +225,9 @@ class TorchAttentionBackend(AttentionBackend):
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         self.group_size = num_heads // num_kv_heads
+        # fp32 decode on the CPU reads the pool in place (cpu_kernels.py) when the kernel builds
+        self.cpu_kernel = (device.type == "cpu" and dtype == torch.float32
+                           and cpu_kernels.cpu_decode_kernel_available())
 
     def forward(
         self,
@@ -230,7 +242,7 @@ class TorchAttentionBackend(AttentionBackend):
         # (1) Write the new K/V: the pool viewed as flat slots [num_blocks * block_size, Hkv, D].
         write_kv(k, v, kv_cache, meta.slot_mapping)
 
-        plan = get_step_plan(meta)
+        plan = get_step_plan(meta, split_by_length=not self.cpu_kernel)
         if len(plan.decodes) == 1 and not plan.prefills and plan.decodes[0].row_slice == (0, q.shape[0]):
             return self._decode(q, kv_cache, plan.decodes[0], scale, sliding_window)
 
@@ -257,6 +269,9 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:  # [Bd, Hq, D]
+        if self.cpu_kernel and q.device.type == "cpu" and q.dtype == torch.float32:
+            return cpu_kernels.paged_decode_attention(q.contiguous(), kv_cache, group.tables,
+                                                      group.seq_lens.to(torch.int32), scale, sliding_window)
         bd, hkv, d, g = group.num_seqs, self.num_kv_heads, self.head_dim, self.group_size
         # One gather for K and V together, whole blocks at a time (far fewer, larger copies than
         # gathering slot by slot).

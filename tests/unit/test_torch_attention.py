@@ -9,8 +9,19 @@ import pytest
 import torch
 
 from loom.layers.attention import Attention, AttentionMetadata, ForwardContext, forward_context
-from loom_plugins.attention import loom_attention_backends
+from loom_plugins.attention import cpu_kernels, loom_attention_backends
 from loom_plugins.attention.torch_backend import TorchAttentionBackend, get_step_plan
+
+
+@pytest.fixture(autouse=True, params=["cpu-kernel", "gather"])
+def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs twice on the CPU: fp32 decode through the compiled in-place kernel, and
+    through the gather + SDPA path it falls back to (LOOM_CPU_KERNELS=0)."""
+    if request.param == "gather":
+        monkeypatch.setenv("LOOM_CPU_KERNELS", "0")
+    elif not cpu_kernels.cpu_decode_kernel_available():
+        pytest.skip(f"the CPU kernel could not be built here: {cpu_kernels.unavailable_reason()}")
+    return str(request.param)
 
 
 @dataclass
@@ -232,6 +243,25 @@ def test_sequence_result_does_not_depend_on_batch() -> None:
         out_1 = backend.forward(batched.q[sl_], batched.k[sl_], batched.v[sl_], batched.kv_cache, meta,
                                 64**-0.5, None)
         torch.testing.assert_close(out_1, out_b[sl_], atol=1e-6, rtol=0)
+
+
+def test_the_cpu_kernel_is_used_for_fp32_decode_only(decode_path: str) -> None:
+    fp32 = TorchAttentionBackend(9, 3, 64, torch.float32, torch.device("cpu"))
+    assert fp32.cpu_kernel == (decode_path == "cpu-kernel")
+    assert not TorchAttentionBackend(9, 3, 64, torch.bfloat16, torch.device("cpu")).cpu_kernel
+
+
+def test_cpu_kernel_rejects_tables_too_short_and_bad_block_ids(decode_path: str) -> None:
+    if decode_path != "cpu-kernel":
+        pytest.skip("kernel argument checks")
+    q = torch.randn(2, 4, 16)
+    cache = torch.randn(2, 6, 4, 2, 16)
+    with pytest.raises(RuntimeError, match="exceeds its block table"):
+        cpu_kernels.paged_decode_attention(q, cache, torch.zeros(2, 2, dtype=torch.int32),
+                                           torch.tensor([9, 3], dtype=torch.int32), 0.25, None)
+    with pytest.raises(RuntimeError, match="out of range"):
+        cpu_kernels.paged_decode_attention(q, cache, torch.tensor([[0, 6], [1, 2]], dtype=torch.int32),
+                                           torch.tensor([8, 3], dtype=torch.int32), 0.25, None)
 
 
 def test_plan_is_built_once_per_step_and_shared_by_layers() -> None:

@@ -1,0 +1,161 @@
+// Decode attention on the CPU that reads K/V straight from the paged pool (fp32).
+//
+// One query token per sequence. The g = Hq / Hkv query heads that share a KV head are attended
+// together, so every key and value row is read from the pool once, where it lies (block_tables[b][t / block_size], offset t % block_size): no gathered
+// copy of the context is made. Work items run on ATen's thread pool (the one torch's own ops
+// use), so the kernel never competes with a second OpenMP runtime for the cores.
+//
+// Per query head, three passes over the context (exact softmax, as SDPA's result):
+//   1. s[j][t] = scale * <q_j, k_t> for each query head j, with the running max m_j;
+//   2. l_j = sum_t exp(s[j][t] - m_j);
+//   3. out_j = sum_t (exp(s[j][t] - m_j) / l_j) * v_t.
+//
+// Shapes: q [B, Hq, D], kv_cache [2, num_blocks, block_size, Hkv, D], block_tables [B, W] int32,
+// seq_lens [B] int32; out [B, Hq, D]. A sliding window w > 0 keeps keys t >= seq_len - w.
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <torch/types.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+inline float hsum(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
+  return _mm_cvtss_f32(x);
+}
+
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t d) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= d; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  for (; i + 8 <= d; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  float s = hsum(_mm256_add_ps(acc0, acc1));
+  for (; i < d; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void axpy(float w, const float* __restrict x, float* __restrict y, int64_t d) {
+  const __m256 vw = _mm256_set1_ps(w);
+  int64_t i = 0;
+  for (; i + 8 <= d; i += 8) {
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(vw, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  }
+  for (; i < d; ++i) y[i] += w * x[i];
+}
+#else
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t d) {
+  // Eight independent partial sums: the compiler can turn them into SIMD lanes.
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= d; i += 8) {
+    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
+  }
+  float s = 0;
+  for (; i < d; ++i) s += a[i] * b[i];
+  return s + ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+inline void axpy(float w, const float* __restrict x, float* __restrict y, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) y[i] += w * x[i];
+}
+#endif
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                  double scale, int64_t sliding_window) {
+  TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat, "float32 only");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "block_tables and seq_lens must be int32");
+  TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && block_tables.dim() == 2 && seq_lens.dim() == 1,
+              "bad ranks");
+  TORCH_CHECK(q.is_contiguous() && kv_cache.is_contiguous() && block_tables.is_contiguous() &&
+                  seq_lens.is_contiguous(), "contiguous tensors only");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t num_blocks = kv_cache.size(1), bs = kv_cache.size(2), Hkv = kv_cache.size(3);
+  TORCH_CHECK(kv_cache.size(0) == 2 && kv_cache.size(4) == D, "kv_cache must be [2, N, bs, Hkv, D]");
+  TORCH_CHECK(Hq % Hkv == 0, "Hq must be a multiple of Hkv");
+  TORCH_CHECK(block_tables.size(0) == B && seq_lens.size(0) == B, "one table row and length per sequence");
+  const int64_t g = Hq / Hkv, W = block_tables.size(1);
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b) {  // checked once here, not per key inside the loop
+    TORCH_CHECK(lens[b] >= 0 && (lens[b] + bs - 1) / bs <= W, "seq_len exceeds its block table");
+    for (int64_t i = 0; i < (lens[b] + bs - 1) / bs; ++i) {
+      TORCH_CHECK(tables[b * W + i] >= 0 && tables[b * W + i] < num_blocks, "block id out of range");
+    }
+  }
+  auto out = at::zeros_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = kv_cache.data_ptr<float>();
+  const float* vp = kp + num_blocks * bs * Hkv * D;
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  const int64_t row = Hkv * D;  // floats between consecutive slots of one block
+
+  // A work item is a sequence with a range of its KV heads. Slots hold all heads side by side,
+  // so taking every head at once walks each block front to back (12 KB runs for SmolLM2) instead
+  // of striding through it once per head. Sequences are split by head only when there are too
+  // few of them to keep every thread busy (batch 1).
+  const int64_t threads = at::get_num_threads();
+  const int64_t per_item = B >= 2 * threads ? Hkv : 1;
+  const int64_t chunks = Hkv / per_item;
+  at::parallel_for(0, B * chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s, m(per_item * g), l(per_item * g);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / chunks, h0 = (item % chunks) * per_item;
+      const int64_t len = lens[b];
+      const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+      const int64_t n = len - start;
+      if (n <= 0) continue;
+      const int64_t rows = per_item * g;  // query heads of this item: h0 * g .. (h0 + per_item) * g
+      s.resize(rows * n);
+      const int32_t* table = tables + b * W;
+      const float* qb = qp + (b * Hq + h0 * g) * D;
+      float* ob = op + (b * Hq + h0 * g) * D;
+      std::fill(m.begin(), m.end(), -INFINITY);
+      for (int64_t t = start; t < len; ++t) {
+        const float* slot = kp + (table[t / bs] * bs + t % bs) * row + h0 * D;
+        for (int64_t r = 0; r < rows; ++r) {  // query head r reads KV head r / g of the slot
+          const float x = sc * dot(qb + r * D, slot + (r / g) * D, D);
+          s[r * n + (t - start)] = x;
+          m[r] = std::max(m[r], x);
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        float sum = 0;
+        float* sr = s.data() + r * n;
+        for (int64_t i = 0; i < n; ++i) {
+          sr[i] = std::exp(sr[i] - m[r]);
+          sum += sr[i];
+        }
+        l[r] = 1.0f / sum;
+      }
+      for (int64_t t = start; t < len; ++t) {
+        const float* slot = vp + (table[t / bs] * bs + t % bs) * row + h0 * D;
+        for (int64_t r = 0; r < rows; ++r) axpy(s[r * n + (t - start)] * l[r], slot + (r / g) * D, ob + r * D, D);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(loom_cpu, lib) {
+  lib.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
+          "float scale, int sliding_window) -> Tensor");
+  lib.impl("paged_decode_attention", paged_decode_attention);
+}
