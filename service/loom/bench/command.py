@@ -30,7 +30,7 @@ import torch
 
 from loom import __version__
 from loom.config import ConfigError, EngineConfig
-from loom.process_gc import freeze_startup_objects
+from loom.process_tuning import freeze_startup_objects
 
 from .workloads import Workload, cpu_workload, gpu_workload, serving_w3, w2_requests_for
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from loom.config import EngineConfig
-from loom.process_gc import freeze_startup_objects
+from loom.process_tuning import freeze_startup_objects
 
 from .run_loom import warmup_prompts
 from .workloads import Workload

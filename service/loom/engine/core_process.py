@@ -26,7 +26,7 @@ from typing import Any
 import structlog
 
 from loom.config import EngineConfig
-from loom.process_gc import freeze_startup_objects
+from loom.process_tuning import freeze_startup_objects
 
 from .types import EngineInfo, EngineOutput, EngineRequest, EngineStats, FinishReason
 

@@ -19,6 +19,7 @@ import torch
 
 from loom.config import ConfigError, EngineConfig
 from loom.plugin_api import PluginRegistry, default_registry
+from loom.process_tuning import keep_freed_memory
 
 from .block_manager import BlockManager
 from .cuda_graphs import maybe_capture_cuda_graphs
@@ -88,6 +89,8 @@ class LLMEngine:
             ckpt_dtype = _DTYPES.get(ckpt_dtype)
         self.dtype = resolve_dtype(config.dtype, self.device, ckpt_dtype)
         loaded = load_model(model_dir, self.dtype, self.device, registry)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # CPU forwards allocate big activations each step: no page-fault storm
         if self.device.type == "cuda" and not config.num_threads:
             # The host only schedules and launches: intra-op threads would just spin after each
             # small CPU copy and take cores from this thread and the front end.

@@ -16,4 +16,5 @@ class SiluAndMul(nn.Module):
         if fused_ops.silu_and_mul_supported(x):  # CUDA: one kernel instead of three
             return fused_ops.silu_and_mul(x)
         d = x.shape[-1] // 2
-        return F.silu(x[..., :d]) * x[..., d:]
+        # in place on silu's fresh output: one [T, I] allocation fewer, the same rounding
+        return F.silu(x[..., :d]).mul_(x[..., d:])

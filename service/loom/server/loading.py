@@ -13,7 +13,7 @@ from loom.engine.core_process import AsyncEngineClient
 from loom.engine.types import EngineInfo, EngineRequest, StoppingParams
 from loom.frontend.generation import GenerationPlan, collect_completions, generate_chunks
 from loom.frontend.tokenizer import Tokenizer
-from loom.process_gc import freeze_startup_objects
+from loom.process_tuning import freeze_startup_objects
 
 from .model_info import model_info_response, plugins_in_use
 from .servicer import Backend
