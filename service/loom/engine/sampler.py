@@ -229,6 +229,11 @@ class Sampler:
     """Chooses one token per row. Works on float32 logits [N, V]."""
 
     def __call__(self, logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
+        # The model's own logits must be finite: a NaN or +inf anywhere in a row makes the row's
+        # max NaN or +inf. One reduction instead of isfinite(...).all() (five passes over [N, V],
+        # about 1 ms a step at batch 512 on the H200). Rows never mix, so a bad row harms no
+        # other; its request fails on the host. (A row of -inf also fails: nothing to choose.)
+        finite = torch.isfinite(logits.amax(dim=-1))
         logits = apply_penalties(logits.float(), b)
         if b.any_sample:
             warped = apply_warpers(logits, b)
@@ -241,11 +246,6 @@ class Sampler:
             sampled = (logprobs + gumbel).argmax(-1)
             token_ids = torch.where(b.do_sample, sampled, token_ids)
         chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
-        # A NaN or +inf logit (or a row of -inf) makes the whole log_softmax row NaN, so the
-        # chosen token's logprob tells whether the row is usable: an [N] check instead of
-        # isfinite passes over [N, V] (five kernels, ~1 ms a step at batch 512 on the H200).
-        # Rows never mix, so a bad row harms no other; its request fails on the host.
-        finite = torch.isfinite(chosen)
         top_ids = top_lp = None
         if b.max_top_n > 0:
             top_lp, top_ids = logprobs.topk(b.max_top_n, dim=-1)
