@@ -12,7 +12,6 @@ Prints a table; ``--out`` writes every number as JSON. See docs/gpu-kernels.md f
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import random
 import sys
@@ -25,16 +24,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _import_plugins() -> None:
-    if importlib.util.find_spec("loom") is None:
-        sys.path.insert(0, str(ROOT / "service"))
-    if importlib.util.find_spec("loom_plugins") is None:
-        spec = importlib.util.spec_from_file_location(
-            "loom_plugins", ROOT / "plugins" / "__init__.py", submodule_search_locations=[str(ROOT / "plugins")]
-        )
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["loom_plugins"] = module
-        spec.loader.exec_module(module)
+    """``loom`` and ``loom_plugins`` from the source tree when they are not installed."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from helpers.source_tree import make_importable
+
+    make_importable()
 
 
 def bench_ms(fn: Any) -> float:

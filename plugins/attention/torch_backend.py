@@ -51,8 +51,7 @@ class _DecodeGroup:
     # Their token rows: a (start, stop) slice when they are consecutive, else an index tensor.
     row_slice: tuple[int, int] | None
     row_index: torch.Tensor | None  # [Bd] int64
-    block_ids: torch.Tensor  # [Bd * nblk] ids of the blocks to gather, row-major per sequence
-    tables: torch.Tensor  # [Bd, nblk] int32, contiguous: the same ids for the in-place CPU kernel
+    tables: torch.Tensor  # [Bd, nblk] int32, contiguous: the blocks each sequence reads
     blocks_per_seq: int  # nblk: enough blocks for the longest sequence of the group
     padded_len: int  # L: the longest sequence's length; shorter ones are padded to it
     seq_lens: torch.Tensor  # [Bd] int, on device
@@ -141,7 +140,6 @@ def _plan_step(meta: AttentionMetadata, split_by_length: bool = True) -> _StepPl
             row_index=None if consecutive else torch.tensor(rows, dtype=torch.int64, device=device),
             # Padding columns of a short sequence point at whatever block the table holds there
             # (0 by default): readable memory whose keys the mask then hides.
-            block_ids=tables.reshape(-1),
             tables=tables.to(torch.int32).contiguous(),
             blocks_per_seq=nblk,
             padded_len=max_len,
@@ -275,7 +273,7 @@ class TorchAttentionBackend(AttentionBackend):
         bd, hkv, d, g = group.num_seqs, self.num_kv_heads, self.head_dim, self.group_size
         # One gather for K and V together, whole blocks at a time (far fewer, larger copies than
         # gathering slot by slot).
-        kv = kv_cache.index_select(1, group.block_ids)  # [2, Bd * nblk, bs, Hkv, D]
+        kv = kv_cache.index_select(1, group.tables.view(-1))  # [2, Bd * nblk, bs, Hkv, D]
         kv = kv.view(2, bd, group.blocks_per_seq * kv_cache.shape[2], hkv, d)
         kv = kv[:, :, : group.padded_len]  # [2, Bd, L, Hkv, D]
         keys = kv[0].transpose(1, 2)  # [Bd, Hkv, L, D] (strided view; SDPA reads it in place)

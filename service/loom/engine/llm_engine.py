@@ -393,7 +393,6 @@ class LLMEngine:
         """Wait for a launched step, put its tokens in place, and turn them into outputs."""
         result = self.runner.finish(launched.step)
         outputs = []
-        now = time.monotonic()
         for i, seq in enumerate(result.seqs):
             if seq.is_finished:
                 continue  # finished or aborted while the step ran, or failed earlier in it
@@ -403,12 +402,9 @@ class LLMEngine:
             if seq.seq_id in result.failed:
                 outputs += self.fail_request(seq.request_id, result.failed[seq.seq_id])
                 continue
-            outputs += self._token_output(seq, pos, result, i, now)
-        bs = self.block_manager.block_size
+            outputs.append(self._token_output(seq, pos, result, i))
         for seq in launched.sched.seqs:
-            # Blocks that filled while their last token was still on the device (checked here
-            # first: most steps fill none, and this runs for every row).
-            if seq.status is not SequenceStatus.FINISHED and seq.num_known_tokens // bs > len(seq.block_hashes):
+            if not seq.is_finished:  # blocks that filled while their last token was on the device
                 self.block_manager.register_full_blocks(seq)
         return outputs
 
@@ -449,12 +445,12 @@ class LLMEngine:
                 self.scheduler.remove(seq)
         return outs
 
-    def _token_output(self, seq: Sequence, pos: int, result: StepResult, i: int, now: float) -> list[EngineOutput]:
+    def _token_output(self, seq: Sequence, pos: int, result: StepResult, i: int) -> EngineOutput:
         """The output for ``seq``'s token at ``pos`` (row ``i`` of ``result``); finishes it when done."""
         token = result.token_ids[i]
         lp = result.logprobs[i]
         seq.cumulative_logprob += lp
-        reason = self._finish_reason(seq, token, pos, now)
+        reason = self._finish_reason(seq, token, pos)
         out = EngineOutput(
             request_id=seq.request_id,
             index=seq.index,
@@ -475,9 +471,9 @@ class LLMEngine:
             del seq.token_ids[pos + 1 :]
             seq.num_pending_tokens = 0
             self._finish(seq, reason)
-        return [out]
+        return out
 
-    def _finish_reason(self, seq: Sequence, token: int, pos: int, now: float) -> FinishReason | None:
+    def _finish_reason(self, seq: Sequence, token: int, pos: int) -> FinishReason | None:
         """Why ``seq`` ends with ``token`` at position ``pos`` (None: it goes on)."""
         st = seq.stopping
         num_output = pos + 1 - seq.num_prompt_tokens

@@ -177,10 +177,8 @@ class Scheduler:
     def _add_rows(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
         out.seqs.append(seq)
         out.num_new_tokens.append(n)
-        # Index the blocks this step fills now, so prompts admitted below share them already
-        # (checked here first: most decode steps fill no block, and this runs for every row).
-        if (seq.num_computed_tokens + n) // self.block_manager.block_size > len(seq.block_hashes):
-            self.block_manager.register_full_blocks(seq, n)
+        # Index the blocks this step fills now, so prompts admitted below share them already.
+        self.block_manager.register_full_blocks(seq, n)
         if seq.num_computed_tokens + n < seq.num_tokens:
             self.counters.prefill_chunks += 1
         elif seq.seq_id in self.pending_forks and seq.num_output_tokens == 0:
