@@ -23,10 +23,13 @@ from loom.plugin_api import PluginRegistry  # noqa: E402
 
 @pytest.fixture(scope="session", autouse=True)
 def cpu_kernel_built() -> bool:
-    """Compile the torch backend's CPU kernel once, before any server process starts (they then
-    load it from torch's extension cache instead of compiling it during their start-up)."""
+    """Compile the CPU kernels (the torch backend's attention, the gguf quantizer's linear) once,
+    before any server process starts: they then load them from torch's extension cache instead
+    of compiling them during their start-up."""
     from loom_plugins.attention.cpu_kernels import cpu_decode_kernel_available
+    from loom_plugins.quant.gguf import kernel_available
 
+    kernel_available()
     return cpu_decode_kernel_available()
 
 
@@ -37,6 +40,18 @@ def models_registry() -> PluginRegistry:
 
     registry = PluginRegistry()
     registry.register(loom_plugins.models, "loom-models", "loom-server")
+    return registry
+
+
+@pytest.fixture(scope="session")
+def quant_registry() -> PluginRegistry:
+    """The built-in model architectures and quantizers (no entry points needed)."""
+    import loom_plugins.models
+    import loom_plugins.quant
+
+    registry = PluginRegistry()
+    registry.register(loom_plugins.models, "loom-models", "loom-server")
+    registry.register(loom_plugins.quant, "loom-quant", "loom-server")
     return registry
 
 

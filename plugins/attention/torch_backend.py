@@ -55,6 +55,7 @@ class _DecodeGroup:
     blocks_per_seq: int  # nblk: enough blocks for the longest sequence of the group
     padded_len: int  # L: the longest sequence's length; shorter ones are padded to it
     seq_lens: torch.Tensor  # [Bd] int, on device
+    seq_lens_i32: torch.Tensor | None = None  # the same as int32 (the CPU kernel's), made on first use
     masks: dict[_MaskKey, torch.Tensor] = field(default_factory=dict)  # [Bd, 1, 1, L] additive
 
 
@@ -238,7 +239,10 @@ class TorchAttentionBackend(AttentionBackend):
         sliding_window: int | None,
     ) -> torch.Tensor:  # [T, Hq, D]
         # (1) Write the new K/V: the pool viewed as flat slots [num_blocks * block_size, Hkv, D].
-        write_kv(k, v, kv_cache, meta.slot_mapping)
+        if self.cpu_kernel and q.device.type == "cpu" and k.dtype == torch.float32:
+            cpu_kernels.write_kv(k, v, kv_cache, meta.slot_mapping)
+        else:
+            write_kv(k, v, kv_cache, meta.slot_mapping)
 
         plan = get_step_plan(meta, split_by_length=not self.cpu_kernel)
         if len(plan.decodes) == 1 and not plan.prefills and plan.decodes[0].row_slice == (0, q.shape[0]):
@@ -268,8 +272,10 @@ class TorchAttentionBackend(AttentionBackend):
         sliding_window: int | None,
     ) -> torch.Tensor:  # [Bd, Hq, D]
         if self.cpu_kernel and q.device.type == "cpu" and q.dtype == torch.float32:
+            if group.seq_lens_i32 is None:  # once a step: every layer reads the same lengths
+                group.seq_lens_i32 = group.seq_lens.to(torch.int32)
             return cpu_kernels.paged_decode_attention(q.contiguous(), kv_cache, group.tables,
-                                                      group.seq_lens.to(torch.int32), scale, sliding_window)
+                                                      group.seq_lens_i32, scale, sliding_window)
         bd, hkv, d, g = group.num_seqs, self.num_kv_heads, self.head_dim, self.group_size
         # One gather for K and V together, whole blocks at a time (far fewer, larger copies than
         # gathering slot by slot).

@@ -149,8 +149,9 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config, self.variant(config))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        # Tied: the logits reuse the embedding matrix, so no second [V, H] tensor is allocated.
-        self.lm_head: nn.Linear | None = None
+        # Tied: the logits reuse the embedding matrix, so no second [V, H] tensor is allocated
+        # (a quantizer may still give the model a quantized head of its own).
+        self.lm_head: nn.Module | None = None
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -159,8 +160,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] float32
-        weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            logits: torch.Tensor = self.lm_head(hidden)
+            return logits.float()
+        return F.linear(hidden, self.model.embed_tokens.weight).float()
 
     def fused_layout(self) -> FusedLayout:
         """Where each HF projection lives inside the fused parameters: (fused, offset, rows)."""

@@ -1,8 +1,9 @@
 """Built-in weight quantizers.
 
-None ships yet: the ``loom_quantizers`` hook and :class:`~loom.plugin_api.QuantizerSpec` are in
-place so AWQ, GPTQ, FP8 and NF4 can be added here (or by a third-party package) without
-touching the engine. An empty list is the honest answer until one is implemented.
+``gguf``: a GGUF file's Q4_0 / Q4_1 / Q8_0 weights computed in their blocks on the CPU (the
+default SmolLM2 ships as Q4_1). AWQ, GPTQ, FP8 and NF4 plug in the same way, here or from a
+third-party package, through the ``loom_quantizers`` hook and the contract in
+``loom.layers.quantization``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,27 @@ from collections.abc import Iterable
 
 from loom.plugin_api import QuantizerSpec, hookimpl
 
-QUANTIZERS: list[QuantizerSpec] = []
+
+def _load_gguf() -> type:
+    from .gguf import GGUFQuantizer
+
+    return GGUFQuantizer
+
+
+def _check_gguf() -> str | None:
+    from .gguf import cpu_unsupported_reason
+
+    return cpu_unsupported_reason()
+
+
+QUANTIZERS: list[QuantizerSpec] = [
+    QuantizerSpec(
+        name="gguf",
+        summary="GGUF Q4_0/Q4_1/Q8_0 weights kept in their blocks, exact fp32 dequant in a CPU kernel (AVX2)",
+        load=_load_gguf,
+        check=_check_gguf,
+    ),
+]
 
 
 @hookimpl

@@ -19,6 +19,9 @@ class EngineConfig:
     dtype: str = "auto"  # auto: fp32 on CPU, the checkpoint's bf16/fp16 on GPU
     device: str = "auto"  # auto: cuda if available else cpu
     attention_backend: str | None = None  # None: the available backend of highest priority
+    # auto: a quantizer whose format the checkpoint carries, where it can run (a GGUF file's
+    # blocks on the CPU); none: dense weights; or a quantizer plugin's name
+    quantize: str = "auto"
     block_size: int = 16
     # KV pool size in tokens; None: sized from memory (GPU) or a CPU default.
     max_batch_total_tokens: int | None = None

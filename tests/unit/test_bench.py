@@ -173,8 +173,13 @@ def test_serve_args_carry_the_engine_config() -> None:
 @pytest.mark.slow
 def test_bench_c0_quick_keeps_its_json_shape(default_model_dir: Path) -> None:
     result = run_bench("--workloads", "C0", "--quick")
-    assert set(result) == {"command", "loom_version", "machine", "date", "model", "threads", "quick", "workloads"}
+    assert set(result) == {"command", "loom_version", "machine", "date", "model", "threads", "quick", "workloads",
+                           "cpu_engine"}
     assert result["command"] == "loom bench --workloads C0 --quick"
+    from loom_plugins.quant.gguf import kernel_available
+
+    # the embedded GGUF runs on its own blocks wherever the kernel builds, and the result says so
+    assert result["cpu_engine"]["plugins"] == (["quantizer:gguf"] if kernel_available() else [])
     c0 = result["workloads"]["C0"]
     assert c0["loom"]["out_tokens"] == 8 and c0["loom"]["out_tok_s"] > 0
 

@@ -144,14 +144,20 @@ def test_abort_frees_blocks(make_engine: Callable[..., LLMEngine]) -> None:
 
 
 @pytest.mark.slow
-def test_smollm2_greedy_equals_transformers(default_model_dir: Path) -> None:
+@pytest.mark.parametrize("quantize", ["auto", "none"])
+def test_smollm2_greedy_equals_transformers(default_model_dir: Path, quantize: str) -> None:
+    """Dense weights, and (auto, on the CPU) the GGUF file's own blocks: the same tokens."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from loom_plugins.quant.gguf import kernel_available
 
     tok = AutoTokenizer.from_pretrained(default_model_dir)
     texts = ["The capital of France is", "def fibonacci(n):",
              "Write a haiku about the sea. " * 6, "1, 2, 3, 4,"]
     ps = [tok(t)["input_ids"] for t in texts]
-    engine = LLMEngine(EngineConfig(num_threads=2, max_batch_total_tokens=8192))
+    engine = LLMEngine(EngineConfig(num_threads=2, max_batch_total_tokens=8192, quantize=quantize))
+    expected = ("quantizer:gguf",) if quantize == "auto" and kernel_available() else ()
+    assert engine.info.plugins == expected
     got = run_all(engine, [req(f"r{i}", p, 16) for i, p in enumerate(ps)])
     hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
     for i, p in enumerate(ps):

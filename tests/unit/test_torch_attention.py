@@ -262,6 +262,11 @@ def test_cpu_kernel_rejects_tables_too_short_and_bad_block_ids(decode_path: str)
     with pytest.raises(RuntimeError, match="out of range"):
         cpu_kernels.paged_decode_attention(q, cache, torch.tensor([[0, 6], [1, 2]], dtype=torch.int32),
                                            torch.tensor([8, 3], dtype=torch.int32), 0.25, None)
+    k = torch.randn(2, 2, 16)
+    with pytest.raises(RuntimeError, match="slot 24 out of range"):
+        cpu_kernels.write_kv(k, k, cache, torch.tensor([3, 24]))
+    cpu_kernels.write_kv(k, k + 1, cache, torch.tensor([3, 23]))
+    assert torch.equal(cache[0, 0, 3], k[0]) and torch.equal(cache[1, 5, 3], k[1] + 1)
 
 
 def test_plan_is_built_once_per_step_and_shared_by_layers() -> None:

@@ -46,6 +46,44 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t d
   return s;
 }
 
+// exp(x) for x <= 0 (softmax after subtracting the max), Cephes' expf in 8 lanes: x = n ln2 + r,
+// |r| <= ln2 / 2, exp(r) by a degree-7 polynomial, 2^n put in the exponent bits. Within 2 ulp of
+// std::exp; inputs below -87 give 2^-126 (where std::exp gives denormals, 0 for the softmax).
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// s[i] = exp(s[i] - m) for i < n; returns their sum.
+inline float exp_shifted_sum(float* s, int64_t n, float m) {
+  const __m256 vm = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + i), vm));
+    _mm256_storeu_ps(s + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  float sum = hsum(acc);
+  for (; i < n; ++i) {
+    s[i] = std::exp(s[i] - m);
+    sum += s[i];
+  }
+  return sum;
+}
+
 inline void axpy(float w, const float* __restrict x, float* __restrict y, int64_t d) {
   const __m256 vw = _mm256_set1_ps(w);
   int64_t i = 0;
@@ -70,6 +108,15 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t d
 inline void axpy(float w, const float* __restrict x, float* __restrict y, int64_t d) {
   for (int64_t i = 0; i < d; ++i) y[i] += w * x[i];
 }
+
+inline float exp_shifted_sum(float* s, int64_t n, float m) {
+  float sum = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    s[i] = std::exp(s[i] - m);
+    sum += s[i];
+  }
+  return sum;
+}
 #endif
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
@@ -91,7 +138,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   const int64_t g = Hq / Hkv, W = block_tables.size(1);
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
+  int64_t total_keys = 0;
   for (int64_t b = 0; b < B; ++b) {  // checked once here, not per key inside the loop
+    total_keys += lens[b];
     TORCH_CHECK(lens[b] >= 0 && (lens[b] + bs - 1) / bs <= W, "seq_len exceeds its block table");
     for (int64_t i = 0; i < (lens[b] + bs - 1) / bs; ++i) {
       TORCH_CHECK(tables[b * W + i] >= 0 && tables[b * W + i] < num_blocks, "block id out of range");
@@ -112,7 +161,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   const int64_t threads = at::get_num_threads();
   const int64_t per_item = B >= 2 * threads ? Hkv : 1;
   const int64_t chunks = Hkv / per_item;
-  at::parallel_for(0, B * chunks, 1, [&](int64_t begin, int64_t end) {
+  // Little work (a short batch-1 context) runs on the calling thread: waking the pool's other
+  // threads costs more than it saves.
+  const int64_t grain = total_keys * Hq < 16384 ? B * chunks : 1;
+  at::parallel_for(0, B * chunks, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> s, m(per_item * g), l(per_item * g);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / chunks, h0 = (item % chunks) * per_item;
@@ -135,13 +187,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
-        float sum = 0;
-        float* sr = s.data() + r * n;
-        for (int64_t i = 0; i < n; ++i) {
-          sr[i] = std::exp(sr[i] - m[r]);
-          sum += sr[i];
-        }
-        l[r] = 1.0f / sum;
+        l[r] = 1.0f / exp_shifted_sum(s.data() + r * n, n, m[r]);
       }
       for (int64_t t = start; t < len; ++t) {
         const float* slot = vp + (table[t / bs] * bs + t % bs) * row + h0 * D;
@@ -152,10 +198,41 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   return out;
 }
 
+// k, v [T, Hkv, D] (rows may be strided: v is a slice of the fused qkv projection) into the pool
+// [2, num_blocks, bs, Hkv, D] at flat slots (block * bs + offset): one operator instead of the
+// six a pair of index_copy_ calls on pool views costs.
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor kv_cache, const at::Tensor& slots) {
+  TORCH_CHECK(k.device().is_cpu() && v.device().is_cpu() && kv_cache.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat,
+              "float32 only");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(), "kv_cache must be [2, N, bs, Hkv, D]");
+  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2), Hkv = kv_cache.size(3), D = kv_cache.size(4);
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.size(1) == Hkv && k.size(2) == D && v.sizes() == k.sizes(),
+              "k and v must be [T, Hkv, D] matching the pool");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == D && v.stride(2) == 1 && v.stride(1) == D,
+              "k and v must be contiguous within a token");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == k.size(0) &&
+                  slots.is_contiguous(), "slots must be int64 [T]");
+  const int64_t T = k.size(0), row = Hkv * D;
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot ", sp[t], " out of range");
+  float* kc = kv_cache.data_ptr<float>();
+  float* vc = kc + num_slots * row;
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const int64_t ks = k.stride(0), vs = v.stride(0);
+  for (int64_t t = 0; t < T; ++t) {
+    std::copy(kp + t * ks, kp + t * ks + row, kc + sp[t] * row);
+    std::copy(vp + t * vs, vp + t * vs + row, vc + sp[t] * row);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(loom_cpu, lib) {
   lib.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
           "float scale, int sliding_window) -> Tensor");
   lib.impl("paged_decode_attention", paged_decode_attention);
+  lib.def("write_kv(Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slots) -> ()");
+  lib.impl("write_kv", write_kv);
 }

@@ -50,6 +50,8 @@ def add_bench_command(sub: Any) -> None:
                    help="model dir, .gguf or random:NAME (random:llama-8b, random:llama-1b, ...); "
                         "default: embedded SmolLM2")
     p.add_argument("--threads", type=int, default=2, help="torch threads for Loom and the peer on CPU")
+    p.add_argument("--quantize", default="auto",
+                   help="the engine's --quantize: auto (GGUF blocks on the CPU), none, or a quantizer plugin")
     p.add_argument("--quick", action="store_true", help="tiny workloads: checks the harness, not speed")
     p.add_argument("--out", default=None, help="write the JSON result here (e.g. bench/results/cpu.json)")
     g = p.add_argument_group("W1-W3 engine (C0-C2 always run on CPU with their own settings)")
@@ -138,9 +140,11 @@ def _run_cpu_workloads(args: argparse.Namespace, names: list[str], result: dict[
     workloads = [cpu_workload(n, quick=args.quick) for n in names]
     model_dir = resolve_model_dir(args.model_id)
     max_total = max(len(p) + n for w in workloads for p, n in w.requests)
-    cfg = EngineConfig(model_id=str(model_dir), device="cpu", num_threads=args.threads,
+    cfg = EngineConfig(model_id=str(model_dir), device="cpu", num_threads=args.threads, quantize=args.quantize,
                        max_total_tokens=max(max_total, 1024), max_batch_prefill_tokens=4096)
-    loom, _ = asyncio.run(_run_loom(cfg, workloads))
+    loom, info = asyncio.run(_run_loom(cfg, workloads))
+    result["cpu_engine"] = {"plugins": info["plugins"], "attention_backend": info["attention_backend"],
+                            "dtype": info["dtype"]}
     peer: dict[str, dict[str, float]] = {}
     if args.peer == "hf":
         from .peer_hf import load_peer, run_peer
@@ -183,6 +187,7 @@ def engine_config(args: argparse.Namespace, device: torch.device, workloads: lis
     needed = max(len(p) + n for w in workloads for p, n in w.requests)
     kwargs: dict[str, Any] = dict(
         model_id=args.model_id, device=str(device), dtype=args.dtype, attention_backend=args.attention_backend,
+        quantize=args.quantize,
         max_total_tokens=max(args.max_total_tokens, needed),
         max_batch_prefill_tokens=args.max_batch_prefill_tokens or (16384 if on_gpu else 4096),
         max_batch_total_tokens=args.max_batch_total_tokens,

@@ -88,7 +88,7 @@ class LLMEngine:
         if isinstance(ckpt_dtype, str):
             ckpt_dtype = _DTYPES.get(ckpt_dtype)
         self.dtype = resolve_dtype(config.dtype, self.device, ckpt_dtype)
-        loaded = load_model(model_dir, self.dtype, self.device, registry)
+        loaded = load_model(model_dir, self.dtype, self.device, registry, config.quantize)
         if self.device.type == "cpu":
             keep_freed_memory()  # CPU forwards allocate big activations each step: no page-fault storm
         if self.device.type == "cuda" and not config.num_threads:
@@ -159,6 +159,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             vocab_size=shape.vocab_size,
             eos_token_ids=self.eos_token_ids,
+            plugins=(f"quantizer:{loaded.quantization}",) if loaded.quantization else (),
         )
         log.info("engine ready", model_dir=str(model_dir), architecture=loaded.architecture,
                  dtype=self.info.dtype, device=self.info.device, attention_backend=backend_spec.name,

@@ -1,8 +1,9 @@
 """RMSNorm, numerically identical to Hugging Face's Llama/Qwen implementation.
 
 On CUDA (with triton, unless ``LOOM_FUSED_KERNELS=0``) one fused kernel does the whole norm, and
-``forward_with_residual`` also folds in the residual add that precedes it; elsewhere the torch
-code below runs, which is the reference the kernel reproduces.
+``forward_with_residual`` also folds in the residual add that precedes it; on the CPU in float32
+one C++ operator does the same (``cpu_fused``); elsewhere the torch code below runs, which is the
+reference the kernels reproduce.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from loom.layers import fused_ops
+from loom.layers import cpu_fused, fused_ops
 
 
 class RMSNorm(nn.Module):
@@ -28,6 +29,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., H]
         if fused_ops.norm_supported(x, self.weight):
             return fused_ops.fused_add_rms_norm(x, None, self.weight, self.eps)[0]
+        if cpu_fused.norm_supported(x, self.weight):
+            return cpu_fused.add_rms_norm(x, None, self.weight, self.eps)[0]
         return self._forward_torch(x)
 
     def forward_with_residual(self, x: torch.Tensor,
@@ -36,6 +39,8 @@ class RMSNorm(nn.Module):
         norm that follows it (x, residual: ``[T, H]``; ``h`` is the next residual)."""
         if fused_ops.norm_supported(x, self.weight, residual):
             return fused_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        if cpu_fused.norm_supported(x, self.weight, residual):
+            return cpu_fused.add_rms_norm(x, residual, self.weight, self.eps)
         h = residual + x
         return self(h), h
 

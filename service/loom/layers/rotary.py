@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from loom.layers import fused_ops
+from loom.layers import cpu_fused, fused_ops
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
@@ -150,6 +150,8 @@ class RotaryEmbedding(nn.Module):
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if fused_ops.rotary_supported(positions, q, k):  # CUDA: q and k in one kernel
             return fused_ops.rotary(positions, q, k, self.cos_cached, self.sin_cached)
+        if cpu_fused.rotary_supported(positions, q, k):  # CPU float32: one C++ operator
+            return cpu_fused.rotary(positions, q, k, self.cos_cached, self.sin_cached)
         cos = self.cos_cached[positions].unsqueeze(1)  # [T, 1, D/2]
         sin = self.sin_cached[positions].unsqueeze(1)
         # Cast to the activation dtype first, as HF does, so half precision rounds the same way.

@@ -2,7 +2,14 @@
 
 transformers dequantizes the GGUF into an fp32 model; we write its config, state dict
 (safetensors), tokenizer and generation config into
-``$LOOM_CACHE_DIR/gguf/<name>-<size>-<mtime>-v<N>`` (``~/.cache/loom`` by default). The
+``$LOOM_CACHE_DIR/gguf/<name>-<size>-<mtime>-v<N>`` (``~/.cache/loom`` by default).
+
+Beside them, ``gguf_blocks.safetensors`` keeps the file's own block-quantized bytes of every
+weight matrix, under the Hugging Face name of the dense tensor, rows in that tensor's order
+(transformers permutes the rows of q and k for Llama). A tensor is kept only when dequantizing
+its blocks with gguf-py gives exactly the dense tensor: a quantizer plugin that computes with the
+blocks (``gguf``) multiplies the very weights transformers would. The
+safetensors metadata ``types`` maps each name to its GGML type name (``Q4_1``...). The
 directory appears atomically (built in a temp dir, then renamed) and a file lock makes
 concurrent processes (a test run and a server) convert only once.
 """
@@ -17,10 +24,15 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
+import structlog
 import torch
 
-CONVERTER_VERSION = 1  # bump when the directory layout changes, so stale caches are rebuilt
+log = structlog.get_logger(__name__)
+
+CONVERTER_VERSION = 2  # bump when the directory layout changes, so stale caches are rebuilt
 _REQUIRED = ("config.json", "model.safetensors", "tokenizer_config.json")
+BLOCKS_FILE = "gguf_blocks.safetensors"  # the file's quantized blocks (see the module docstring)
 
 
 def cache_root() -> Path:
@@ -80,14 +92,67 @@ def _convert(gguf: Path, out: Path) -> None:
     # save_pretrained refuses GGUF-loaded models, so the pieces are written one by one.
     config.save_pretrained(out)
     model.generation_config.save_pretrained(out)
-    save_file(_state_dict_for_saving(model, tied), str(out / "model.safetensors"), metadata={"format": "pt"})
-    del model
+    state = _state_dict_for_saving(model, tied)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    _write_blocks(gguf, out / BLOCKS_FILE, state, config)
+    del model, state
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     tokenizer.model_max_length = int(config.max_position_embeddings)  # GGUF leaves it "unbounded"
     tokenizer.save_pretrained(out)
     st = gguf.stat()
     source = {"gguf": str(gguf), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "converter": CONVERTER_VERSION}
     (out / "loom_gguf_source.json").write_text(json.dumps(source, indent=2) + "\n")
+
+
+def _rows_after_reverse_permute(rows: int, heads: int) -> np.ndarray:
+    """The row order transformers gives a GGUF q/k matrix (it undoes llama.cpp's RoPE layout):
+    result row i is file row order[i]."""
+    return np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(2, 1).reshape(rows)
+
+
+def _matching_rows(values: np.ndarray, dense: np.ndarray, head_counts: set[int]) -> np.ndarray | None:
+    """The order of the file's rows that makes them exactly ``dense``, or None."""
+    rows = values.shape[0]
+    candidates = [np.arange(rows)]
+    candidates += [_rows_after_reverse_permute(rows, h) for h in sorted(head_counts) if h and rows % (2 * h) == 0]
+    for order in candidates:
+        if np.array_equal(values[order], dense):
+            return order
+    return None
+
+
+def _write_blocks(gguf_path: Path, dest: Path, state: dict[str, torch.Tensor], config: object) -> None:
+    """Write the file's block-quantized bytes of each 2-D weight that dequantizes to ``state``."""
+    import gguf
+    from safetensors.torch import save_file
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    field = reader.fields.get("general.architecture")
+    arch_name = bytes(field.parts[field.data[0]]).decode() if field is not None else ""
+    arch = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}.get(arch_name)
+    if arch is None:
+        log.info("GGUF blocks not kept: unknown architecture", architecture=arch_name)
+        return
+    names = gguf.get_tensor_name_map(arch, int(getattr(config, "num_hidden_layers", 0)))
+    by_name = {t.name: t for t in reader.tensors}
+    heads = {int(getattr(config, "num_attention_heads", 0) or 0), int(getattr(config, "num_key_value_heads", 0) or 0)}
+    dense_types = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
+    blocks: dict[str, torch.Tensor] = {}
+    types: dict[str, str] = {}
+    for hf_name, dense in state.items():
+        tensor = by_name.get(names.get_name(hf_name, try_suffixes=(".weight",)) or "")
+        if dense.dim() != 2 or tensor is None or tensor.tensor_type in dense_types:
+            continue
+        raw = np.asarray(tensor.data)  # [rows, bytes per row]
+        values = gguf.quants.dequantize(raw, tensor.tensor_type).reshape(dense.shape[0], -1)
+        order = _matching_rows(values, dense.float().numpy(), heads)
+        if order is None:
+            log.warning("GGUF blocks not kept: they do not dequantize to the loaded tensor", tensor=hf_name)
+            continue
+        blocks[hf_name] = torch.from_numpy(np.ascontiguousarray(raw[order]))
+        types[hf_name] = tensor.tensor_type.name
+    if blocks:
+        save_file(blocks, str(dest), metadata={"types": json.dumps(types)})
 
 
 def _make_shareable(folder: Path) -> None:

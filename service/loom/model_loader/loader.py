@@ -8,12 +8,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import structlog
 import torch
 from torch import nn
 
 from .errors import ModelLoadError
 from .random_model import init_random_weights, random_weights_of
 from .weights import iter_weights
+
+log = structlog.get_logger(__name__)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -27,6 +30,7 @@ class LoadedModel:
     hf_config: PretrainedConfig
     architecture: str  # the model plugin's name, e.g. "llama"
     model_dir: Path
+    quantization: str | None = None  # the quantizer plugin serving the linear layers, if any
 
 
 @contextlib.contextmanager
@@ -68,8 +72,10 @@ def load_hf_config(model_dir: Path) -> PretrainedConfig:
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str,
-               registry: PluginRegistry) -> LoadedModel:
-    """Pick the plugin for ``config.architectures``, build it in ``dtype`` on ``device``, load weights.
+               registry: PluginRegistry, quantize: str = "auto") -> LoadedModel:
+    """Pick the plugin for ``config.architectures``, build it in ``dtype`` on ``device``, load
+    weights, then let a quantizer replace linear layers (``quantize``: see
+    ``loom.layers.quantization``).
 
     An unknown architecture raises the registry's PluginError, which lists the known ones.
     """
@@ -85,6 +91,46 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str,
         init_random_weights(model, random_weights)
     else:
         model.load_weights(iter_weights(model_dir, dtype, device))
+    quantization = None
+    if random_weights is None:
+        quantization = apply_quantizer(model, model_dir, dtype, device, registry, quantize)
     model.requires_grad_(False)
     model.eval()
-    return LoadedModel(model=model, hf_config=config, architecture=spec.name, model_dir=model_dir)
+    return LoadedModel(model=model, hf_config=config, architecture=spec.name, model_dir=model_dir,
+                       quantization=quantization)
+
+
+def apply_quantizer(model: nn.Module, model_dir: Path, dtype: torch.dtype, device: torch.device,
+                    registry: PluginRegistry, quantize: str) -> str | None:
+    """Run the chosen quantizer over ``model``; returns its name, or None when the weights stay dense.
+
+    ``auto``: the first available quantizer whose format the checkpoint carries and that can run
+    here (the reason one cannot is logged); ``none``: dense; a name: that one, or ModelLoadError.
+    """
+    from loom.layers.quantization import QuantizationError
+
+    if quantize == "none":
+        return None
+    if quantize != "auto":
+        spec = registry.quantizer(quantize)  # PluginError: unknown (lists the names) or unavailable
+        try:
+            quantizer = spec.load()(model_dir, device, dtype)
+        except QuantizationError as exc:
+            raise ModelLoadError(f"--quantize {spec.name}: {exc}") from exc
+        if quantizer.quantize(model) == 0:
+            raise ModelLoadError(f"--quantize {spec.name}: no layer of this checkpoint is in its format")
+        return spec.name
+    for info in registry.infos("quantizer"):
+        if info.unavailable_reason is not None:
+            continue
+        cls = info.spec.load()
+        if not cls.for_checkpoint(model_dir):
+            continue
+        try:
+            quantizer = cls(model_dir, device, dtype)
+        except QuantizationError as exc:
+            log.info("quantizer not applied; dense weights serve", quantizer=info.spec.name, reason=str(exc))
+            continue
+        if quantizer.quantize(model):
+            return info.spec.name
+    return None

@@ -64,7 +64,7 @@ class ModelArchitectureSpec(_Spec):
 
 @dataclass(frozen=True)
 class QuantizerSpec(_Spec):
-    """A weight quantizer: ``load()`` returns a ``loom.layers.linear.Quantizer`` class."""
+    """A weight quantizer: ``load()`` returns a class following ``loom.layers.quantization.Quantizer``."""
 
     kind: PluginKind = "quantizer"
 

@@ -15,6 +15,7 @@ _ENGINE_FLAGS: list[tuple[str, Any, str]] = [
     ("--dtype", str, "auto, float32, float16 or bfloat16"),
     ("--device", str, "auto, cpu, cuda or cuda:N"),
     ("--attention-backend", str, "attention plugin name; unset: the best available one"),
+    ("--quantize", str, "auto (the checkpoint's own format where a kernel runs it), none, or a quantizer plugin"),
     ("--block-size", int, "tokens per KV-cache block"),
     ("--max-input-tokens", int, "most prompt tokens of a request; unset: max-total-tokens - 1"),
     ("--max-total-tokens", int, "most prompt + generated tokens of a request; unset: min(model positions, 4096)"),

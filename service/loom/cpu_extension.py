@@ -1,0 +1,86 @@
+"""Compiling a plugin's C++ CPU kernels on first use, once per machine, and knowing why not.
+
+The kernels are torch operators in one .cpp file each, built with ``torch.utils.cpp_extension``
+for the host CPU (``-march=native``) and cached in torch's extension directory
+(``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), so later processes load them
+at once. The cache name includes the CPU's feature flags and the torch version.
+
+``-fopenmp`` matters: ``at::parallel_for`` is a header template whose OpenMP pragmas are compiled
+into the extension itself; without the flag a kernel silently runs on one thread. The runtime is
+the one torch already loaded (the extension links none of its own).
+
+When a kernel cannot be built (no compiler, no ninja, a CPU without the instructions) the
+plugin logs why and keeps its pure-torch path. ``LOOM_CPU_KERNELS=0`` turns every kernel off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import structlog
+import torch
+
+log = structlog.get_logger(__name__)
+
+
+def cpu_flags() -> str:
+    """The host CPU's feature flags line (``/proc/cpuinfo``), or what platform knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def kernels_enabled() -> bool:
+    return os.environ.get("LOOM_CPU_KERNELS", "1") != "0"
+
+
+class CpuExtension:
+    """One .cpp file of torch operators in namespace ``namespace``, built on first ``available()``."""
+
+    def __init__(self, name: str, source: Path, namespace: str, op: str, extra_cflags: Sequence[str] = ()) -> None:
+        self.name, self.source, self.namespace, self.op = name, source, namespace, op
+        self.cflags = ["-O3", "-march=native", "-fopenmp", *extra_cflags]
+        self._lock = threading.Lock()
+        self._ok: bool | None = None
+        self._why: str | None = None
+
+    def _module_name(self) -> str:
+        key = cpu_flags() + torch.__version__ + " ".join(self.cflags)
+        return f"{self.name}_{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+
+    def available(self) -> bool:
+        """Build or load the extension once per process; False (and logged why) when it cannot be."""
+        if not kernels_enabled():
+            return False
+        with self._lock:
+            if self._ok is None:
+                try:
+                    from torch.utils import cpp_extension
+
+                    log.info("loading a CPU kernel (compiled once, then cached)", source=str(self.source))
+                    cpp_extension.load(name=self._module_name(), sources=[str(self.source)],
+                                       extra_cflags=self.cflags, is_python_module=False, verbose=False)
+                    self._ok = hasattr(getattr(torch.ops, self.namespace), self.op)
+                    if not self._ok:
+                        self._why = f"the build did not register torch.ops.{self.namespace}.{self.op}"
+                except Exception as exc:  # no compiler, no ninja, a build error: the torch path stays
+                    self._ok, self._why = False, repr(exc)
+                    log.warning("CPU kernel unavailable; using the torch path", source=str(self.source),
+                                error=repr(exc))
+            return self._ok
+
+    def unavailable_reason(self) -> str | None:
+        if self._ok:
+            return None
+        if not kernels_enabled():
+            return "LOOM_CPU_KERNELS=0"
+        return self._why or "not built yet"
