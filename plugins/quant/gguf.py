@@ -106,7 +106,8 @@ class GGUFLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features).contiguous()  # [M, in]
+        # [M, in]; a model's activations are already 2-D and contiguous: no reshape op then
+        x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, self.in_features).contiguous()
         if x2.shape[0] >= DENSE_ROWS:
             # Prefill-sized: the weights are read once per many rows, so bytes no longer matter
             # and MKL's GEMM beats the kernel there (by up to 1.2x at 4096 rows on 2 cores).
@@ -115,7 +116,7 @@ class GGUFLinear(nn.Module):
         y: torch.Tensor = torch.ops.loom_gguf_cpu.linear(x2, self.qs, self.d, self.m, self.qtype, self.out_features)
         if self.bias is not None:
             y.add_(self.bias)
-        return y.view(*lead, self.out_features)
+        return y if x2 is x else y.view(*lead, self.out_features)
 
     def dequantized_weight(self) -> torch.Tensor:  # [out, in] float32: the dense weight, exactly
         w: torch.Tensor = torch.ops.loom_gguf_cpu.dequantize(self.qs, self.d, self.m, self.qtype, self.out_features)

@@ -5,10 +5,11 @@
 // copy of the context is made. Work items run on ATen's thread pool (the one torch's own ops
 // use), so the kernel never competes with a second OpenMP runtime for the cores.
 //
-// Per query head, three passes over the context (exact softmax, as SDPA's result):
-//   1. s[j][t] = scale * <q_j, k_t> for each query head j, with the running max m_j;
-//   2. l_j = sum_t exp(s[j][t] - m_j);
-//   3. out_j = sum_t (exp(s[j][t] - m_j) / l_j) * v_t.
+// The item's key and value rows are located once, block by block. Then per query head, three
+// passes over the context (exact softmax, as SDPA's result):
+//   1. s[j][t] = scale * <q_j, k_t>, four keys at a time (one horizontal sum for four), and m_j;
+//   2. p[j][t] = exp(s[j][t] - m_j) / sum_t exp(s[j][t] - m_j), the exp in 8 lanes;
+//   3. out_j = sum_t p[j][t] * v_t, 32 output lanes held in registers across all keys.
 //
 // Shapes: q [B, Hq, D], kv_cache [2, num_blocks, block_size, Hkv, D], block_tables [B, W] int32,
 // seq_lens [B] int32; out [B, Hq, D]. A sliding window w > 0 keeps keys t >= seq_len - w.
@@ -84,6 +85,42 @@ inline float exp_shifted_sum(float* s, int64_t n, float m) {
   return sum;
 }
 
+// <q, k_j> for four keys at once: one horizontal reduction for the four sums.
+inline void dot4(const float* __restrict q, const float* const* k, int64_t d, float* out) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= d; i += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + i);
+    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[0] + i), a0);
+    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[1] + i), a1);
+    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[2] + i), a2);
+    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[3] + i), a3);
+  }
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+  for (; i < d; ++i) {
+    for (int j = 0; j < 4; ++j) out[j] += q[i] * k[j][i];
+  }
+}
+
+// out[0:32] += sum_j p[j] * v_j[0:32] over n rows, accumulated in registers.
+inline void weighted_sum32(const float* p, const float* const* v, int64_t n, float* __restrict out) {
+  __m256 a0 = _mm256_loadu_ps(out), a1 = _mm256_loadu_ps(out + 8);
+  __m256 a2 = _mm256_loadu_ps(out + 16), a3 = _mm256_loadu_ps(out + 24);
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 w = _mm256_set1_ps(p[j]);
+    a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v[j]), a0);
+    a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v[j] + 8), a1);
+    a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v[j] + 16), a2);
+    a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v[j] + 24), a3);
+  }
+  _mm256_storeu_ps(out, a0);
+  _mm256_storeu_ps(out + 8, a1);
+  _mm256_storeu_ps(out + 16, a2);
+  _mm256_storeu_ps(out + 24, a3);
+}
+constexpr bool kHaveVectorHelpers = true;
+
 inline void axpy(float w, const float* __restrict x, float* __restrict y, int64_t d) {
   const __m256 vw = _mm256_set1_ps(w);
   int64_t i = 0;
@@ -108,6 +145,15 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t d
 inline void axpy(float w, const float* __restrict x, float* __restrict y, int64_t d) {
   for (int64_t i = 0; i < d; ++i) y[i] += w * x[i];
 }
+
+inline void dot4(const float* __restrict q, const float* const* k, int64_t d, float* out) {
+  for (int j = 0; j < 4; ++j) out[j] = dot(q, k[j], d);
+}
+
+inline void weighted_sum32(const float* p, const float* const* v, int64_t n, float* __restrict out) {
+  for (int64_t j = 0; j < n; ++j) axpy(p[j], v[j], out, 32);
+}
+constexpr bool kHaveVectorHelpers = false;
 
 inline float exp_shifted_sum(float* s, int64_t n, float m) {
   float sum = 0;
@@ -165,7 +211,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   // threads costs more than it saves.
   const int64_t grain = total_keys * Hq < 16384 ? B * chunks : 1;
   at::parallel_for(0, B * chunks, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> s, m(per_item * g), l(per_item * g);
+    std::vector<float> s, m(per_item * g);
+    std::vector<const float*> kslots, vslots;  // each key's K and V row of the item's first head
+    std::vector<const float*> chunk;  // V rows offset to the output chunk being summed
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / chunks, h0 = (item % chunks) * per_item;
       const int64_t len = lens[b];
@@ -174,24 +222,58 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
       if (n <= 0) continue;
       const int64_t rows = per_item * g;  // query heads of this item: h0 * g .. (h0 + per_item) * g
       s.resize(rows * n);
+      kslots.resize(n);
+      vslots.resize(n);
       const int32_t* table = tables + b * W;
+      for (int64_t t = start; t < len;) {  // block by block: no division per key
+        const int64_t blk = t / bs, off = t % bs, take = std::min(bs - off, len - t);
+        const int64_t base = (static_cast<int64_t>(table[blk]) * bs + off) * row + h0 * D;
+        for (int64_t j = 0; j < take; ++j) {
+          kslots[t - start + j] = kp + base + j * row;
+          vslots[t - start + j] = vp + base + j * row;
+        }
+        t += take;
+      }
       const float* qb = qp + (b * Hq + h0 * g) * D;
       float* ob = op + (b * Hq + h0 * g) * D;
-      std::fill(m.begin(), m.end(), -INFINITY);
-      for (int64_t t = start; t < len; ++t) {
-        const float* slot = kp + (table[t / bs] * bs + t % bs) * row + h0 * D;
-        for (int64_t r = 0; r < rows; ++r) {  // query head r reads KV head r / g of the slot
-          const float x = sc * dot(qb + r * D, slot + (r / g) * D, D);
-          s[r * n + (t - start)] = x;
-          m[r] = std::max(m[r], x);
+      for (int64_t r = 0; r < rows; ++r) {  // query head r reads KV head r / g of each slot
+        const int64_t kv_off = (r / g) * D;
+        float* sr = s.data() + r * n;
+        float mr = -INFINITY;
+        int64_t i = 0;
+        const float* ks[4];
+        for (; i + 4 <= n; i += 4) {
+          for (int j = 0; j < 4; ++j) ks[j] = kslots[i + j] + kv_off;
+          dot4(qb + r * D, ks, D, sr + i);
         }
+        for (; i < n; ++i) sr[i] = dot(qb + r * D, kslots[i] + kv_off, D);
+        for (i = 0; i < n; ++i) {
+          sr[i] *= sc;
+          mr = std::max(mr, sr[i]);
+        }
+        m[r] = mr;
       }
       for (int64_t r = 0; r < rows; ++r) {
-        l[r] = 1.0f / exp_shifted_sum(s.data() + r * n, n, m[r]);
+        const float inv = 1.0f / exp_shifted_sum(s.data() + r * n, n, m[r]);
+        float* sr = s.data() + r * n;
+        for (int64_t i = 0; i < n; ++i) sr[i] *= inv;
       }
-      for (int64_t t = start; t < len; ++t) {
-        const float* slot = vp + (table[t / bs] * bs + t % bs) * row + h0 * D;
-        for (int64_t r = 0; r < rows; ++r) axpy(s[r * n + (t - start)] * l[r], slot + (r / g) * D, ob + r * D, D);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t kv_off = (r / g) * D;
+        const float* pr = s.data() + r * n;
+        float* orow = ob + r * D;
+        int64_t c = 0;
+        if (kHaveVectorHelpers) {
+          // 32 output lanes at a time held in registers across every key
+          chunk.resize(n);
+          for (; c + 32 <= D; c += 32) {
+            for (int64_t i = 0; i < n; ++i) chunk[i] = vslots[i] + kv_off + c;
+            weighted_sum32(pr, chunk.data(), n, orow + c);
+          }
+        }
+        if (c < D) {
+          for (int64_t i = 0; i < n; ++i) axpy(pr[i], vslots[i] + kv_off + c, orow + c, D - c);
+        }
       }
     }
   });

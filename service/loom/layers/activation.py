@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loom.layers import fused_ops
+from loom.layers import cpu_fused, fused_ops
 
 
 class SiluAndMul(nn.Module):
@@ -15,6 +15,8 @@ class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, 2*I] -> [T, I]
         if fused_ops.silu_and_mul_supported(x):  # CUDA: one kernel instead of three
             return fused_ops.silu_and_mul(x)
+        if cpu_fused.silu_and_mul_supported(x):  # CPU float32: one C++ operator
+            return cpu_fused.silu_and_mul(x)
         d = x.shape[-1] // 2
         # in place on silu's fresh output: one [T, I] allocation fewer, the same rounding
         return F.silu(x[..., :d]).mul_(x[..., d:])

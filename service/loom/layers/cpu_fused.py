@@ -1,10 +1,10 @@
-"""The CPU counterparts of ``fused_ops``: RMSNorm (with its residual add) and RoPE as one C++
-operator each (``csrc/cpu_fused_ops.cpp``), for float32 on the CPU.
+"""The CPU counterparts of ``fused_ops``: RMSNorm (with its residual add), RoPE and SiLU-and-mul
+as one C++ operator each (``csrc/cpu_fused_ops.cpp``), for float32 on the CPU.
 
 A batch-1 decode step of SmolLM2 on two cores dispatched about 27 torch ops a layer, most of
 them the norm's and RoPE's small elementwise ops; each costs a few microseconds of dispatch
 whatever its size. The operators reproduce the torch path's roundings except the order of the
-norm's sum of squares. Compiled on first use (``loom.cpu_extension``); without a compiler, or
+norm's sum of squares and SiLU's exp (an ulp or so). Compiled on first use (``loom.cpu_extension``); without a compiler, or
 with ``LOOM_FUSED_KERNELS=0`` or ``LOOM_CPU_KERNELS=0``, the torch path runs.
 """
 
@@ -58,3 +58,14 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch
     """RoPE of ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` at ``positions [T]`` from the [P, D/2] tables."""
     q_out, k_out = torch.ops.loom_cpu_fused.rotary(positions.contiguous(), q, k, cos, sin)
     return q_out, k_out
+
+
+def silu_and_mul_supported(x: torch.Tensor) -> bool:
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.stride(-1) == 1
+            and x.shape[-1] % 2 == 0 and available())
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``x = [gate | up]`` [T, 2I] -> [T, I]."""
+    out: torch.Tensor = torch.ops.loom_cpu_fused.silu_and_mul(x)
+    return out
