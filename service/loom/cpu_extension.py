@@ -27,6 +27,8 @@ import torch
 
 log = structlog.get_logger(__name__)
 
+INCLUDE_DIR = Path(__file__).parent / "csrc"  # headers shared by the kernels (loom_vec_math.h)
+
 
 def cpu_flags() -> str:
     """The host CPU's feature flags line (``/proc/cpuinfo``), or what platform knows."""
@@ -68,7 +70,8 @@ class CpuExtension:
 
                     log.info("loading a CPU kernel (compiled once, then cached)", source=str(self.source))
                     cpp_extension.load(name=self._module_name(), sources=[str(self.source)],
-                                       extra_cflags=self.cflags, is_python_module=False, verbose=False)
+                                       extra_cflags=self.cflags, extra_include_paths=[str(INCLUDE_DIR)],
+                                       is_python_module=False, verbose=False)
                     self._ok = hasattr(getattr(torch.ops, self.namespace), self.op)
                     if not self._ok:
                         self._why = f"the build did not register torch.ops.{self.namespace}.{self.op}"

@@ -18,6 +18,8 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include "loom_vec_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -47,33 +49,13 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t d
   return s;
 }
 
-// exp(x) for x <= 0 (softmax after subtracting the max), Cephes' expf in 8 lanes: x = n ln2 + r,
-// |r| <= ln2 / 2, exp(r) by a degree-7 polynomial, 2^n put in the exponent bits. Within 2 ulp of
-// std::exp; inputs below -87 give 2^-126 (where std::exp gives denormals, 0 for the softmax).
-inline __m256 exp_nonpositive(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
 // s[i] = exp(s[i] - m) for i < n; returns their sum.
 inline float exp_shifted_sum(float* s, int64_t n, float m) {
   const __m256 vm = _mm256_set1_ps(m);
   __m256 acc = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + i), vm));
+    const __m256 e = loom::exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), vm));
     _mm256_storeu_ps(s + i, e);
     acc = _mm256_add_ps(acc, e);
   }

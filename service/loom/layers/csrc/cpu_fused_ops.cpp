@@ -16,9 +16,7 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
+#include "loom_vec_math.h"
 
 #include <cmath>
 #include <cstdint>
@@ -125,28 +123,6 @@ std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& positions, const at:
           rotate(k, pos, cos.data_ptr<float>(), sin.data_ptr<float>(), cos.size(0))};
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-// exp(x) in 8 lanes (Cephes' expf: x = n ln2 + r, a degree-7 polynomial for exp(r), 2^n in the
-// exponent bits), within 2 ulp of std::exp; x is clamped to [-87, 88] (silu needs no more).
-inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  // n + 127 lies in [1, 254] for x in [-87, 88]: a normal float's exponent
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-#endif
-
 // silu(gate) * up of a fused [T, 2I] gate_up projection -> [T, I], silu(g) = g / (1 + exp(-g)).
 // The exp is computed in 8 lanes (torch's silu uses a vectorized exp of its own): the two agree
 // to an ulp or so.
@@ -167,7 +143,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 #if defined(__AVX2__) && defined(__FMA__)
       for (; i + 8 <= I; i += 8) {
         const __m256 g = _mm256_loadu_ps(gate + i);
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        const __m256 e = loom::exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
         const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
         _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
       }
