@@ -39,6 +39,3 @@ class Quantizer(Protocol):
     def quantize(self, model: nn.Module) -> int:
         """Replace the model's linear layers it can serve; returns how many it replaced."""
         ...
-
-
-QUANTIZE_CHOICES = ("auto", "none")  # besides a quantizer plugin's name
