@@ -1,6 +1,6 @@
 """Built-in weight quantizers.
 
-``gguf``: a GGUF file's Q4_0 / Q4_1 / Q8_0 weights computed in their blocks on the CPU (the
+``gguf``: a GGUF file's Q4_0 / Q4_1 / Q4_K / Q8_0 weights computed in their blocks on the CPU (the
 default SmolLM2 ships as Q4_1). AWQ, GPTQ, FP8 and NF4 plug in the same way, here or from a
 third-party package, through the ``loom_quantizers`` hook and the contract in
 ``loom.layers.quantization``.
@@ -28,7 +28,7 @@ def _check_gguf() -> str | None:
 QUANTIZERS: list[QuantizerSpec] = [
     QuantizerSpec(
         name="gguf",
-        summary="GGUF Q4_0/Q4_1/Q8_0 weights kept in their blocks, exact fp32 dequant in a CPU kernel (AVX2)",
+        summary="GGUF Q4_0/Q4_1/Q4_K/Q8_0 weights kept in their blocks, exact fp32 dequant in a CPU kernel (AVX2)",
         load=_load_gguf,
         check=_check_gguf,
     ),

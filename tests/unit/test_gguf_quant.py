@@ -23,20 +23,25 @@ gguf = pytest.importorskip("gguf")
 needs_kernel = pytest.mark.skipif(not gguf_quant.kernel_available(),
                                   reason=f"GGUF CPU kernel unavailable: {gguf_quant.cpu_unsupported_reason()}")
 
-TYPES = ("Q4_0", "Q4_1", "Q8_0")
+TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K")
+BLOCK_WEIGHTS = {"Q4_K": 256}  # the others: 32
 
 
 def random_blocks(rows: int, cols: int, type_name: str, seed: int = 0) -> torch.Tensor:
-    """GGUF blocks [rows, cols/32 * block bytes] with random payloads and finite fp16 scales."""
+    """GGUF blocks [rows, cols / block weights * block bytes]: random payloads, finite fp16 scales."""
     g = torch.Generator().manual_seed(seed)
     bb = gguf_quant._BLOCK_BYTES[type_name]
-    nb = cols // 32
+    nb = cols // BLOCK_WEIGHTS.get(type_name, 32)
     raw = torch.randint(0, 256, (rows, nb, bb), generator=g, dtype=torch.uint8)
-    scales = (torch.rand(rows, nb, 2, generator=g) * 0.02 - 0.01).half()  # d (and m for Q4_1)
+    scales = (torch.rand(rows, nb, 2, generator=g) * 0.02 - 0.01).half()  # d (and m / dmin)
     raw[:, :, 0:2] = scales[:, :, 0:1].contiguous().view(torch.uint8)
-    if type_name == "Q4_1":
+    if type_name in ("Q4_1", "Q4_K"):
         raw[:, :, 2:4] = scales[:, :, 1:2].contiguous().view(torch.uint8)
     return raw.reshape(rows, nb * bb)
+
+
+def cols_for(type_name: str, k: int) -> int:
+    return max(k, BLOCK_WEIGHTS.get(type_name, 32)) // BLOCK_WEIGHTS.get(type_name, 32) * BLOCK_WEIGHTS.get(type_name, 32)
 
 
 def gguf_py_dequantize(raw: torch.Tensor, type_name: str) -> torch.Tensor:
@@ -47,19 +52,32 @@ def gguf_py_dequantize(raw: torch.Tensor, type_name: str) -> torch.Tensor:
 @pytest.mark.parametrize("type_name", TYPES)
 @pytest.mark.parametrize("rows", [8, 37, 200])
 def test_kernel_weights_are_gguf_py_dequantized_values_bit_for_bit(type_name: str, rows: int) -> None:
-    raw = random_blocks(rows, 96, type_name)
-    layer = gguf_quant.GGUFLinear(raw, type_name, 96, None)
+    cols = cols_for(type_name, 96)
+    raw = random_blocks(rows, cols, type_name)
+    layer = gguf_quant.GGUFLinear.from_blocks(raw, type_name, cols)
     assert torch.equal(layer.dequantized_weight(), gguf_py_dequantize(raw, type_name))
+
+
+@needs_kernel
+def test_fused_parts_of_two_block_types_concatenate_exactly() -> None:
+    q_part, k_part = random_blocks(24, 256, "Q4_1", seed=4), random_blocks(13, 256, "Q4_K", seed=5)
+    parts = [gguf_quant.unpack(q_part, "Q4_1"), gguf_quant.unpack(k_part, "Q4_K")]
+    layer = gguf_quant.GGUFLinear(parts, 256, None, "Q4_1+Q4_K")
+    expected = torch.cat([gguf_py_dequantize(q_part, "Q4_1"), gguf_py_dequantize(k_part, "Q4_K")])
+    assert torch.equal(layer.dequantized_weight(), expected)
+    with pytest.raises(gguf_quant.QuantizationError, match="different kernel formats"):
+        gguf_quant.pack([gguf_quant.unpack(q_part, "Q4_1"), gguf_quant.unpack(random_blocks(8, 256, "Q8_0"), "Q8_0")])
 
 
 @needs_kernel
 @pytest.mark.parametrize("type_name", TYPES)
 def test_linear_matches_dense_matmul_and_never_depends_on_the_batch(type_name: str) -> None:
-    raw = random_blocks(53, 320, type_name, seed=1)
+    cols = cols_for(type_name, 320)
+    raw = random_blocks(53, cols, type_name, seed=1)
     bias = torch.randn(53)
-    layer = gguf_quant.GGUFLinear(raw, type_name, 320, bias)
+    layer = gguf_quant.GGUFLinear.from_blocks(raw, type_name, cols, bias)
     dense = gguf_py_dequantize(raw, type_name)
-    x = torch.randn(41, 320, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(41, cols, generator=torch.Generator().manual_seed(2))
     y = layer(x)
     torch.testing.assert_close(y, x @ dense.T + bias, atol=1e-4, rtol=1e-4)
     # Every row alone, and inside batches of every size on both kernel paths: the same bits.
@@ -67,12 +85,12 @@ def test_linear_matches_dense_matmul_and_never_depends_on_the_batch(type_name: s
         assert torch.equal(layer(x[i:i + 1]), y[i:i + 1])
     for m in (2, 3, 6, 7, 13):
         assert torch.equal(layer(x[:m]), y[:m])
-    assert torch.equal(layer(x.view(1, 41, 320))[0], y)  # leading dimensions pass through
+    assert torch.equal(layer(x.view(1, 41, cols))[0], y)  # leading dimensions pass through
 
 
 @needs_kernel
 def test_kernel_refuses_mismatched_operands() -> None:
-    layer = gguf_quant.GGUFLinear(random_blocks(16, 64, "Q4_1"), "Q4_1", 64, None)
+    layer = gguf_quant.GGUFLinear.from_blocks(random_blocks(16, 64, "Q4_1"), "Q4_1", 64)
     with pytest.raises(RuntimeError, match="features but the weight has"):
         torch.ops.loom_gguf_cpu.linear(torch.randn(2, 96), layer.qs, layer.d, layer.m, layer.qtype, 16)
     with pytest.raises(RuntimeError, match="unsupported GGUF type"):
@@ -80,7 +98,7 @@ def test_kernel_refuses_mismatched_operands() -> None:
     with pytest.raises(RuntimeError, match="column groups"):
         torch.ops.loom_gguf_cpu.linear(torch.randn(2, 64), layer.qs, layer.d, layer.m, layer.qtype, 40)
     with pytest.raises(gguf_quant.QuantizationError, match="no kernel"):
-        gguf_quant.GGUFLinear(random_blocks(8, 64, "Q4_1"), "Q5_K", 64, None)
+        gguf_quant.GGUFLinear.from_blocks(random_blocks(8, 64, "Q4_1"), "Q5_K", 64)
 
 
 def test_row_order_search_finds_transformers_q_k_permutation() -> None:
@@ -142,6 +160,6 @@ def test_explicit_gguf_quantizer_says_why_it_cannot_serve(
 @needs_kernel
 def test_prefill_sized_inputs_use_the_dense_gemm_on_the_same_weights() -> None:
     raw = random_blocks(24, 64, "Q4_1", seed=3)
-    layer = gguf_quant.GGUFLinear(raw, "Q4_1", 64, torch.randn(24))
+    layer = gguf_quant.GGUFLinear.from_blocks(raw, "Q4_1", 64, torch.randn(24))
     x = torch.randn(gguf_quant.DENSE_ROWS + 5, 64)
     torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.dequantized_weight(), layer.bias))

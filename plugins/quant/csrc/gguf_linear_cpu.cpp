@@ -5,7 +5,8 @@
 // dequantized model holds; only their bytes differ: 0.75 (Q4_0, Q4_1) or 1.25 (Q8_0) bytes a
 // weight instead of 4. A batch-1 decode step is bound by reading the weights; that is the saving.
 //
-// Storage, repacked once at load by quant/gguf.py from the file's blocks of 32 weights along K.
+// Storage, repacked once at load by quant/gguf.py from the file's blocks of 32 weights along K
+// (a Q4_K block of 256 becomes eight Q4_1-form blocks: scale d * sc, minimum -(dmin * m)).
 // Output columns (rows of W) come in groups of 8, one AVX2 vector; G = ceil(N / 8), padded.
 //   Q4_0, Q4_1: qs [G, K/2, 8] uint8, byte (g, p, c) = q[8g+c][2p] | q[8g+c][2p+1] << 4;
 //   Q8_0:       qs [G, K, 8] int8,    byte (g, k, c) = q[8g+c][k];
