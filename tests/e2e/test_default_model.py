@@ -31,6 +31,11 @@ def test_stream_matches_unary_and_logs_are_json(smol_server: ServerProcess) -> N
     assert "".join(m.text for m in msgs) == unary.completions[0].text
     info = smol_server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
     assert info.has_chat_template and info.vocab_size == 49152
+    from loom_plugins.quant.gguf import kernel_available
+
+    # on the CPU the GGUF file's blocks serve, and the model info says which plugin does it
+    quantizers = [(p.name, p.distribution) for p in info.plugins if p.kind == "quantizer"]
+    assert quantizers == ([("gguf", "loom-server")] if kernel_available() else [])
     lines = [json.loads(line) for line in smol_server.log_text().splitlines() if line.startswith("{")]
     mine = [entry for entry in lines if entry.get("request_id") == "smol-stream"]
     assert {e["event"] for e in mine} >= {"request admitted", "request finished"}
