@@ -4,8 +4,8 @@ The model loader keeps the file's block bytes beside the dequantized checkpoint
 (``loom.model_loader.gguf_cache``), each verified to dequantize exactly to the dense tensor. This
 plugin replaces the model's linear layers by :class:`GGUFLinear`, whose CPU kernel
 (``csrc/gguf_linear_cpu.cpp``) dequantizes in registers with gguf-py's own float operations: the
-weights multiplied are the dense model's, bit for bit, read from 0.75 (4-bit) or 1.25 (Q8_0)
-bytes each instead of 4. Fused projections (qkv, gate/up) concatenate their parts' rows; a tied model
+weights multiplied are the dense model's, bit for bit, read from 0.625-0.75 (4-bit) or 1.125
+(Q8_0) bytes each instead of 4. Fused projections (qkv, gate/up) concatenate their parts' rows; a tied model
 also gets a quantized logits head from the embedding's blocks.
 
 fp32 activations on an x86-64 CPU with AVX2 and FMA. On other devices, with ``--dtype`` other
