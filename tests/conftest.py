@@ -23,13 +23,15 @@ from loom.plugin_api import PluginRegistry  # noqa: E402
 
 @pytest.fixture(scope="session", autouse=True)
 def cpu_kernel_built() -> bool:
-    """Compile the CPU kernels (the torch backend's attention, the gguf quantizer's linear) once,
-    before any server process starts: they then load them from torch's extension cache instead
-    of compiling them during their start-up."""
+    """Compile the CPU kernels (the torch backend's attention, the gguf quantizer's linear, the
+    fused norm / RoPE / SiLU) once, before any server process starts: they then load them from
+    torch's extension cache instead of compiling them during their start-up."""
+    from loom.layers import cpu_fused
     from loom_plugins.attention.cpu_kernels import cpu_decode_kernel_available
     from loom_plugins.quant.gguf import kernel_available
 
     kernel_available()
+    cpu_fused.available()
     return cpu_decode_kernel_available()
 
 
