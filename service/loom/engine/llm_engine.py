@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import threading
 import time
 from dataclasses import dataclass
 from typing import TextIO, cast
@@ -82,6 +83,12 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            # The fused-ops kernel is compiled (first start on a machine, ~20 s) while the model
+            # loads and the plugins build theirs; its first user waits for it if need be.
+            from loom.layers import cpu_fused
+
+            threading.Thread(target=cpu_fused.available, name="build-cpu-fused-ops", daemon=True).start()
         model_dir = resolve_model_dir(config.model_id)
         hf_config = load_hf_config(model_dir)
         ckpt_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
