@@ -19,15 +19,16 @@ from loom.cpu_extension import CpuExtension
 
 _OPS = CpuExtension("loom_cpu_fused_ops", Path(__file__).parent / "csrc" / "cpu_fused_ops.cpp",
                     namespace="loom_cpu_fused", op="rotary", extra_cflags=["-ffp-contract=off"])
-_built: list[bool] = []  # [True] once available: later calls skip the extension's lock
+_built = False  # True once available: later calls skip the extension's lock
 
 
 def available() -> bool:
+    global _built
     if os.environ.get("LOOM_FUSED_KERNELS", "1") == "0":
         return False
-    if not _built and _OPS.available():
-        _built.append(True)
-    return bool(_built)
+    if not _built:
+        _built = _OPS.available()
+    return _built
 
 
 def unavailable_reason() -> str | None:

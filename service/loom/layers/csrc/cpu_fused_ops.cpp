@@ -78,8 +78,9 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const std::
   return {out, h};
 }
 
-// One tensor [T, heads, D] (rows may be strided, as slices of a fused qkv projection are).
-at::Tensor rotate(const at::Tensor& x, const int64_t* pos, const float* cos, const float* sin, int64_t P) {
+// One tensor [T, heads, D] (rows may be strided, as slices of a fused qkv projection are);
+// positions already checked against the table.
+at::Tensor rotate(const at::Tensor& x, const int64_t* pos, const float* cos, const float* sin) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 3, "q and k must be float32 [T, H, D]");
   TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == x.size(2), "q and k must be contiguous within a token");
   const int64_t T = x.size(0), heads = x.size(1), D = x.size(2), half = D / 2;
@@ -87,7 +88,6 @@ at::Tensor rotate(const at::Tensor& x, const int64_t* pos, const float* cos, con
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t xs = x.stride(0);
-  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < P, "position ", pos[t], " outside the RoPE table");
   at::parallel_for(0, T, 32, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const float* c = cos + pos[t] * half;
@@ -119,8 +119,11 @@ std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& positions, const at:
   TORCH_CHECK(q.size(0) == positions.size(0) && k.size(0) == positions.size(0), "one position per token");
   TORCH_CHECK(q.size(2) == 2 * cos.size(1) && k.size(2) == q.size(2), "head_dim must be twice the table width");
   const int64_t* pos = positions.data_ptr<int64_t>();
-  return {rotate(q, pos, cos.data_ptr<float>(), sin.data_ptr<float>(), cos.size(0)),
-          rotate(k, pos, cos.data_ptr<float>(), sin.data_ptr<float>(), cos.size(0))};
+  for (int64_t t = 0; t < positions.size(0); ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "position ", pos[t], " outside the RoPE table");
+  }
+  return {rotate(q, pos, cos.data_ptr<float>(), sin.data_ptr<float>()),
+          rotate(k, pos, cos.data_ptr<float>(), sin.data_ptr<float>())};
 }
 
 // silu(gate) * up of a fused [T, 2I] gate_up projection -> [T, I], silu(g) = g / (1 + exp(-g)).
