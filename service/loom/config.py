@@ -6,7 +6,10 @@ Flag names follow TGI's launcher where the concept is the same; every flag can a
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 class ConfigError(ValueError):
@@ -67,3 +70,20 @@ class EngineConfig:
             raise ConfigError("--max-batch-size must be positive")
         if not 0.0 < self.cuda_memory_fraction <= 1.0:
             raise ConfigError("--cuda-memory-fraction must be in (0, 1]")
+        # Unset is None; 0 is not a way to say "unset" (it was once silently taken as one).
+        for flag, value in (("--max-total-tokens", self.max_total_tokens),
+                            ("--max-input-tokens", self.max_input_tokens),
+                            ("--max-batch-total-tokens", self.max_batch_total_tokens),
+                            ("--num-threads", self.num_threads)):
+            if value is not None and value < 1:
+                raise ConfigError(f"{flag} must be at least 1 (leave it unset for the default), got {value}")
+        if (self.max_input_tokens is not None and self.max_total_tokens is not None
+                and self.max_input_tokens >= self.max_total_tokens):
+            raise ConfigError(f"--max-input-tokens ({self.max_input_tokens}) must be below --max-total-tokens "
+                              f"({self.max_total_tokens}): a request needs room for at least one new token")
+        if not _DEVICE.fullmatch(self.device):
+            raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
+        if not self.quantize.strip():
+            raise ConfigError("--quantize must be auto, none or a quantizer plugin's name; got an empty value")
+        if self.attention_backend is not None and not self.attention_backend.strip():
+            raise ConfigError("--attention-backend must be an attention plugin's name; got an empty value")

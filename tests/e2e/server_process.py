@@ -40,7 +40,9 @@ class ServerProcess:
     """One ``loom serve`` child process; records the health statuses seen while it started."""
 
     def __init__(self, model_dir: Path | None, log_path: Path, *extra: str,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+                 credentials: grpc.ChannelCredentials | None = None, new_session: bool = False) -> None:
+        """``new_session``: the server leads a process group of its own (its engine in it), as
+        under a supervisor that signals the whole group."""
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         # Each test server gets a metrics port of its own: the default 9000 would clash between them.
@@ -56,7 +58,8 @@ class ServerProcess:
         if model_dir is not None:
             args += ["--model-id", str(model_dir)]
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=server_env())
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=server_env(),
+                                     start_new_session=new_session)
         # A TLS server is reached with ``credentials`` (its CA, and a client certificate for mTLS).
         self.channel = (grpc.insecure_channel(self.address) if credentials is None
                         else grpc.secure_channel(self.address, credentials))
@@ -110,8 +113,9 @@ class ServerProcess:
 
 
 def start_server(model_dir: Path | None, log_dir: Path, name: str, *extra: str,
-                 credentials: grpc.ChannelCredentials | None = None) -> ServerProcess:
-    server = ServerProcess(model_dir, log_dir / f"{name}.log", *extra, credentials=credentials)
+                 credentials: grpc.ChannelCredentials | None = None, new_session: bool = False) -> ServerProcess:
+    server = ServerProcess(model_dir, log_dir / f"{name}.log", *extra, credentials=credentials,
+                           new_session=new_session)
     try:
         server.wait_serving()
     except BaseException:

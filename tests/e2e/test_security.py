@@ -178,3 +178,23 @@ def test_cli_speaks_mtls_and_api_key(mtls_server: ServerProcess, tls_server: Ser
     assert client_main(args, out=out, err=err) == 0, err.getvalue()
     assert client_main(args[:4] + args[6:], out=out, err=err) == 1
     assert "UNAUTHENTICATED" in err.getvalue()
+
+
+def test_buf_curl_with_an_api_key_needs_the_reflect_header_too(tls_server: ServerProcess, pki: Pki) -> None:
+    """What the README says: reflection is behind the key, and buf curl sends -H headers only with
+    the call itself, so --reflect-header must carry the key as well."""
+    import shutil
+    import subprocess
+    import sys
+
+    buf = shutil.which("buf") or str(Path(sys.executable).parent / "buf")
+    if not Path(buf).exists():
+        pytest.skip("buf (PyPI buf-bin) is not installed")
+    header = f"authorization: Bearer {KEY}"
+    base = [buf, "curl", "--protocol", "grpc", "--cacert", str(pki.ca.cert), "-H", header,
+            "-d", "{}", f"https://{tls_server.address}/loom.v1.GenerationService/GetModelInfo"]
+    only_h = subprocess.run(base, capture_output=True, text=True, timeout=60)
+    assert only_h.returncode != 0
+    both = subprocess.run([*base, "--reflect-header", header], capture_output=True, text=True, timeout=60)
+    assert both.returncode == 0, both.stderr
+    assert '"modelId"' in both.stdout

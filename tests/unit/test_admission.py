@@ -175,3 +175,30 @@ def test_many_cancelled_waiters_do_not_pile_up() -> None:
         await running
 
     run(body)
+
+
+def test_close_ends_queued_requests_with_the_error_and_keeps_counts() -> None:
+    async def body() -> None:
+        from loom.server.errors import unavailable
+
+        a = ready(1, 10)
+        order: list[str] = []
+        release = asyncio.Event()
+        running = asyncio.create_task(hold(a, "running", order, release))
+        await settle()
+        queued = [asyncio.create_task(hold(a, f"q{i}", order, release, priority=i)) for i in range(3)]
+        await settle()
+        assert (a.in_flight, a.queued) == (1, 3)
+        assert a.close(unavailable("grace period over", "SHUTDOWN")) == 3
+        for task in queued:
+            with pytest.raises(ServiceError) as info:
+                await task
+            assert info.value.code is grpc.StatusCode.UNAVAILABLE and info.value.reason == "SHUTDOWN"
+        assert (a.in_flight, a.queued) == (1, 0) and a.draining
+        with pytest.raises(ServiceError):
+            a.check()  # nothing new is admitted
+        release.set()
+        await running
+        assert order == ["running"] and await a.wait_idle(0)
+
+    run(body)

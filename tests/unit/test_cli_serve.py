@@ -51,3 +51,44 @@ def test_bad_env_value_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, capsys:
 def test_invalid_config_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--block-size", "3"]) == 2
     assert "--block-size" in capsys.readouterr().err
+
+
+# Everything that can be checked before the model loads is: one line on stderr naming the flag,
+# exit 2, and no server started (no "listening" / "loading model" line, no engine process).
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--quantize", "nosuch"], "--quantize: unknown quantizer plugin 'nosuch'. Choose one of: "),
+    (["--attention-backend", "nosuch"], "--attention-backend: unknown attention plugin 'nosuch'. Choose one of: "),
+    (["--device", "cuda"], "--device cuda: CUDA is not available"),
+    (["--device", "gpu0"], "--device must be auto, cpu, cuda or cuda:N; got 'gpu0'"),
+    (["--log-level", "LOUD"], "--log-level must be one of DEBUG, INFO, WARNING, ERROR; got 'LOUD'"),
+    (["--max-total-tokens", "0"], "--max-total-tokens must be at least 1"),
+    (["--max-input-tokens", "0"], "--max-input-tokens must be at least 1"),
+    (["--max-batch-total-tokens", "-5"], "--max-batch-total-tokens must be at least 1"),
+    (["--max-input-tokens", "100", "--max-total-tokens", "50"],
+     "--max-input-tokens (100) must be below --max-total-tokens (50)"),
+    (["--model-id", "/nonexistent/model"], "--model-id '/nonexistent/model' does not exist"),
+    (["--model-id", "random:nosuch"], "unknown random-weight shape 'nosuch'"),
+])
+def test_configuration_errors_are_one_line_before_loading(
+        argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    if argv[:2] == ["--device", "cuda"] and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert main(["serve", "--port", "0", *argv]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("loom serve: ") and expected in lines[0], lines[0]
+    assert captured.out == ""
+
+
+def test_an_unavailable_attention_backend_names_the_reason(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    # The Triton backend runs on CUDA only: choosing it for the CPU is refused before loading.
+    assert main(["serve", "--attention-backend", "paged", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("loom serve: --attention-backend paged "), err

@@ -21,7 +21,7 @@ import signal
 import traceback
 from collections.abc import AsyncIterator
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -30,6 +30,9 @@ from loom.process_tuning import freeze_startup_objects
 
 from .types import EngineInfo, EngineOutput, EngineRequest, EngineStats, FinishReason
 
+if TYPE_CHECKING:
+    from .llm_engine import LLMEngine
+
 log = structlog.get_logger(__name__)
 
 
@@ -37,9 +40,22 @@ class EngineDeadError(RuntimeError):
     """The engine process exited; no request can be served until the server restarts."""
 
 
+class RequestEndedError(RuntimeError):
+    """The server ended the request itself (its shutdown's grace period ran out); the engine
+    freed its KV blocks. The message says why."""
+
+
 def run_engine_core(config: EngineConfig, conn: Connection, log_json: bool = False) -> None:
-    """Entry point of the engine process."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when we stop
+    """Entry point of the engine process.
+
+    The front end decides when the engine stops (a "shutdown" message, or its pipe closing when
+    the front end dies): supervisors often signal every process of a service at once (systemd's
+    KillMode=control-group, ``timeout``, ``kill -- -PGID``, a shell's ``kill %1``, Ctrl-C in a
+    terminal), and an engine that died on that signal would fail every stream the front end is
+    draining. SIGKILL still ends it, and the front end's shutdown escalates to it.
+    """
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     from loom.logging_setup import configure_logging
 
     configure_logging(json_output=log_json, process="engine")
@@ -48,12 +64,30 @@ def run_engine_core(config: EngineConfig, conn: Connection, log_json: bool = Fal
 
         engine = LLMEngine(config)
     except Exception as exc:
-        conn.send(("fatal", f"{type(exc).__name__}: {exc}"))
-        log.error("engine failed to start", error=traceback.format_exc())
+        from loom.config import ConfigError
+        from loom.model_loader.errors import ModelLoadError
+        from loom.plugin_api import PluginError
+
+        if isinstance(exc, (ConfigError, ModelLoadError, PluginError)):
+            # A problem with the configuration or the model's files: the message says it all.
+            conn.send(("fatal", str(exc)))
+            log.error("engine failed to start", error=str(exc))
+        else:
+            conn.send(("fatal", f"{type(exc).__name__}: {exc}"))
+            log.error("engine failed to start", error=traceback.format_exc())
         return
     frozen = freeze_startup_objects()
     log.debug("start-up objects frozen for the garbage collector", objects=frozen)
-    conn.send(("ready", engine.info))
+    try:
+        conn.send(("ready", engine.info))
+        _serve_pipe(engine, conn)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        # The front end is gone (killed, or crashed) without a shutdown message: so is our work.
+        log.warning("the front end's pipe closed; engine exiting")
+
+
+def _serve_pipe(engine: LLMEngine, conn: Connection) -> None:
+    """The step loop: requests and aborts in between steps, outputs after each, until "shutdown"."""
     while True:
         # Block only when idle; otherwise pick up whatever arrived during the last step.
         if not engine.has_unfinished():
@@ -185,6 +219,13 @@ class AsyncEngineClient:
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
 
+    def end_all(self, reason: str) -> int:
+        """End every request in flight with :class:`RequestEndedError` (``reason``): their streams
+        raise it, and leaving them aborts each request in the engine. Returns how many."""
+        for q in self._queues.values():
+            q.put_nowait(RequestEndedError(reason))
+        return len(self._queues)
+
     def abort_completion(self, request_id: str, index: int) -> None:
         """Stop completion ``index`` of a running request; its stream simply ends for it."""
         if not self.dead:
@@ -211,7 +252,10 @@ class AsyncEngineClient:
             with contextlib.suppress(Exception):
                 self._conn.send(("shutdown", None))
         if self._proc is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._proc.join, timeout)
+            # An engine still loading reads no messages: no point waiting for it.
+            await asyncio.get_running_loop().run_in_executor(
+                None, self._proc.join, timeout if self.info is not None else 0.0)
             if self._proc.is_alive():
-                os.kill(self._proc.pid, signal.SIGKILL)
+                os.kill(self._proc.pid, signal.SIGKILL)  # SIGTERM is ignored there (see run_engine_core)
+                await asyncio.get_running_loop().run_in_executor(None, self._proc.join, 5.0)
         self.dead = self.dead or "engine shut down"

@@ -13,7 +13,7 @@ from .errors import ModelLoadError
 from .gguf_cache import cache_root, converted_gguf_dir
 from .hf_config import ModelDims, head_dim_of, layer_sliding_windows, model_dims
 from .loader import LoadedModel, default_dtype, load_hf_config, load_model
-from .resolve import eos_token_ids, resolve_model_dir
+from .resolve import check_model_id, eos_token_ids, resolve_model_dir
 from .weights import iter_weights, safetensors_files
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "ModelDims",
     "ModelLoadError",
     "cache_root",
+    "check_model_id",
     "converted_gguf_dir",
     "default_dtype",
     "default_gguf",

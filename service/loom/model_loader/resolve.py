@@ -8,7 +8,35 @@ from pathlib import Path
 from .default_model import default_gguf
 from .errors import ModelLoadError
 from .gguf_cache import converted_gguf_dir
-from .random_model import is_random_model_id, random_model_dir
+from .random_model import is_random_model_id, random_model_dir, random_shape
+
+
+def check_model_id(model_id: str | None) -> None:
+    """Raise ModelLoadError if ``model_id`` cannot name a model, without converting or writing
+    anything (a start-up check before the model loads)."""
+    if model_id is None:
+        default_gguf()  # the bundled package must be installed
+    elif is_random_model_id(model_id):
+        random_shape(model_id)
+    else:
+        _local_model(model_id)
+
+
+def _local_model(model_id: str) -> tuple[Path, bool]:
+    """(the path, whether it is a GGUF file to convert); ModelLoadError when it is neither."""
+    path = Path(model_id).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path, False
+        raise ModelLoadError(f"--model-id {model_id!r} is a directory without config.json; point it at "
+                             "a Hugging Face model directory or a .gguf file")
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path, True
+    if path.is_file():
+        raise ModelLoadError(f"--model-id {model_id!r} is a file but not a .gguf; give a .gguf file or a "
+                             "Hugging Face model directory")
+    raise ModelLoadError(f"--model-id {model_id!r} does not exist; Loom serves local models only: a Hugging "
+                         "Face model directory (with config.json) or a .gguf file")
 
 
 def resolve_model_dir(model_id: str | None) -> Path:
@@ -21,19 +49,8 @@ def resolve_model_dir(model_id: str | None) -> Path:
         return converted_gguf_dir(default_gguf())
     if is_random_model_id(model_id):  # random:NAME, a benchmark shape without weights
         return random_model_dir(model_id)
-    path = Path(model_id).expanduser()
-    if path.is_dir():
-        if (path / "config.json").is_file():
-            return path
-        raise ModelLoadError(f"--model-id {model_id!r} is a directory without config.json; point it at "
-                             "a Hugging Face model directory or a .gguf file")
-    if path.is_file() and path.suffix.lower() == ".gguf":
-        return converted_gguf_dir(path)
-    if path.is_file():
-        raise ModelLoadError(f"--model-id {model_id!r} is a file but not a .gguf; give a .gguf file or a "
-                             "Hugging Face model directory")
-    raise ModelLoadError(f"--model-id {model_id!r} does not exist; Loom serves local models only: a Hugging "
-                         "Face model directory (with config.json) or a .gguf file")
+    path, is_gguf = _local_model(model_id)
+    return converted_gguf_dir(path) if is_gguf else path
 
 
 def _eos_ids_in(path: Path) -> tuple[int, ...]:

@@ -116,6 +116,8 @@ class Admission:
             else:
                 await asyncio.wait_for(asyncio.shield(waiter.future), max(0.0, timeout))
         except BaseException as exc:
+            if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is not None:
+                raise  # ended by close(), which already took it out of the count
             if waiter.future.done() and not waiter.future.cancelled():
                 # The slot was handed over just as the wait ended: pass it on.
                 self._release()
@@ -166,6 +168,20 @@ class Admission:
             self._heap = [w for w in self._heap if w.live]
             heapq.heapify(self._heap)
             self._fifo = deque(w for w in self._fifo if w.live)
+
+    def close(self, error: ServiceError) -> int:
+        """Stop admitting, and end every queued request with ``error``; returns how many."""
+        self.draining = True
+        ended = 0
+        for waiter in self._fifo:
+            if waiter.live:
+                waiter.future.set_exception(error)
+                ended += 1
+        self.queued -= ended
+        self._heap.clear()
+        self._fifo.clear()
+        self._set_idle_if_empty()
+        return ended
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no request is in flight or queued; False if ``timeout`` seconds passed first."""

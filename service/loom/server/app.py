@@ -3,7 +3,13 @@
 The port is bound before the model loads so that health checks answer NOT_SERVING during
 loading instead of connection errors. Shutdown (SIGTERM or SIGINT): health goes NOT_SERVING, new
 generation requests get UNAVAILABLE, in-flight ones get up to --graceful-termination-timeout to
-finish, then the server stops and the engine process with it. A second signal stops at once.
+finish, then the server stops and the engine process with it. Requests still running when the
+grace period ends get UNAVAILABLE (reason SHUTDOWN), so clients know to retry elsewhere.
+
+A second signal stops at once, unless it arrives within a second of the first: supervisors
+that signal a whole process group (``timeout`` signals the child and then its group; a group
+kill may reach the server twice) deliver duplicates that must not cut a drain short. The
+engine process ignores SIGTERM and SIGINT: stopping it is the front end's decision.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import time
 from collections.abc import Sequence
 
 import grpc
@@ -26,6 +33,7 @@ from loom_client.v1 import generation_pb2_grpc as pb_grpc
 
 from .admission import Admission
 from .auth import auth_interceptors
+from .errors import unavailable
 from .health import GENERATION_SERVICE, HEALTH_SERVICE, ServerHealth
 from .loading import load_backend
 from .metrics import EngineStatsPoller, Metrics
@@ -45,6 +53,10 @@ SERVER_OPTIONS = [
 ]
 _ENGINE_CHECK_INTERVAL_S = 1.0
 _SCRAPE_REFRESH_TIMEOUT_S = 0.25  # a scrape waits this long for a fresh engine snapshot, then serves the last
+# A repeated signal closer than this to the first is the same stop delivered twice (to the
+# process and to its group), not an operator asking to skip the drain.
+DUPLICATE_SIGNAL_WINDOW_S = 1.0
+_ENDED_REQUESTS_TIMEOUT_S = 5.0  # handlers answering UNAVAILABLE after the grace period
 
 
 def build_server(service: GenerationService, health: ServerHealth, *,
@@ -86,14 +98,22 @@ class LoomServer:
         self.engine: AsyncEngineClient | None = None
         self.port = 0
         self._stop = asyncio.Event()
-        self._signals = 0
+        self._first_signal_at: float | None = None
+        self._stopping_now = False
         self._exit_code = 0
 
     def request_stop(self, signum: int | None = None) -> None:
-        self._signals += 1
-        log.info("shutdown requested", signal=signal.Signals(signum).name if signum else None, count=self._signals)
-        self._stop.set()
-        if self._signals > 1:  # a second signal: do not wait for in-flight requests
+        name = signal.Signals(signum).name if signum else None
+        now = time.monotonic()
+        if self._first_signal_at is None:
+            self._first_signal_at = now
+            log.info("shutdown requested", signal=name)
+            self._stop.set()
+        elif now - self._first_signal_at < DUPLICATE_SIGNAL_WINDOW_S:
+            log.info("signal ignored: the same stop delivered again (e.g. to the process group)", signal=name)
+        elif not self._stopping_now:  # a second, deliberate signal: do not wait for in-flight requests
+            self._stopping_now = True
+            log.warning("second shutdown signal: stopping without waiting for requests in flight", signal=name)
             self.admission.draining = True
             asyncio.get_running_loop().create_task(self.server.stop(0))
 
@@ -182,8 +202,8 @@ class LoomServer:
             log.info("draining", in_flight=in_flight, grace_s=grace)
         finished = await self.admission.wait_idle(grace if self._exit_code == 0 else 0)
         if not finished:
-            log.warning("grace period over; cancelling requests", in_flight=self.admission.in_flight)
-        # Requests still running now are cancelled; their handlers abort them in the engine.
+            await self._end_requests(grace)
+        # Anything still open now (a stream the client stopped reading) is cancelled.
         await self.server.stop(0.5)
         if self.engine is not None:
             await self._log_engine_stats()
@@ -195,6 +215,21 @@ class LoomServer:
             # Flushes the spans still buffered; the exporter may block on the network.
             await asyncio.get_running_loop().run_in_executor(None, self.tracing.shutdown)
         log.info("stopped")
+
+    async def _end_requests(self, grace: float) -> None:
+        """The grace period is over: requests still queued or running end with UNAVAILABLE
+        (reason SHUTDOWN) rather than a cancel, and their KV blocks are freed before the last
+        look at the pool."""
+        if self._exit_code != 0:
+            reason = "the server is stopping because its engine failed"
+        else:
+            reason = (f"the server is shutting down and its grace period of {grace:g} s "
+                      "(--graceful-termination-timeout) is over")
+        queued = self.admission.close(unavailable(f"{reason}; retry on another replica", "SHUTDOWN"))
+        running = self.engine.end_all(reason) if self.engine is not None and self.engine.is_alive() else 0
+        log.warning("ending requests still in flight", reason=reason, running=running, queued=queued)
+        if not await self.admission.wait_idle(_ENDED_REQUESTS_TIMEOUT_S):
+            log.warning("requests did not end in time; cancelling them", in_flight=self.admission.in_flight)
 
     async def _log_engine_stats(self) -> None:
         # A last look at the KV pool: every block should be free once no request is left.

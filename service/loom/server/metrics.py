@@ -47,7 +47,7 @@ TOKEN_COUNT_BUCKETS = tuple(float(2**i) for i in range(18))
 VALIDATION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 # loom_request_failure's err label: why a generation request did not complete.
-FAILURE_KINDS = ("validation", "overloaded", "unavailable", "generation", "cancelled", "deadline")
+FAILURE_KINDS = ("validation", "overloaded", "unavailable", "shutdown", "generation", "cancelled", "deadline")
 
 
 class Metrics:

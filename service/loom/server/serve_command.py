@@ -124,9 +124,11 @@ def settings_from_args(args: argparse.Namespace) -> Any:
 
 def run_serve(args: argparse.Namespace) -> int:
     from loom.config import ConfigError
+    from loom.preflight import check_engine_config
 
     try:
         settings = settings_from_args(args)
+        check_engine_config(settings.engine)  # before anything loads: one line, exit 2
     except ConfigError as exc:
         print(f"loom serve: {exc}", file=sys.stderr)
         return 2

@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 import structlog
 
-from loom.engine.core_process import EngineDeadError
+from loom.engine.core_process import EngineDeadError, RequestEndedError
 from loom.engine.types import EngineInfo
 from loom.frontend.coalesce import coalesced
 from loom.frontend.completion import EngineRequestError
@@ -55,6 +55,8 @@ def to_service_error(exc: BaseException) -> ServiceError:
         return exc
     if isinstance(exc, EngineRequestError):
         return internal(f"generation failed: {exc}", "GENERATION_FAILED")
+    if isinstance(exc, RequestEndedError):  # the server's shutdown ended it, not the request's fault
+        return unavailable(f"{exc}; retry on another replica", "SHUTDOWN")
     if isinstance(exc, EngineDeadError):
         # Not this request's fault, and this replica is about to stop: a client should retry.
         return unavailable(f"the engine stopped: {exc}; retry on another replica", "ENGINE_DEAD")
@@ -144,7 +146,7 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
             raise
         except Exception as exc:
             error = to_service_error(exc)
-        telemetry.failed(error.code, error.message)
+        telemetry.failed(error.code, error.message, error.reason)
         self._log_failure(error)
         await context.abort_with_status(error.to_grpc_status())
         raise AssertionError("unreachable")  # abort_with_status raises
@@ -184,7 +186,7 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
             raise
         except Exception as exc:
             error = to_service_error(exc)
-        telemetry.failed(error.code, error.message)
+        telemetry.failed(error.code, error.message, error.reason)
         self._log_failure(error, messages_sent=sent)
         await context.abort_with_status(error.to_grpc_status())
 

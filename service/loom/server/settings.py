@@ -17,6 +17,8 @@ from loom.config import ConfigError, EngineConfig
 
 from .tls import TlsFiles
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
 
 @dataclass(frozen=True)
 class ServerSettings:
@@ -70,6 +72,8 @@ class ServerSettings:
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("--api-key must not be empty")
         TlsFiles(self.tls_cert, self.tls_key, self.tls_client_ca).validate()
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise ConfigError(f"--log-level must be one of {', '.join(LOG_LEVELS)}; got {self.log_level!r}")
         if self.graceful_termination_timeout < 0:
             raise ConfigError("--graceful-termination-timeout must be at least 0")
 

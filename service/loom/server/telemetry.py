@@ -55,8 +55,12 @@ _FAILURE_KIND = {
 }
 
 
-def failure_kind(code: grpc.StatusCode) -> str:
-    return _FAILURE_KIND.get(code, "generation")
+# Reasons (google.rpc.ErrorInfo) that name a more precise kind than their status code.
+_REASON_KIND = {"SHUTDOWN": "shutdown"}
+
+
+def failure_kind(code: grpc.StatusCode, reason: str = "") -> str:
+    return _REASON_KIND.get(reason) or _FAILURE_KIND.get(code, "generation")
 
 
 class Telemetry:
@@ -152,11 +156,12 @@ class RequestTelemetry:
                 self._spans.end(self._decode_span, self.last_token or now, attributes=outcome)
             self._spans.rpc(attributes={**self._prompt_attributes(), **outcome})
 
-    def failed(self, code: grpc.StatusCode, message: str = "") -> None:
+    def failed(self, code: grpc.StatusCode, message: str = "", reason: str = "") -> None:
+        """``reason``: the error's google.rpc.ErrorInfo reason (SHUTDOWN counts as err="shutdown")."""
         if self._ended:
             return
         self._ended = True
-        kind = failure_kind(code)
+        kind = failure_kind(code, reason)
         self._m.request_failure.labels(err=kind).inc()
         if self._spans is not None:
             error = f"{code.name}: {message}" if message else code.name

@@ -1,0 +1,80 @@
+"""Checks of an engine configuration that need torch or the plugins but not the model.
+
+``loom serve`` and ``loom bench`` run them before anything loads, so a mistake (an unknown
+``--quantize`` or ``--attention-backend``, ``--device cuda`` without CUDA, a ``--model-id`` that is
+not there) costs a second and one line naming the flag, not an engine start-up and a traceback.
+What only the model can tell (its positions, its architecture) is checked when it loads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loom.config import ConfigError, EngineConfig
+from loom.plugin_api import AttentionBackendSpec, PluginError, PluginRegistry, default_registry
+
+
+def check_engine_config(config: EngineConfig, registry: PluginRegistry | None = None) -> None:
+    """Raise ConfigError (one sentence, naming the flag) for what cannot work on this machine."""
+    from loom.model_loader import ModelLoadError, check_model_id
+
+    registry = registry or default_registry()
+    device_type = _check_device(config.device)
+    _check_attention_backend(config, registry, device_type)
+    _check_quantizer(config.quantize, registry)
+    try:
+        check_model_id(config.model_id)
+    except ModelLoadError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _check_device(device: str) -> str:
+    """The device type ``device`` (already syntax-checked by EngineConfig) resolves to here."""
+    if device in ("auto", "cpu"):
+        return "cuda" if device == "auto" and torch.cuda.is_available() else "cpu"
+    if not torch.cuda.is_available():
+        why = ("this torch is a CPU-only build" if torch.version.cuda is None
+               else "no CUDA device is visible (check the driver and CUDA_VISIBLE_DEVICES)")
+        raise ConfigError(f"--device {device}: CUDA is not available: {why}; use --device cpu or auto")
+    index = int(device.partition(":")[2] or 0)
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise ConfigError(f"--device {device}: only {count} CUDA device(s) are visible (cuda:0..cuda:{count - 1})")
+    return "cuda"
+
+
+def _check_attention_backend(config: EngineConfig, registry: PluginRegistry, device_type: str) -> None:
+    name = config.attention_backend
+    if name is None:
+        try:
+            registry.default_attention_backend(device_type, config.block_size)
+        except PluginError as exc:
+            raise ConfigError(f"--attention-backend unset: {exc}") from None
+        return
+    try:
+        info = registry.get("attention", name)
+    except PluginError as exc:
+        raise ConfigError(f"--attention-backend: {exc}") from None
+    spec = info.spec
+    assert isinstance(spec, AttentionBackendSpec)
+    reason = info.unavailable_reason
+    if reason is not None:
+        raise ConfigError(f"--attention-backend {spec.name} cannot run here: {reason}")
+    if device_type not in spec.devices:
+        raise ConfigError(f"--attention-backend {spec.name} runs on {' or '.join(spec.devices)}, "
+                          f"not on the {device_type} device this server uses (--device {config.device})")
+    if config.block_size % spec.block_size_multiple:
+        raise ConfigError(f"--attention-backend {spec.name} needs a --block-size that is a multiple of "
+                          f"{spec.block_size_multiple}, got {config.block_size}")
+
+
+def _check_quantizer(quantize: str, registry: PluginRegistry) -> None:
+    if quantize in ("auto", "none"):
+        return
+    try:
+        info = registry.get("quantizer", quantize)
+    except PluginError as exc:
+        raise ConfigError(f"--quantize: {exc} (or auto, none)") from None
+    reason = info.unavailable_reason
+    if reason is not None:
+        raise ConfigError(f"--quantize {info.spec.name} cannot run here: {reason}")
