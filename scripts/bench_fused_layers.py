@@ -12,7 +12,6 @@ See docs/gpu-kernels.md for results.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))
 
+from loom import kernel_switches
 from loom.layers.activation import SiluAndMul
 from loom.layers.norm import RMSNorm
 from loom.layers.rotary import RotaryEmbedding, _default_inv_freq
@@ -31,7 +31,7 @@ REPLAYS = 100
 
 
 def us_per_layer(shape: str, tokens: int, fused: bool) -> float:
-    os.environ["LOOM_FUSED_KERNELS"] = "1" if fused else "0"
+    kernel_switches.fused_kernels = fused
     hidden, hq, hkv, d, inter = SHAPES[shape]
     dev, dt = torch.device("cuda"), torch.bfloat16
     norm1, norm2 = RMSNorm(hidden).to(dev, dt), RMSNorm(hidden).to(dev, dt)

@@ -7,7 +7,7 @@ Flag names follow TGI's launcher where the concept is the same; every flag can a
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
@@ -48,8 +48,9 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
     warmup: bool = True  # run one request through every path before serving (sizes the GPU pool)
     fault_injection: bool = False  # tests only: requests named inject-fault*/inject-nan* fail on purpose
-    seed: int = 0  # base of the engine's draws for unseeded sampled requests
-    extra_plugins: tuple[str, ...] = field(default=())  # "module:object" registered at start-up
+    # Seeds the engine's draws of seeds for sampled requests that bring none (each request's
+    # seed is reported back); None: from the operating system, different at every start.
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -27,7 +27,6 @@ What is compared, and how closely (distances in units in the last place, ulps, o
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -51,15 +50,10 @@ MAX_POSITIONS = 4096
 @contextlib.contextmanager
 def torch_path() -> Iterator[None]:
     """Run the layers' torch code even on CUDA (the reference of every check)."""
-    before = os.environ.get("LOOM_FUSED_KERNELS")
-    os.environ["LOOM_FUSED_KERNELS"] = "0"
-    try:
+    from loom.kernel_switches import fused_kernels_off
+
+    with fused_kernels_off():
         yield
-    finally:
-        if before is None:
-            del os.environ["LOOM_FUSED_KERNELS"]
-        else:
-            os.environ["LOOM_FUSED_KERNELS"] = before
 
 
 def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,6 @@ tolerances are in ``helpers/fused_cases.py``.
 from __future__ import annotations
 
 import atexit
-import os
 import shutil
 import sys
 import tempfile
@@ -34,12 +33,14 @@ def _model_cases() -> list[tuple[str, Callable[[], None]]]:
     import loom_plugins.models
     from helpers import fused_cases
     from helpers.tiny_models import save_tiny_model
-    from loom.layers import fused_ops
-    from loom.plugin_api import PluginRegistry
 
     # The layers pick the fused path for CUDA tensors only; here the CPU tensors must take it
     # (the kernels run in the interpreter). LOOM_FUSED_KERNELS=0 still selects the torch path.
-    fused_ops.enabled = lambda x: os.environ.get("LOOM_FUSED_KERNELS", "1") != "0"
+    from loom import kernel_switches
+    from loom.layers import fused_ops
+    from loom.plugin_api import PluginRegistry
+
+    fused_ops.enabled = lambda x: kernel_switches.fused_kernels
     registry = PluginRegistry()
     registry.register(loom_plugins.models, "loom-models", "loom-server")
     tmp = Path(tempfile.mkdtemp(prefix="loom-fused-"))

@@ -14,7 +14,9 @@ pytestmark = pytest.mark.skipif(not cpu_fused.available(),
 
 
 def _torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LOOM_FUSED_KERNELS", "0")
+    from loom import kernel_switches
+
+    monkeypatch.setattr(kernel_switches, "fused_kernels", False)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 40])

@@ -6,6 +6,7 @@ import json
 import random
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -185,3 +186,21 @@ def test_block_tables_are_zero_padded_rows() -> None:
     for s, table in zip(seqs, ([4, 9], [], [7, 1, 8]), strict=True):
         s.block_table = table
     assert _block_tables(seqs, 4).tolist() == [[4, 9, 0, 0], [0, 0, 0, 0], [7, 1, 8, 0]]
+
+
+def test_engine_seed_fixes_the_seeds_drawn_for_unseeded_requests(make_engine: Any) -> None:
+    """--seed: the seeds the engine draws (and reports) for sampled requests without one."""
+    from loom.engine.types import EngineRequest, SamplingParams, StoppingParams
+
+    def drawn(engine: Any) -> list[int | None]:
+        seeds = []
+        for i in range(3):
+            engine.add_request(EngineRequest(f"r{i}", (5, 6, 7), SamplingParams(do_sample=True),
+                                             StoppingParams(max_new_tokens=1)))
+        while engine.has_unfinished():
+            seeds += [o.seed for o in engine.step() if o.finished]
+        return seeds
+
+    first, again, other = (drawn(make_engine(seed=s)) for s in (7, 7, 8))
+    assert len(first) == 3 and None not in first
+    assert first == again and first != other

@@ -75,12 +75,13 @@ def test_fused_path_needs_cuda_and_triton_and_no_opt_out(monkeypatch: pytest.Mon
     on_gpu: Any = SimpleNamespace(is_cuda=True)  # stands in for a CUDA tensor
     on_cpu: Any = SimpleNamespace(is_cuda=False)
     monkeypatch.setattr(fused_ops, "HAS_TRITON", True)
-    monkeypatch.delenv("LOOM_FUSED_KERNELS", raising=False)
+    from loom import kernel_switches
+
+    monkeypatch.setattr(kernel_switches, "fused_kernels", True)
     assert fused_ops.enabled(on_gpu)
     assert not fused_ops.enabled(on_cpu)
-    monkeypatch.setenv("LOOM_FUSED_KERNELS", "0")
-    assert not fused_ops.enabled(on_gpu)
-    monkeypatch.setenv("LOOM_FUSED_KERNELS", "1")
+    with kernel_switches.fused_kernels_off():
+        assert not fused_ops.enabled(on_gpu)
     assert fused_ops.enabled(on_gpu)
     monkeypatch.setattr(fused_ops, "HAS_TRITON", False)
     assert not fused_ops.enabled(on_gpu)

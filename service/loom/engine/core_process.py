@@ -5,10 +5,10 @@ has nothing to do, otherwise it drains new requests and aborts between steps. Ea
 outputs go back as one message. The front end's :class:`AsyncEngineClient` reads that pipe from
 the event loop (``add_reader``, no thread) and routes outputs to per-request queues.
 
-Messages front end -> engine: ``("add", EngineRequest)``, ``("abort", request_id)``,
-``("abort_completion", (request_id, index))``,
-``("stats", None)``, ``("shutdown", None)``. Engine -> front end: ``("ready", EngineInfo)``,
-``("fatal", str)``, ``("outputs", list[EngineOutput])``, ``("stats", EngineStats)``.
+Messages are the typed dataclasses of :mod:`loom.engine.types`: front end -> engine
+:data:`~loom.engine.types.ToEngine` (AddRequest, AbortRequest, AbortCompletion, StatsQuery,
+Shutdown); engine -> front end :data:`~loom.engine.types.FromEngine` (EngineReady, EngineFailed,
+StepOutputs, StatsReply).
 """
 
 from __future__ import annotations
@@ -28,7 +28,24 @@ import structlog
 from loom.config import EngineConfig
 from loom.process_tuning import freeze_startup_objects
 
-from .types import EngineInfo, EngineOutput, EngineRequest, EngineStats, FinishReason
+from .types import (
+    AbortCompletion,
+    AbortRequest,
+    AddRequest,
+    EngineFailed,
+    EngineInfo,
+    EngineOutput,
+    EngineReady,
+    EngineRequest,
+    EngineStats,
+    FinishReason,
+    FromEngine,
+    Shutdown,
+    StatsQuery,
+    StatsReply,
+    StepOutputs,
+    ToEngine,
+)
 
 if TYPE_CHECKING:
     from .llm_engine import LLMEngine
@@ -70,16 +87,16 @@ def run_engine_core(config: EngineConfig, conn: Connection, log_json: bool = Fal
 
         if isinstance(exc, (ConfigError, ModelLoadError, PluginError)):
             # A problem with the configuration or the model's files: the message says it all.
-            conn.send(("fatal", str(exc)))
+            conn.send(EngineFailed(str(exc)))
             log.error("engine failed to start", error=str(exc))
         else:
-            conn.send(("fatal", f"{type(exc).__name__}: {exc}"))
+            conn.send(EngineFailed(f"{type(exc).__name__}: {exc}"))
             log.error("engine failed to start", error=traceback.format_exc())
         return
     frozen = freeze_startup_objects()
     log.debug("start-up objects frozen for the garbage collector", objects=frozen)
     try:
-        conn.send(("ready", engine.info))
+        conn.send(EngineReady(engine.info))
         _serve_pipe(engine, conn)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         # The front end is gone (killed, or crashed) without a shutdown message: so is our work.
@@ -93,25 +110,27 @@ def _serve_pipe(engine: LLMEngine, conn: Connection) -> None:
         if not engine.has_unfinished():
             conn.poll(None)
         while conn.poll(0):
-            kind, payload = conn.recv()
-            if kind == "add":
+            msg: ToEngine = conn.recv()
+            if isinstance(msg, AddRequest):
                 try:
-                    engine.add_request(payload)
+                    engine.add_request(msg.request)
                 except ValueError as exc:
-                    conn.send(("outputs", [EngineOutput(payload.request_id, 0, [], [],
+                    conn.send(StepOutputs([EngineOutput(msg.request.request_id, 0, [], [],
                                                         finish_reason=FinishReason.ERROR, error=str(exc))]))
-            elif kind == "abort":
-                engine.abort(payload)
-            elif kind == "abort_completion":
-                engine.abort_completion(*payload)
-            elif kind == "stats":
-                conn.send(("stats", engine.stats()))
-            elif kind == "shutdown":
+            elif isinstance(msg, AbortRequest):
+                engine.abort(msg.request_id)
+            elif isinstance(msg, AbortCompletion):
+                engine.abort_completion(msg.request_id, msg.index)
+            elif isinstance(msg, StatsQuery):
+                conn.send(StatsReply(engine.stats()))
+            elif isinstance(msg, Shutdown):
                 return
+            else:
+                raise TypeError(f"unknown message to the engine: {msg!r}")
         if engine.has_unfinished():
             outputs = engine.step()
             if outputs:
-                conn.send(("outputs", outputs))
+                conn.send(StepOutputs(outputs))
 
 
 class AsyncEngineClient:
@@ -141,28 +160,29 @@ class AsyncEngineClient:
         while not await loop.run_in_executor(None, parent.poll, 0.5):
             if not self._proc.is_alive():
                 raise EngineDeadError(f"engine process exited with code {self._proc.exitcode} during start-up")
-        kind, payload = parent.recv()
-        if kind == "fatal":
+        msg: FromEngine = parent.recv()
+        if isinstance(msg, EngineFailed):
             self._proc.join(5)
-            raise EngineDeadError(f"engine failed to start: {payload}")
-        self.info = payload
+            raise EngineDeadError(f"engine failed to start: {msg.reason}")
+        assert isinstance(msg, EngineReady), msg
+        self.info = msg.info
         loop.add_reader(parent.fileno(), self._on_readable)
-        return payload
+        return msg.info
 
     def _on_readable(self) -> None:
         assert self._conn is not None
         try:
             while self._conn.poll(0):
-                kind, payload = self._conn.recv()
-                if kind == "outputs":
-                    for out in payload:
+                msg: FromEngine = self._conn.recv()
+                if isinstance(msg, StepOutputs):
+                    for out in msg.outputs:
                         q = self._queues.get(out.request_id)
                         if q is not None:
                             q.put_nowait(out)
-                elif kind == "stats" and self._stats_waiters:
+                elif isinstance(msg, StatsReply) and self._stats_waiters:
                     fut = self._stats_waiters.pop(0)
                     if not fut.done():  # its caller may have given up (wait_for timeout)
-                        fut.set_result(payload)
+                        fut.set_result(msg.stats)
         except (EOFError, OSError) as exc:
             self._fail_all(f"engine process died: {exc!r}")
 
@@ -178,7 +198,7 @@ class AsyncEngineClient:
             fut.set_exception(EngineDeadError(reason))
         self._stats_waiters.clear()
 
-    def _send(self, msg: tuple[str, Any]) -> None:
+    def _send(self, msg: ToEngine) -> None:
         if self.dead:
             raise EngineDeadError(self.dead)
         assert self._conn is not None, "engine not started"
@@ -200,7 +220,7 @@ class AsyncEngineClient:
         self._queues[request.request_id] = q
         remaining = max(1, request.n)
         try:
-            self._send(("add", request))
+            self._send(AddRequest(request))
             while remaining:
                 item = await q.get()
                 if isinstance(item, Exception):
@@ -214,10 +234,10 @@ class AsyncEngineClient:
             del self._queues[request.request_id]
             if remaining and not self.dead:
                 with contextlib.suppress(EngineDeadError):
-                    self._send(("abort", request.request_id))
+                    self._send(AbortRequest(request.request_id))
 
     def abort(self, request_id: str) -> None:
-        self._send(("abort", request_id))
+        self._send(AbortRequest(request_id))
 
     def end_all(self, reason: str) -> int:
         """End every request in flight with :class:`RequestEndedError` (``reason``): their streams
@@ -230,12 +250,12 @@ class AsyncEngineClient:
         """Stop completion ``index`` of a running request; its stream simply ends for it."""
         if not self.dead:
             with contextlib.suppress(EngineDeadError):
-                self._send(("abort_completion", (request_id, index)))
+                self._send(AbortCompletion(request_id, index))
 
     async def stats(self) -> EngineStats:
         fut: asyncio.Future[EngineStats] = asyncio.get_running_loop().create_future()
         self._stats_waiters.append(fut)
-        self._send(("stats", None))
+        self._send(StatsQuery())
         return await fut
 
     @property
@@ -250,7 +270,7 @@ class AsyncEngineClient:
             with contextlib.suppress(Exception):
                 asyncio.get_running_loop().remove_reader(self._conn.fileno())
             with contextlib.suppress(Exception):
-                self._conn.send(("shutdown", None))
+                self._conn.send(Shutdown())
         if self._proc is not None:
             # An engine still loading reads no messages: no point waiting for it.
             await asyncio.get_running_loop().run_in_executor(

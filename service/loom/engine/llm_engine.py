@@ -116,7 +116,7 @@ class LLMEngine:
         self.vocab_size = shape.vocab_size
         self.requests: dict[str, list[Sequence]] = {}
         self.runner: ModelRunner
-        self._rng = random.Random()
+        self._rng = random.Random(config.seed)  # None: seeded from the OS
         self.num_steps = 0
         self._inflight: _Launched | None = None  # a launched step whose results are not read yet
         trace = os.environ.get("LOOM_STEP_TRACE")  # a JSON line per step (see _trace_step)

@@ -174,10 +174,6 @@ class ModelRunner:
         for cache in self.kv_caches:  # [2, num_blocks, block_size, Hkv, D]
             cache[:, dst] = cache[:, src]
 
-    def execute(self, sched: SchedulerOutput) -> StepResult:
-        """Run one step and wait for its results."""
-        return self.finish(self.launch(sched))
-
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput) -> LaunchedStep:
         """Queue the step's forward and sampling on the device; the host does not wait for them

@@ -114,3 +114,65 @@ class EngineStats:
     num_prefill_chunks: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of which served from it
+
+
+# -- Messages over the pipe between the front end and the engine process --------------------------
+# One dataclass per message kind (pickled by multiprocessing), so both ends match on types and
+# a typo is a type error rather than a silently ignored tag.
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    request: EngineRequest
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class AbortCompletion:
+    """Stop one completion of a request (n > 1), e.g. ended by a stop string on the front end."""
+
+    request_id: str
+    index: int
+
+
+@dataclass(frozen=True)
+class StatsQuery:
+    pass
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+ToEngine = AddRequest | AbortRequest | AbortCompletion | StatsQuery | Shutdown
+
+
+@dataclass(frozen=True)
+class EngineReady:
+    info: EngineInfo
+
+
+@dataclass(frozen=True)
+class EngineFailed:
+    """The engine could not start; ``reason`` is one sentence (configuration, model files) or the
+    exception's type and message."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class StepOutputs:
+    outputs: list[EngineOutput]
+
+
+@dataclass(frozen=True)
+class StatsReply:
+    stats: EngineStats
+
+
+FromEngine = EngineReady | EngineFailed | StepOutputs | StatsReply

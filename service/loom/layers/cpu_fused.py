@@ -10,11 +10,11 @@ with ``LOOM_FUSED_KERNELS=0`` or ``LOOM_CPU_KERNELS=0``, the torch path runs.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 
+from loom import kernel_switches
 from loom.cpu_extension import CpuExtension
 
 _OPS = CpuExtension("loom_cpu_fused_ops", Path(__file__).parent / "csrc" / "cpu_fused_ops.cpp",
@@ -24,7 +24,7 @@ _built = False  # True once available: later calls skip the extension's lock
 
 def available() -> bool:
     global _built
-    if os.environ.get("LOOM_FUSED_KERNELS", "1") == "0":
+    if not kernel_switches.fused_kernels:
         return False
     if not _built:
         _built = _OPS.available()

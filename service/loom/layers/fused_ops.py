@@ -23,11 +23,12 @@ Triton is optional: without it this module still imports and ``enabled`` is alwa
 # (Triton kernels take untyped pointer arguments; annotations there would change their meaning.)
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from loom import kernel_switches
 
 try:
     import triton
@@ -50,9 +51,8 @@ _MAX_NORM_BLOCK = 32768
 
 def enabled(x: torch.Tensor) -> bool:
     """Whether the fused kernels serve tensors like ``x``: on CUDA, with triton installed,
-    unless the environment sets ``LOOM_FUSED_KERNELS=0`` (read at every call, so a test or an
-    operator can switch back to the torch path without a restart)."""
-    return x.is_cuda and HAS_TRITON and os.environ.get("LOOM_FUSED_KERNELS", "1") != "0"
+    unless ``LOOM_FUSED_KERNELS=0`` (see :mod:`loom.kernel_switches`)."""
+    return x.is_cuda and HAS_TRITON and kernel_switches.fused_kernels
 
 
 def _next_pow2(n: int) -> int:

@@ -26,6 +26,7 @@ _ENGINE_FLAGS: list[tuple[str, Any, str]] = [
     ("--max-waiting-tokens", int, "decode steps before waiting requests are forced in"),
     ("--cuda-memory-fraction", float, "share of free GPU memory the KV cache may take"),
     ("--num-threads", int, "torch intra-op threads on CPU; unset: torch's default"),
+    ("--seed", int, "seeds the seeds drawn for sampled requests that give none; unset: random at each start"),
 ]
 _SERVER_FLAGS: list[tuple[str, Any, str]] = [
     ("--host", str, "address to listen on"),

@@ -1,0 +1,71 @@
+"""The one-way pipe, enforced: the engine, the layers, the model loader, the plugin API and the
+built-in plugins never import the gRPC front end (grpc, loom.server, loom.frontend, the client's
+stubs). A tensor-parallel worker process can then import them without a server, and a
+third-party plugin sees only what a plugin needs."""
+
+from __future__ import annotations
+
+import ast
+import pickle
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE_SIDE = ["service/loom/engine", "service/loom/layers", "service/loom/model_loader",
+               "service/loom/plugin_api", "plugins"]
+FORBIDDEN = ("grpc", "grpc_health", "grpc_reflection", "grpc_status", "loom.server", "loom.frontend",
+             "loom_client", "google.rpc")
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.lineno, node.module))
+    return found
+
+
+def _files() -> list[Path]:
+    return sorted(p for d in ENGINE_SIDE for p in (ROOT / d).rglob("*.py") if "fixtures" not in p.parts)
+
+
+def test_the_engine_side_never_imports_the_front_end() -> None:
+    files = _files()
+    assert len(files) > 30  # the walk found the tree
+    bad = [f"{p.relative_to(ROOT)}:{line} imports {name}" for p in files for line, name in _imports(p)
+           if any(name == f or name.startswith(f + ".") for f in FORBIDDEN)]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_check_itself_catches_a_forbidden_import(tmp_path: Path) -> None:
+    sample = tmp_path / "m.py"
+    sample.write_text("import os\nfrom loom.server.errors import internal\nimport grpc.aio as g\n")
+    names = [name for _, name in _imports(sample)]
+    assert [n for n in names if any(n == f or n.startswith(f + ".") for f in FORBIDDEN)] == [
+        "loom.server.errors", "grpc.aio"]
+
+
+@pytest.mark.parametrize("message", [
+    "AddRequest", "AbortRequest", "AbortCompletion", "StatsQuery", "Shutdown",
+    "EngineReady", "EngineFailed", "StepOutputs", "StatsReply",
+])
+def test_pipe_messages_are_typed_and_survive_pickling(message: str) -> None:
+    from loom.engine import types as t
+
+    examples = {
+        "AddRequest": t.AddRequest(t.EngineRequest("r", (1, 2, 3), t.SamplingParams(do_sample=True, seed=3))),
+        "AbortRequest": t.AbortRequest("r"),
+        "AbortCompletion": t.AbortCompletion("r", 1),
+        "StatsQuery": t.StatsQuery(),
+        "Shutdown": t.Shutdown(),
+        "EngineReady": t.EngineReady(t.EngineInfo("m", "llama", "float32", "cpu", "torch", 16, 4, 64, 64, 320, (2,))),
+        "EngineFailed": t.EngineFailed("--quantize x: unknown"),
+        "StepOutputs": t.StepOutputs([t.EngineOutput("r", 0, [5], [-0.5], finish_reason=t.FinishReason.LENGTH)]),
+        "StatsReply": t.StatsReply(t.EngineStats(0, 0, 4, 4, 0, 0)),
+    }
+    msg = examples[message]
+    assert type(msg).__name__ == message
+    assert pickle.loads(pickle.dumps(msg)) == msg
