@@ -38,6 +38,7 @@ from .health import GENERATION_SERVICE, HEALTH_SERVICE, ServerHealth
 from .loading import load_backend
 from .metrics import EngineStatsPoller, Metrics
 from .metrics_http import start_metrics_server
+from .request_parsing import MalformedRequestInterceptor
 from .rpc_metrics import RpcMetricsInterceptor, methods_of
 from .servicer import GenerationService
 from .settings import ServerSettings
@@ -62,9 +63,10 @@ _ENDED_REQUESTS_TIMEOUT_S = 5.0  # handlers answering UNAVAILABLE after the grac
 def build_server(service: GenerationService, health: ServerHealth, *,
                  interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
                  max_request_bytes: int = 4 << 20) -> grpc.aio.Server:
+    """``interceptors``: outermost first; a request that does not parse is rejected inside all of them."""
     # A larger message fails in gRPC itself with RESOURCE_EXHAUSTED, before it is even parsed.
     options = [*SERVER_OPTIONS, ("grpc.max_receive_message_length", max_request_bytes)]
-    server = grpc.aio.server(interceptors=list(interceptors), options=options)
+    server = grpc.aio.server(interceptors=[*interceptors, MalformedRequestInterceptor()], options=options)
     pb_grpc.add_GenerationServiceServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
     reflection.enable_server_reflection([GENERATION_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME], server)
