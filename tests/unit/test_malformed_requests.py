@@ -1,4 +1,4 @@
-"""Requests whose bytes do not parse and Health/List, against Loom's own grpc.aio
+"""Requests whose bytes do not parse, Health/List and reflection v1, against Loom's own grpc.aio
 server built in-process (LoomServer: its interceptors, services and reflection, no model loaded).
 
 Raw bytes go through a real channel with identity serializers: garbage, a truncated message and a
@@ -11,12 +11,19 @@ servicer (UNAVAILABLE here: no model is loaded).
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
+from google.protobuf import descriptor_pb2
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2
 from grpc_status import rpc_status
 
 from loom.server.app import LoomServer
@@ -141,7 +148,7 @@ def test_health_list_and_malformed_health_and_reflection_requests() -> None:
         try:
             listed = await health_pb2_grpc.HealthStub(channel).List(health_pb2.HealthListRequest(), timeout=10)
             errors = [await call_raw(channel, "/grpc.health.v1.Health/Check", GARBAGE, False)]
-            for version in ("v1alpha",):
+            for version in ("v1", "v1alpha"):
                 call = channel.stream_stream(f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo")(
                     iter([GARBAGE]), timeout=10)
                 try:
@@ -165,3 +172,80 @@ def test_health_list_and_malformed_health_and_reflection_requests() -> None:
     for err in errors:
         assert err is not None and err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
         assert "could not be parsed" in (err.details() or "")
+
+
+async def _reflect(channel: grpc.aio.Channel, version: str,
+                   requests: list[reflection_pb2.ServerReflectionRequest]) -> list[reflection_pb2.ServerReflectionResponse]:
+    # v1 and v1alpha are the same messages under two package names: one encoding serves both.
+    call = channel.stream_stream(f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+                                 request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                                 response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+    return [m async for m in call(iter(requests), timeout=10)]
+
+
+def test_reflection_v1_and_v1alpha() -> None:
+    async def main() -> dict[str, list[reflection_pb2.ServerReflectionResponse]]:
+        server, channel = await started()
+        try:
+            asked = [reflection_pb2.ServerReflectionRequest(list_services=""),
+                     reflection_pb2.ServerReflectionRequest(file_containing_symbol="loom.v1.GenerationService"),
+                     reflection_pb2.ServerReflectionRequest(file_containing_symbol="grpc.reflection.v1.ServerReflection")]
+            return {version: await _reflect(channel, version, asked) for version in ("v1", "v1alpha")}
+        finally:
+            await channel.close()
+            await server.server.stop(0)
+
+    answers = run(main)
+    for version, (services, loom_file, reflection_file) in answers.items():
+        assert {s.name for s in services.list_services_response.service} == {
+            "loom.v1.GenerationService", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
+            "grpc.reflection.v1alpha.ServerReflection"}, version
+        files = [descriptor_pb2.FileDescriptorProto.FromString(b)
+                 for b in loom_file.file_descriptor_response.file_descriptor_proto]
+        assert files[0].package == "loom.v1" and files[0].service[0].name == "GenerationService"
+        v1 = descriptor_pb2.FileDescriptorProto.FromString(reflection_file.file_descriptor_response.file_descriptor_proto[0])
+        assert (v1.name, v1.package) == ("grpc/reflection/v1/reflection.proto", "grpc.reflection.v1")
+        method = v1.service[0].method[0]
+        assert (method.name, method.input_type, method.output_type) == (
+            "ServerReflectionInfo", ".grpc.reflection.v1.ServerReflectionRequest",
+            ".grpc.reflection.v1.ServerReflectionResponse")
+        assert not v1.options.deprecated
+
+
+def _buf() -> str:
+    beside_python = Path(sys.executable).parent / "buf"
+    found = str(beside_python) if beside_python.is_file() else shutil.which("buf")
+    if found is None:
+        pytest.fail("the buf binary is missing: pip install buf-bin (part of the test extras)")
+    return found
+
+
+@pytest.mark.parametrize("protocol", ["grpc-v1", "grpc-v1alpha"])
+def test_buf_curl_reflects_with_each_protocol(protocol: str) -> None:
+    """buf curl, an independent reflection client, made to use one protocol only."""
+    async def buf(*args: str) -> tuple[int, str, str]:
+        proc = await asyncio.create_subprocess_exec(_buf(), "curl", "--protocol", "grpc", "--http2-prior-knowledge",
+                                                    "--reflect-protocol", protocol, *args,
+                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode is not None
+        return proc.returncode, out.decode(), err.decode()
+
+    async def main() -> tuple[tuple[int, str, str], tuple[int, str, str]]:
+        server, channel = await started()
+        await channel.close()
+        url = f"http://127.0.0.1:{server.port}"
+        try:
+            listed = await buf("--list-methods", url)
+            health = await buf("-d", "{}", f"{url}/grpc.health.v1.Health/List")
+            return listed, health
+        finally:
+            await server.server.stop(0)
+
+    (code, out, err), (health_code, health_out, health_err) = run(main)
+    assert code == 0, err
+    assert {line for line in out.split() if line.startswith("loom.")} == {
+        f"loom.v1.GenerationService/{m}" for m in ("Generate", "GenerateStream", "Tokenize", "GetModelInfo")}
+    assert "grpc.health.v1.Health/List" in out
+    assert health_code == 0, health_err
+    assert json.loads(health_out)["statuses"]["loom.v1.GenerationService"]["status"] == "SERVING"

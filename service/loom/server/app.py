@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection, reflection_pb2
+from grpc_reflection.v1alpha import reflection_pb2
 
 from loom.config import ConfigError
 from loom.engine.core_process import AsyncEngineClient
@@ -38,6 +38,7 @@ from .health import GENERATION_SERVICE, HEALTH_SERVICE, ServerHealth
 from .loading import load_backend
 from .metrics import EngineStatsPoller, Metrics
 from .metrics_http import start_metrics_server
+from .reflection import enable_reflection, v1_file_descriptor
 from .request_parsing import MalformedRequestInterceptor
 from .rpc_metrics import RpcMetricsInterceptor, methods_of
 from .servicer import GenerationService
@@ -69,7 +70,7 @@ def build_server(service: GenerationService, health: ServerHealth, *,
     server = grpc.aio.server(interceptors=[*interceptors, MalformedRequestInterceptor()], options=options)
     pb_grpc.add_GenerationServiceServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
-    reflection.enable_server_reflection([GENERATION_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME], server)
+    enable_reflection([GENERATION_SERVICE, HEALTH_SERVICE], server)
     return server
 
 
@@ -93,7 +94,8 @@ class LoomServer:
             self.tracing.interceptor()]
         telemetry_interceptors.append(RpcMetricsInterceptor(
             self.metrics.grpc_requests, self.metrics.grpc_request_duration,
-            known_methods=methods_of(pb.DESCRIPTOR, health_pb2.DESCRIPTOR, reflection_pb2.DESCRIPTOR)))
+            known_methods=methods_of(pb.DESCRIPTOR, health_pb2.DESCRIPTOR, reflection_pb2.DESCRIPTOR,
+                                    v1_file_descriptor())))
         self.server = build_server(self.service, self.health,
                                    interceptors=[*telemetry_interceptors, *auth_interceptors(settings.api_key)],
                                    max_request_bytes=settings.max_request_bytes)
