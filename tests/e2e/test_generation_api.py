@@ -47,6 +47,9 @@ def test_get_model_info(tiny_server: ServerProcess) -> None:
     assert info.limits.max_queue == 1024 and info.limits.max_stop_token_ids == 64
     assert info.has_chat_template and info.server_version and info.dtype == "float32"
     assert {p.kind for p in info.plugins} >= {"attention", "model"}
+    # Hugging Face's name for the architecture; the plugin serving it is listed among the plugins.
+    assert info.architecture == "LlamaForCausalLM"
+    assert [p.name for p in info.plugins if p.kind == "model"] == ["llama"]
 
 
 def test_tokenize_counts_like_generate(tiny_server: ServerProcess) -> None:
