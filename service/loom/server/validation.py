@@ -18,7 +18,7 @@ from loom.frontend.tokenizer import Tokenizer
 from loom_client.v1 import generation_pb2 as pb
 
 from .errors import FieldViolation, ValidationError, in_all
-from .prompt_input import check_input, check_size, tokenize_prompt
+from .prompt_input import check_input, check_size, check_special_token_parsing, tokenize_prompt
 
 MAX_REQUEST_ID_BYTES = 256
 MAX_STOP_SEQUENCE_BYTES = 256
@@ -155,6 +155,7 @@ def validate_generate(
     if len(request.request_id.encode()) > MAX_REQUEST_ID_BYTES:
         c.add("request_id", f"must be at most {MAX_REQUEST_ID_BYTES} bytes")
     c.violations.extend(check_size(request, limits.max_input_chars) or check_input(request, limits.vocab_size))
+    c.violations.extend(check_special_token_parsing(request))
     p = request.parameters
     sampling = _check_sampling(c, p.sampling)
     sampling = _check_penalties(c, p.penalties, sampling)
