@@ -6,6 +6,7 @@ import asyncio
 import json
 import shutil
 import subprocess
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -274,3 +275,61 @@ def test_buf_curl_through_reflection(tiny_server: ServerProcess) -> None:
     unary = tiny_server.stub.Generate(pb.GenerateRequest(text="The quick brown fox", parameters=params(24)), timeout=60)
     assert len(messages) >= 2 and messages[-1]["finishReason"].startswith("FINISH_REASON_")
     assert "".join(m.get("text", "") for m in messages) == unary.completions[0].text
+    # The same through reflection v1 alone (grpcio-reflection itself serves only v1alpha).
+    listed_v1 = subprocess.run([*base, "--reflect-protocol", "grpc-v1", "--list-methods", url],
+                               capture_output=True, text=True, timeout=60)
+    assert listed_v1.returncode == 0, listed_v1.stderr
+    assert listed_v1.stdout == listed.stdout
+
+
+def _grpc_counts(server: ServerProcess) -> dict[tuple[str, str], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return {(s.labels["method"], s.labels["code"]): s.value for family in text_string_to_metric_families(text)
+            for s in family.samples if s.name == "loom_grpc_requests_total"}
+
+
+# Bytes that are no request message: garbage, a message cut short, a `text` of invalid UTF-8.
+MALFORMED: list[tuple[str, bytes, str]] = [
+    ("Generate", b"\xff\xff\xff\xff", "wire format was corrupt"),
+    ("Generate", pb.GenerateRequest(text="hello there").SerializeToString()[:-3], "wire format was corrupt"),
+    ("Generate", b"\x12\x02\xc3\x28", "string field had bad UTF-8"),
+    ("GenerateStream", b"\xff\xff\xff\xff", "wire format was corrupt"),
+    ("GenerateStream", b"\x12\x02\xc3\x28", "string field had bad UTF-8"),
+    ("Tokenize", b"\x0a\x02\xc3\x28", "string field had bad UTF-8"),
+    ("Tokenize", pb.TokenizeRequest(text="hello there").SerializeToString()[:-3], "wire format was corrupt"),
+    ("GetModelInfo", b"\xff\xff\xff\xff", "wire format was corrupt"),
+]
+
+
+def test_malformed_requests_get_invalid_argument_and_are_counted(tiny_server: ServerProcess) -> None:
+    before = _grpc_counts(tiny_server)
+    channel = tiny_server.channel
+    for rpc, body, reason in MALFORMED:
+        method = f"/loom.v1.GenerationService/{rpc}"
+        with pytest.raises(grpc.RpcError) as info:
+            if rpc == "GenerateStream":
+                list(channel.unary_stream(method)(body, timeout=30))
+            else:
+                channel.unary_unary(method)(body, timeout=30)
+        err: Any = info.value
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (rpc, err.details())
+        assert err.details() == (f"loom.v1.GenerationService/{rpc}: the request message could not be parsed as a "
+                                 f"loom.v1.{rpc}Request: {reason}")
+    after = _grpc_counts(tiny_server)
+    for rpc in ("Generate", "GenerateStream", "Tokenize", "GetModelInfo"):
+        key = (f"/loom.v1.GenerationService/{rpc}", "INVALID_ARGUMENT")
+        assert after.get(key, 0) - before.get(key, 0) == sum(1 for r, _, _ in MALFORMED if r == rpc), rpc
+    assert all(after.get(k, 0) == before.get(k, 0) for k in after if k[1] == "UNKNOWN")
+    # The server goes on serving.
+    assert tiny_server.stub.Tokenize(pb.TokenizeRequest(text="hi"), timeout=10).token_count >= 1
+
+
+def test_health_list(tiny_server: ServerProcess) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    listed = health_pb2_grpc.HealthStub(tiny_server.channel).List(health_pb2.HealthListRequest(), timeout=10)
+    assert {name: s.status for name, s in listed.statuses.items()} == {
+        "": health_pb2.HealthCheckResponse.SERVING, "loom.v1.GenerationService": health_pb2.HealthCheckResponse.SERVING}
