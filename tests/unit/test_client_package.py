@@ -457,3 +457,46 @@ def test_cli_errors(fake_server: tuple[str, FakeGeneration]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         _cli("generate", "x", "--max-new-tokens", "many")
     assert exit_info.value.code == 2
+
+
+def test_parse_special_tokens_reaches_the_server_for_text_only(fake_server: tuple[str, FakeGeneration]) -> None:
+    target, servicer = fake_server
+    with LoomClient(target, timeout=10) as client:
+        client.generate("<|im_start|>hi")
+        assert not servicer.requests[-1].HasField("parse_special_tokens")  # unset: the server's default
+        client.generate("<|im_start|>hi", parse_special_tokens=False)
+        assert servicer.requests[-1].HasField("parse_special_tokens")
+        assert not servicer.requests[-1].parse_special_tokens
+        list(client.stream("hi", parse_special_tokens=False))
+        sent = servicer.requests[-1]
+        assert isinstance(sent, pb.GenerateStreamRequest) and not sent.parse_special_tokens
+        assert sent.HasField("parse_special_tokens")
+        client.tokenize("a b", parse_special_tokens=False)
+        assert servicer.requests[-1].HasField("parse_special_tokens")
+        with pytest.raises(ValueError, match="text input only"):
+            client.generate(messages=[("user", "hi")], parse_special_tokens=False)
+        with pytest.raises(ValueError, match="text input only"):
+            client.tokenize(messages=[("user", "hi")], parse_special_tokens=True)
+
+    async def scenario() -> None:
+        async with AsyncLoomClient(target, timeout=10) as client:
+            await client.generate("hi", parse_special_tokens=False)
+            assert servicer.requests[-1].HasField("parse_special_tokens")
+            _ = [c async for c in client.stream("hi", parse_special_tokens=False)]
+            assert servicer.requests[-1].HasField("parse_special_tokens")
+            await client.tokenize("hi", parse_special_tokens=False)
+            assert servicer.requests[-1].HasField("parse_special_tokens")
+            with pytest.raises(ValueError, match="text input only"):
+                client.stream(token_ids=[1], parse_special_tokens=False)
+
+    asyncio.run(scenario())
+
+    for command in ("generate", "stream", "tokenize"):
+        code, _, err = _cli("--target", target, command, "<|im_start|>x", "--no-parse-special-tokens")
+        assert code == 0, err
+        assert servicer.requests[-1].HasField("parse_special_tokens")
+        assert not servicer.requests[-1].parse_special_tokens
+        code, _, _ = _cli("--target", target, command, "<|im_start|>x")
+        assert code == 0 and not servicer.requests[-1].HasField("parse_special_tokens")
+    code, _, err = _cli("--target", target, "generate", "--chat", "x", "--no-parse-special-tokens")
+    assert code == 2 and "text prompt only" in err

@@ -7,18 +7,22 @@ strategies drive the real server in tests/e2e/test_fuzz_grpc.py.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 from helpers.request_strategies import generate_fields
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from loom.frontend.generation import GenerationPlan
 from loom.frontend.tokenizer import Tokenizer
-from loom.server.errors import ValidationError
+from loom.server.errors import FieldViolation, ValidationError
 from loom.server.validation import RequestLimits, validate_generate
 from loom_client.v1 import generation_pb2 as pb
 
@@ -66,9 +70,10 @@ def test_validation_accepts_sound_plans_or_names_fields(tok: Tokenizer, fields: 
 
 
 def test_a_status_with_many_violations_stays_small(tok: Tokenizer) -> None:
-    """Trailing metadata is capped (8 KiB by default): the status must fit whatever the request."""
+    """Trailing metadata is capped (8 KiB by default): the status must fit whatever the request, and
+    a repeated field's violations are one, naming its first bad element and how many there are."""
     request = pb.GenerateRequest(
-        chat=pb.Chat(messages=[pb.ChatMessage(role="r" * 100_000, content="x") for _ in range(50)]),
+        chat=pb.Chat(messages=[pb.ChatMessage(role="r" * 4000, content="x") for _ in range(50)]),
         parameters=pb.Parameters(stopping=pb.StoppingParameters(stop_sequences=[""] * 1000,
                                                                 stop_token_ids=list(range(49152, 149152)))),
     )
@@ -77,4 +82,58 @@ def test_a_status_with_many_violations_stays_small(tok: Tokenizer) -> None:
     status = info.value.to_grpc_status()
     size = len(status.details) + sum(len(str(k)) + len(v) for k, v in status.trailing_metadata)
     assert size < 4096, size
-    assert "more violations" in status.details
+    assert [v.field for v in info.value.violations] == [
+        "chat.messages[0].role", "parameters.stopping.stop_sequences", "parameters.stopping.stop_sequences[0]",
+        "parameters.stopping.stop_token_ids", "parameters.stopping.stop_token_ids[0]"]
+    assert "(50 messages with an unknown role in all)" in info.value.violations[0].description
+    assert "(1000 empty ones in all)" in info.value.violations[2].description
+    assert info.value.omitted == 0
+
+
+def _status_reaching_a_client(error: ValidationError) -> grpc.aio.AioRpcError:
+    """The error a real gRPC client sees when a handler aborts with ``error``'s status."""
+    async def handler(request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
+        await context.abort_with_status(error.to_grpc_status())
+        raise AssertionError("unreachable")
+
+    async def main() -> grpc.aio.AioRpcError:
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+            "test.Svc", {"Fail": grpc.unary_unary_rpc_method_handler(handler)})])
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await channel.unary_unary("/test.Svc/Fail")(b"", timeout=10)
+                return info.value
+        finally:
+            await server.stop(0)
+
+    return asyncio.run(main())
+
+
+def test_any_number_of_violations_reaches_a_client_as_invalid_argument() -> None:
+    """Hundreds of violations whose text is all 4-byte characters (3 wire bytes per byte in
+    grpc-message): the client still gets INVALID_ARGUMENT with a BadRequest, not a transport error
+    for metadata past its limit; what does not fit is counted in the message."""
+    violations = [FieldViolation(f"field_{i}", "\U0001f600" * 300) for i in range(500)]
+    err = _status_reaching_a_client(ValidationError(violations))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+    status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    assert status is not None
+    bad = error_details_pb2.BadRequest()
+    assert any(d.Unpack(bad) for d in status.details)
+    listed = [v.field for v in bad.field_violations]
+    assert listed == [f"field_{i}" for i in range(len(listed))] and len(listed) >= 3
+    assert (err.details() or "").endswith(f"(and {500 - len(listed)} more violations, too many to list)")
+
+
+def test_unknown_roles_quoted_back_reach_a_client_as_invalid_argument(tok: Tokenizer) -> None:
+    """A real request of that kind: a chat whose roles are long runs of 4-byte characters."""
+    request = pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="\U0001f600" * 1000, content="x")] * 10))
+    with pytest.raises(ValidationError) as info:
+        validate_generate(request, "fuzz", tok, LIMITS, False)
+    err = _status_reaching_a_client(info.value)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+    assert (err.details() or "").startswith("chat.messages[0].role: unknown role")

@@ -42,6 +42,7 @@ def test_load_model_returns_an_eval_model(tiny_model_dir: TinyDir, models_regist
     path = tiny_model_dir("qwen3")
     loaded = load_model(path, torch.float32, torch.device("cpu"), models_registry)
     assert loaded.architecture == "qwen3" and loaded.model_dir == path
+    assert loaded.hf_architecture == "Qwen3ForCausalLM"  # what GetModelInfo reports as `architecture`
     assert type(loaded.model).__name__ == "Qwen3ForCausalLM"
     assert not loaded.model.training
     assert not any(p.requires_grad for p in loaded.model.parameters())

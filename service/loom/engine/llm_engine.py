@@ -156,7 +156,7 @@ class LLMEngine:
         pool_tokens = num_blocks * bs
         self.info = EngineInfo(
             model_id=config.model_id or "SmolLM2-135M-Instruct (embedded default)",
-            architecture=loaded.architecture,
+            architecture=loaded.hf_architecture,
             dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device),
             attention_backend=backend_spec.name,
@@ -168,7 +168,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             plugins=(f"quantizer:{loaded.quantization}",) if loaded.quantization else (),
         )
-        log.info("engine ready", model_dir=str(model_dir), architecture=loaded.architecture,
+        log.info("engine ready", model_dir=str(model_dir), architecture=loaded.hf_architecture, model=loaded.architecture,
                  dtype=self.info.dtype, device=self.info.device, attention_backend=backend_spec.name,
                  kv_blocks=num_blocks, block_size=bs, max_batch_total_tokens=pool_tokens,
                  max_total_tokens=self.max_model_len)

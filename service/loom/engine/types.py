@@ -90,7 +90,7 @@ class EngineInfo:
     """What the engine core reports about itself once the model is loaded and the pool sized."""
 
     model_id: str
-    architecture: str
+    architecture: str  # as Hugging Face names it ("LlamaForCausalLM"); the model plugin serving it is found from it
     dtype: str
     device: str
     attention_backend: str

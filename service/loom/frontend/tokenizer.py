@@ -62,13 +62,24 @@ class Tokenizer:
         return token_id in self.special_ids
 
     # -- encoding -----------------------------------------------------------------------------
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self._hf(text, add_special_tokens=add_special_tokens)["input_ids"])
+    def encode(self, text: str, add_special_tokens: bool = True, parse_special_tokens: bool = True) -> list[int]:
+        """``text``'s token ids.
 
-    def encode_with_offsets(self, text: str, add_special_tokens: bool = True) -> list[TokenSpan]:
+        ``add_special_tokens``: add what the tokenizer adds around a text (a BOS...).
+        ``parse_special_tokens``: markup spelling a special token ("<|im_start|>") becomes that
+        token; False tokenizes it as the ordinary characters it is (transformers'
+        ``split_special_tokens``, which it applies to the Rust tokenizer at each call, so one
+        request's choice never carries over to the next), so untrusted text cannot forge chat
+        turns or an EOS.
+        """
+        return list(self._hf(text, add_special_tokens=add_special_tokens,
+                             split_special_tokens=not parse_special_tokens)["input_ids"])
+
+    def encode_with_offsets(self, text: str, add_special_tokens: bool = True,
+                            parse_special_tokens: bool = True) -> list[TokenSpan]:
         """Like :meth:`encode`, with where each token lies in ``text``."""
-        enc = self._hf(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True,
-                       return_special_tokens_mask=True)
+        enc = self._hf(text, add_special_tokens=add_special_tokens, split_special_tokens=not parse_special_tokens,
+                       return_offsets_mapping=True, return_special_tokens_mask=True)
         spans = []
         for token_id, (start, end), added in zip(enc["input_ids"], enc["offset_mapping"],
                                                  enc["special_tokens_mask"], strict=True):

@@ -31,6 +31,7 @@ class LoadedModel:
     architecture: str  # the model plugin's name, e.g. "llama"
     model_dir: Path
     quantization: str | None = None  # the quantizer plugin serving the linear layers, if any
+    hf_architecture: str = ""  # the config.json `architectures` entry it serves, e.g. "LlamaForCausalLM"
 
 
 @contextlib.contextmanager
@@ -80,7 +81,9 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str,
     An unknown architecture raises the registry's PluginError, which lists the known ones.
     """
     config = load_hf_config(model_dir)
-    spec = registry.model_for_architecture(getattr(config, "architectures", None) or ())
+    architectures = list(getattr(config, "architectures", None) or ())
+    spec = registry.model_for_architecture(architectures)
+    hf_architecture = next(a for a in architectures if a in spec.architectures)
     model_cls: Any = spec.load()
     device = torch.device(device)
     # Parameters are created directly in the target dtype on the target device.
@@ -97,7 +100,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str,
     model.requires_grad_(False)
     model.eval()
     return LoadedModel(model=model, hf_config=config, architecture=spec.name, model_dir=model_dir,
-                       quantization=quantization)
+                       quantization=quantization, hf_architecture=hf_architecture)
 
 
 def apply_quantizer(model: nn.Module, model_dir: Path, dtype: torch.dtype, device: torch.device,

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection, reflection_pb2
+from grpc_reflection.v1alpha import reflection_pb2
 
 from loom.config import ConfigError
 from loom.engine.core_process import AsyncEngineClient
@@ -38,6 +38,8 @@ from .health import GENERATION_SERVICE, HEALTH_SERVICE, ServerHealth
 from .loading import load_backend
 from .metrics import EngineStatsPoller, Metrics
 from .metrics_http import start_metrics_server
+from .reflection import enable_reflection, v1_file_descriptor
+from .request_parsing import MalformedRequestInterceptor
 from .rpc_metrics import RpcMetricsInterceptor, methods_of
 from .servicer import GenerationService
 from .settings import ServerSettings
@@ -62,12 +64,13 @@ _ENDED_REQUESTS_TIMEOUT_S = 5.0  # handlers answering UNAVAILABLE after the grac
 def build_server(service: GenerationService, health: ServerHealth, *,
                  interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
                  max_request_bytes: int = 4 << 20) -> grpc.aio.Server:
+    """``interceptors``: outermost first; a request that does not parse is rejected inside all of them."""
     # A larger message fails in gRPC itself with RESOURCE_EXHAUSTED, before it is even parsed.
     options = [*SERVER_OPTIONS, ("grpc.max_receive_message_length", max_request_bytes)]
-    server = grpc.aio.server(interceptors=list(interceptors), options=options)
+    server = grpc.aio.server(interceptors=[*interceptors, MalformedRequestInterceptor()], options=options)
     pb_grpc.add_GenerationServiceServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
-    reflection.enable_server_reflection([GENERATION_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME], server)
+    enable_reflection([GENERATION_SERVICE, HEALTH_SERVICE], server)
     return server
 
 
@@ -91,7 +94,8 @@ class LoomServer:
             self.tracing.interceptor()]
         telemetry_interceptors.append(RpcMetricsInterceptor(
             self.metrics.grpc_requests, self.metrics.grpc_request_duration,
-            known_methods=methods_of(pb.DESCRIPTOR, health_pb2.DESCRIPTOR, reflection_pb2.DESCRIPTOR)))
+            known_methods=methods_of(pb.DESCRIPTOR, health_pb2.DESCRIPTOR, reflection_pb2.DESCRIPTOR,
+                                    v1_file_descriptor())))
         self.server = build_server(self.service, self.health,
                                    interceptors=[*telemetry_interceptors, *auth_interceptors(settings.api_key)],
                                    max_request_bytes=settings.max_request_bytes)

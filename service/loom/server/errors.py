@@ -1,8 +1,8 @@
 """The errors a handler can end with, as rich gRPC statuses (google.rpc.Status with details).
 
 Every failure a client sees carries an ErrorInfo (domain ``loom.v1`` and a reason a program can
-switch on); INVALID_ARGUMENT adds a BadRequest naming each offending field, RESOURCE_EXHAUSTED a
-RetryInfo. The servicer turns anything else into INTERNAL, so UNKNOWN never reaches a client.
+switch on); INVALID_ARGUMENT adds a BadRequest naming each offending field (see the budgets below),
+RESOURCE_EXHAUSTED a RetryInfo. The servicer turns anything else into INTERNAL, so UNKNOWN never reaches a client.
 """
 
 from __future__ import annotations
@@ -16,22 +16,57 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 ERROR_DOMAIN = "loom.v1"
-# A status travels in trailing metadata, which gRPC caps (8 KiB by default): a request with a
-# hundred thousand bad stop token ids, or a megabyte-long chat role quoted back, must still get
-# its INVALID_ARGUMENT rather than a transport error. The first violations say what is wrong.
-MAX_VIOLATIONS = 8
+# A status travels in trailing metadata, which gRPC clients cap (C-core: 8 KiB, past which a
+# response may be dropped, 16 KiB hard): a request with a hundred thousand bad stop token ids, or a
+# megabyte-long chat role quoted back, must still get its INVALID_ARGUMENT rather than a transport
+# error. So every violation is kept short, a repeated field reports its first bad element and how
+# many there are (validation does that), and the whole stays within byte budgets: the BadRequest
+# names every offending field of any request validation can see (22 at most, under 2 KiB), and
+# only a status past MAX_VIOLATION_BYTES leaves the rest out, saying how many.
 MAX_DESCRIPTION_CHARS = 200
-MAX_MESSAGE_CHARS = 1024
+MAX_VIOLATION_BYTES = 3072  # UTF-8 bytes of the fields and descriptions in one BadRequest
+# The message is sent twice: percent-encoded in grpc-message (3 bytes for each byte that is not
+# printable ASCII) and inside grpc-status-details-bin. Budgeted on the percent-encoded size.
+MAX_MESSAGE_WIRE_BYTES = 1024
 
 
 def _clip(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _wire_bytes(char: str) -> int:
+    """Bytes of ``char`` in a percent-encoded grpc-message header."""
+    return sum(1 if 0x20 <= b <= 0x7E and b != 0x25 else 3 for b in char.encode())
+
+
+def clip_message(text: str, limit: int = MAX_MESSAGE_WIRE_BYTES) -> str:
+    """``text``, cut (ending in "...") so that its percent-encoded form takes at most ``limit`` bytes."""
+    sizes = [_wire_bytes(c) for c in text]
+    if sum(sizes) <= limit:
+        return text
+    kept, used = 0, 3  # room for "..."
+    for size in sizes:
+        if used + size > limit:
+            break
+        used += size
+        kept += 1
+    return text[:kept] + "..."
+
+
 @dataclass(frozen=True)
 class FieldViolation:
     field: str  # a path into the request message: "parameters.sampling.top_p", "chat.messages[1].role"
     description: str
+
+
+def violation_bytes(v: FieldViolation) -> int:
+    return len(v.field.encode()) + len(v.description.encode())
+
+
+def in_all(count: int, what: str) -> str:
+    """The end of a repeated field's violation, which names its first bad element only: " (12 ...
+    in all)" when there are more. A violation per element could make a status too large to send."""
+    return f" ({count} {what} in all)" if count > 1 else ""
 
 
 class ServiceError(Exception):
@@ -67,13 +102,19 @@ class ValidationError(ServiceError):
     """INVALID_ARGUMENT: one or more fields of the request break a documented rule."""
 
     def __init__(self, violations: Iterable[FieldViolation]) -> None:
-        found = list(violations)
-        self.violations = [FieldViolation(_clip(v.field, MAX_DESCRIPTION_CHARS), _clip(v.description, MAX_DESCRIPTION_CHARS))
-                           for v in found[:MAX_VIOLATIONS]]
-        message = "; ".join(f"{v.field}: {v.description}" for v in self.violations) or "invalid request"
-        if len(found) > MAX_VIOLATIONS:
-            message += f" (and {len(found) - MAX_VIOLATIONS} more violations)"
-        message = _clip(message, MAX_MESSAGE_CHARS)
+        found = [FieldViolation(_clip(v.field, MAX_DESCRIPTION_CHARS), _clip(v.description, MAX_DESCRIPTION_CHARS))
+                 for v in violations]
+        self.violations: list[FieldViolation] = []
+        used = 0
+        for v in found:
+            used += violation_bytes(v)
+            if used > MAX_VIOLATION_BYTES:
+                break
+            self.violations.append(v)
+        self.omitted = len(found) - len(self.violations)
+        listed = "; ".join(f"{v.field}: {v.description}" for v in self.violations) or "invalid request"
+        more = f" (and {self.omitted} more violations, too many to list)" if self.omitted else ""
+        message = clip_message(listed, MAX_MESSAGE_WIRE_BYTES - len(more)) + more
         super().__init__(grpc.StatusCode.INVALID_ARGUMENT, message, "INVALID_ARGUMENT")
 
     def details(self) -> list[object]:

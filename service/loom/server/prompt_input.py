@@ -1,7 +1,7 @@
 """The prompt of a request: text, token ids or chat, checked and tokenized.
 
-Structural checks (input set, not empty, known chat roles, ids in the vocabulary) report field
-violations; tokenizing happens only once they pass. Generate and Tokenize share this code so
+Structural checks (input set, not empty, known chat roles, ids in the vocabulary, special-token
+parsing only turned off for text) report field violations; tokenizing happens only once they pass. Generate and Tokenize share this code so
 they count tokens identically.
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from loom.frontend.tokenizer import ChatTemplateError, Tokenizer
 from loom_client.v1 import generation_pb2 as pb
 
-from .errors import FieldViolation, failed_precondition
+from .errors import FieldViolation, failed_precondition, in_all
 
 # Roles every chat template understands; others are rejected rather than passed to a template
 # that might silently drop them.
@@ -20,6 +20,7 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 # Rendering a chat costs template work per message even when the messages are empty; the
 # character limit alone would let a 4 MiB request carry a million of them.
 MAX_CHAT_MESSAGES = 4096
+MAX_QUOTED_ROLE_CHARS = 32  # an unknown role is quoted back in the violation up to this long
 
 
 @dataclass(frozen=True)
@@ -32,12 +33,14 @@ class Prompt:
 def check_chat(chat: pb.Chat, prefix: str = "chat") -> list[FieldViolation]:
     if not chat.messages:
         return [FieldViolation(f"{prefix}.messages", "must contain at least one message")]
-    out = []
-    for i, msg in enumerate(chat.messages):
-        if msg.role not in CHAT_ROLES:
-            out.append(FieldViolation(f"{prefix}.messages[{i}].role",
-                                      f"unknown role {msg.role!r}; use one of {', '.join(CHAT_ROLES)}"))
-    return out
+    unknown = [i for i, msg in enumerate(chat.messages) if msg.role not in CHAT_ROLES]
+    if not unknown:
+        return []
+    i = unknown[0]
+    role = chat.messages[i].role
+    quoted = repr(role) if len(role) <= MAX_QUOTED_ROLE_CHARS else repr(role[:MAX_QUOTED_ROLE_CHARS]) + "..."
+    return [FieldViolation(f"{prefix}.messages[{i}].role", f"unknown role {quoted}; use one of {', '.join(CHAT_ROLES)}"
+                           + in_all(len(unknown), "messages with an unknown role"))]
 
 
 def check_input(request: pb.GenerateRequest | pb.GenerateStreamRequest, vocab_size: int) -> list[FieldViolation]:
@@ -53,10 +56,25 @@ def check_input(request: pb.GenerateRequest | pb.GenerateStreamRequest, vocab_si
         bad = [(i, t) for i, t in enumerate(ids) if t >= vocab_size]
         if bad:
             i, t = bad[0]
-            more = f" ({len(bad)} ids in all)" if len(bad) > 1 else ""
-            return [FieldViolation(f"token_ids.ids[{i}]", f"token id {t} is not below the vocabulary size {vocab_size}{more}")]
+            return [FieldViolation(f"token_ids.ids[{i}]", f"token id {t} is not below the vocabulary size {vocab_size}"
+                                   + in_all(len(bad), "such ids"))]
         return []
     return check_chat(request.chat)
+
+
+def parses_special_tokens(request: pb.GenerateRequest | pb.GenerateStreamRequest | pb.TokenizeRequest) -> bool:
+    """The request's parse_special_tokens: unset is true."""
+    return request.parse_special_tokens if request.HasField("parse_special_tokens") else True
+
+
+def check_special_token_parsing(request: pb.GenerateRequest | pb.GenerateStreamRequest | pb.TokenizeRequest
+                                ) -> list[FieldViolation]:
+    # A chat's rendered prompt must have its template's markers parsed; accepting false there
+    # would promise a protection that the chat path cannot give (see Chat in the proto).
+    if request.WhichOneof("input") == "chat" and not parses_special_tokens(request):
+        return [FieldViolation("parse_special_tokens", "false applies to text input only: a chat is rendered "
+                               "with its template's markup, which must become special tokens")]
+    return []
 
 
 def check_size(request: pb.GenerateRequest | pb.GenerateStreamRequest | pb.TokenizeRequest,
@@ -97,7 +115,8 @@ def tokenize_prompt(request: pb.GenerateRequest | pb.GenerateStreamRequest, toke
     """The prompt's token ids (check_input must have passed)."""
     kind = request.WhichOneof("input")
     if kind == "text":
-        return Prompt(tokenizer.encode(request.text), request.text, "text")
+        ids = tokenizer.encode(request.text, parse_special_tokens=parses_special_tokens(request))
+        return Prompt(ids, request.text, "text")
     if kind == "token_ids":
         ids = list(request.token_ids.ids)
         return Prompt(ids, tokenizer.decode(ids, skip_special_tokens=False), "token_ids.ids")

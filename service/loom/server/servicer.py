@@ -31,7 +31,13 @@ from loom_client.v1 import generation_pb2_grpc as pb_grpc
 
 from .admission import Admission
 from .errors import ServiceError, ValidationError, internal, invalid, unavailable
-from .prompt_input import check_chat, check_size, render_chat
+from .prompt_input import (
+    check_chat,
+    check_size,
+    check_special_token_parsing,
+    parses_special_tokens,
+    render_chat,
+)
 from .responses import generate_response, stream_message
 from .telemetry import RequestTelemetry, Telemetry
 from .validation import RequestLimits, validate_generate
@@ -212,19 +218,20 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
         kind = request.WhichOneof("input")
         if kind is None:
             raise invalid("input", "set exactly one of text or chat")
-        too_big = check_size(request, self._backend().limits.max_input_chars)
-        if too_big:
-            raise ValidationError(too_big)
+        violations = check_size(request, self._backend().limits.max_input_chars)
+        if not violations and kind == "chat":
+            violations = check_chat(request.chat)
+        violations += check_special_token_parsing(request)
+        if violations:
+            raise ValidationError(violations)
         rendered = ""
         if kind == "chat":
-            violations = check_chat(request.chat)
-            if violations:
-                raise ValidationError(violations)
             rendered = render_chat(tok, request.chat)
             spans = tok.encode_with_offsets(rendered, add_special_tokens=False)
         else:
             add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-            spans = tok.encode_with_offsets(request.text, add_special_tokens=add_special)
+            spans = tok.encode_with_offsets(request.text, add_special_tokens=add_special,
+                                            parse_special_tokens=parses_special_tokens(request))
         resp = pb.TokenizeResponse(token_count=len(spans), rendered_text=rendered)
         for span in spans:
             t = resp.tokens.add(id=span.id, text=tok.token_text(span.id), special=tok.is_special(span.id))

@@ -17,8 +17,8 @@ from loom.frontend.generation import GenerationPlan
 from loom.frontend.tokenizer import Tokenizer
 from loom_client.v1 import generation_pb2 as pb
 
-from .errors import FieldViolation, ValidationError
-from .prompt_input import check_input, check_size, tokenize_prompt
+from .errors import FieldViolation, ValidationError, in_all
+from .prompt_input import check_input, check_size, check_special_token_parsing, tokenize_prompt
 
 MAX_REQUEST_ID_BYTES = 256
 MAX_STOP_SEQUENCE_BYTES = 256
@@ -103,18 +103,20 @@ def _check_stopping(c: _Checker, s: pb.StoppingParameters, limits: RequestLimits
     if len(s.stop_sequences) > limits.max_stop_sequences:
         c.add(f + "stop_sequences", f"at most {limits.max_stop_sequences} stop sequences "
               f"(--max-stop-sequences), got {len(s.stop_sequences)}")
-    for i, seq in enumerate(s.stop_sequences):
-        if not seq:
-            c.add(f"{f}stop_sequences[{i}]", "must not be empty")
-        elif len(seq.encode()) > MAX_STOP_SEQUENCE_BYTES:
-            c.add(f"{f}stop_sequences[{i}]", f"must be at most {MAX_STOP_SEQUENCE_BYTES} bytes")
+    empty = [i for i, seq in enumerate(s.stop_sequences) if not seq]
+    if empty:
+        c.add(f"{f}stop_sequences[{empty[0]}]", "must not be empty" + in_all(len(empty), "empty ones"))
+    too_long = [i for i, seq in enumerate(s.stop_sequences) if len(seq.encode()) > MAX_STOP_SEQUENCE_BYTES]
+    if too_long:
+        c.add(f"{f}stop_sequences[{too_long[0]}]",
+              f"must be at most {MAX_STOP_SEQUENCE_BYTES} bytes" + in_all(len(too_long), f"over {MAX_STOP_SEQUENCE_BYTES} bytes"))
     if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         c.add(f + "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(s.stop_token_ids)}")
     bad = [(i, t) for i, t in enumerate(s.stop_token_ids) if t >= limits.vocab_size]
-    if bad:  # the first one only: a list of thousands would make a status too large to send
+    if bad:
         i, t = bad[0]
-        more = f" ({len(bad)} ids in all)" if len(bad) > 1 else ""
-        c.add(f"{f}stop_token_ids[{i}]", f"token id {t} is not below the vocabulary size {limits.vocab_size}{more}")
+        c.add(f"{f}stop_token_ids[{i}]",
+              f"token id {t} is not below the vocabulary size {limits.vocab_size}" + in_all(len(bad), "such ids"))
     if s.HasField("time_limit_ms") and s.time_limit_ms < 1:
         c.add(f + "time_limit_ms", "must be at least 1")
 
@@ -153,6 +155,7 @@ def validate_generate(
     if len(request.request_id.encode()) > MAX_REQUEST_ID_BYTES:
         c.add("request_id", f"must be at most {MAX_REQUEST_ID_BYTES} bytes")
     c.violations.extend(check_size(request, limits.max_input_chars) or check_input(request, limits.vocab_size))
+    c.violations.extend(check_special_token_parsing(request))
     p = request.parameters
     sampling = _check_sampling(c, p.sampling)
     sampling = _check_penalties(c, p.penalties, sampling)

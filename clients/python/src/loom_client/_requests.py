@@ -61,6 +61,11 @@ def _one_input(**inputs: object) -> str:
     return given[0]
 
 
+def _check_text_only(which: str, parse_special_tokens: bool | None) -> None:
+    if parse_special_tokens is not None and which != "text":
+        raise ValueError("parse_special_tokens applies to text input only")
+
+
 def generate_request(
     cls: type[_GenerateRequestT],
     text: str | None,
@@ -71,13 +76,17 @@ def generate_request(
     request_id: str,
     parameters: pb.Parameters | None,
     options: ParameterOptions,
+    parse_special_tokens: bool | None = None,
 ) -> _GenerateRequestT:
     """A GenerateRequest or GenerateStreamRequest with exactly one input and the merged parameters."""
     request = cls(request_id=request_id)
     which = _one_input(text=text, token_ids=token_ids, messages=messages)
+    _check_text_only(which, parse_special_tokens)
     if which == "text":
         assert text is not None
         request.text = text
+        if parse_special_tokens is not None:
+            request.parse_special_tokens = parse_special_tokens
     elif which == "token_ids":
         assert token_ids is not None
         request.token_ids.ids.extend(token_ids)
@@ -96,11 +105,16 @@ def tokenize_request(
     add_generation_prompt: bool | None,
     add_special_tokens: bool | None,
     return_offsets: bool,
+    parse_special_tokens: bool | None = None,
 ) -> pb.TokenizeRequest:
     request = pb.TokenizeRequest(return_offsets=return_offsets)
-    if _one_input(text=text, messages=messages) == "text":
+    which = _one_input(text=text, messages=messages)
+    _check_text_only(which, parse_special_tokens)
+    if which == "text":
         assert text is not None
         request.text = text
+        if parse_special_tokens is not None:
+            request.parse_special_tokens = parse_special_tokens
     else:
         assert messages is not None
         request.chat.CopyFrom(build_chat(messages, add_generation_prompt))

@@ -80,6 +80,7 @@ class AsyncLoomClient:
         token_ids: Sequence[int] | None = None,
         messages: Sequence[ChatMessageLike] | None = None,
         add_generation_prompt: bool = True,
+        parse_special_tokens: bool | None = None,
         request_id: str = "",
         parameters: pb.Parameters | None = None,
         timeout: float | None = None,
@@ -96,6 +97,7 @@ class AsyncLoomClient:
             request_id=request_id,
             parameters=parameters,
             options=options,
+            parse_special_tokens=parse_special_tokens,
         )
         response: pb.GenerateResponse = await self._stub.Generate(
             request, **self._call_kwargs(timeout, metadata)
@@ -109,6 +111,7 @@ class AsyncLoomClient:
         token_ids: Sequence[int] | None = None,
         messages: Sequence[ChatMessageLike] | None = None,
         add_generation_prompt: bool = True,
+        parse_special_tokens: bool | None = None,
         request_id: str = "",
         parameters: pb.Parameters | None = None,
         timeout: float | None = None,
@@ -129,6 +132,7 @@ class AsyncLoomClient:
             request_id=request_id,
             parameters=parameters,
             options=options,
+            parse_special_tokens=parse_special_tokens,
         )
         return self._stream(request, self._call_kwargs(timeout, metadata))
 
@@ -149,6 +153,7 @@ class AsyncLoomClient:
         messages: Sequence[ChatMessageLike] | None = None,
         add_generation_prompt: bool = True,
         add_special_tokens: bool | None = None,
+        parse_special_tokens: bool | None = None,
         return_offsets: bool = False,
         timeout: float | None = None,
         metadata: Metadata | None = None,
@@ -160,6 +165,7 @@ class AsyncLoomClient:
             add_generation_prompt=add_generation_prompt,
             add_special_tokens=add_special_tokens,
             return_offsets=return_offsets,
+            parse_special_tokens=parse_special_tokens,
         )
         response: pb.TokenizeResponse = await self._stub.Tokenize(
             request, **self._call_kwargs(timeout, metadata)

@@ -145,6 +145,14 @@ def _add_prompt(parser: argparse.ArgumentParser, *, token_ids: bool) -> None:
         action="store_false",
         help="with --chat: do not open the assistant's turn",
     )
+    parser.add_argument(
+        "--no-parse-special-tokens",
+        dest="parse_special_tokens",
+        action="store_const",
+        const=False,
+        default=None,
+        help="tokenize markup such as '<|im_start|>' in the text as plain characters, not special tokens",
+    )
 
 
 def _add_generation(parser: argparse.ArgumentParser) -> None:
@@ -225,10 +233,14 @@ def _prompt(args: argparse.Namespace) -> dict[str, Any]:
             "give a prompt: TEXT, '-' for standard input"
             + (", or --token-ids" if hasattr(args, "token_ids") else "")
         )
+    if args.parse_special_tokens is not None and (args.chat or token_ids is not None):
+        raise UsageError("--no-parse-special-tokens applies to a text prompt only (not --chat or --token-ids)")
     if not args.chat:
         if args.system is not None:
             raise UsageError("--system needs --chat")
-        return {"token_ids": token_ids} if token_ids is not None else {"text": text}
+        if token_ids is not None:
+            return {"token_ids": token_ids}
+        return {"text": text, "parse_special_tokens": args.parse_special_tokens}
     if text is None:
         raise UsageError("--chat needs a text prompt")
     messages: list[ChatMessageLike] = []
@@ -331,6 +343,7 @@ def _run_tokenize(client: LoomClient, args: argparse.Namespace, out: TextIO, err
         messages=prompt.get("messages"),
         add_generation_prompt=prompt.get("add_generation_prompt", True),
         add_special_tokens=args.add_special_tokens,
+        parse_special_tokens=prompt.get("parse_special_tokens"),
         return_offsets=args.offsets,
     )
     if args.json:

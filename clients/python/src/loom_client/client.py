@@ -92,6 +92,7 @@ class LoomClient:
         token_ids: Sequence[int] | None = None,
         messages: Sequence[ChatMessageLike] | None = None,
         add_generation_prompt: bool = True,
+        parse_special_tokens: bool | None = None,
         request_id: str = "",
         parameters: pb.Parameters | None = None,
         timeout: float | None = None,
@@ -101,9 +102,12 @@ class LoomClient:
         """Generate and wait for every completion.
 
         Give exactly one prompt: ``text``, ``token_ids`` or chat ``messages`` (rendered with the
-        model's chat template; ``add_generation_prompt`` opens the assistant's turn). Generation
-        parameters are keyword options named after their proto fields (``max_new_tokens=64``,
-        ``temperature=0.7``, ``stop_sequences=["\\n"]``...) applied over ``parameters``.
+        model's chat template; ``add_generation_prompt`` opens the assistant's turn). Markup in
+        ``text`` that spells a special token ("<|im_start|>") becomes that token unless
+        ``parse_special_tokens=False`` (text input only; None: the server's default, true): set it
+        for text from people who must not forge chat turns. Generation parameters are keyword
+        options named after their proto fields (``max_new_tokens=64``, ``temperature=0.7``,
+        ``stop_sequences=["\\n"]``...) applied over ``parameters``.
         """
         request = generate_request(
             pb.GenerateRequest,
@@ -114,6 +118,7 @@ class LoomClient:
             request_id=request_id,
             parameters=parameters,
             options=options,
+            parse_special_tokens=parse_special_tokens,
         )
         response: pb.GenerateResponse = self._stub.Generate(request, **self._call_kwargs(timeout, metadata))
         return response
@@ -125,6 +130,7 @@ class LoomClient:
         token_ids: Sequence[int] | None = None,
         messages: Sequence[ChatMessageLike] | None = None,
         add_generation_prompt: bool = True,
+        parse_special_tokens: bool | None = None,
         request_id: str = "",
         parameters: pb.Parameters | None = None,
         timeout: float | None = None,
@@ -145,6 +151,7 @@ class LoomClient:
             request_id=request_id,
             parameters=parameters,
             options=options,
+            parse_special_tokens=parse_special_tokens,
         )
         call = self._stub.GenerateStream(request, **self._call_kwargs(timeout, metadata))
         return _cancelling(call)
@@ -156,18 +163,20 @@ class LoomClient:
         messages: Sequence[ChatMessageLike] | None = None,
         add_generation_prompt: bool = True,
         add_special_tokens: bool | None = None,
+        parse_special_tokens: bool | None = None,
         return_offsets: bool = False,
         timeout: float | None = None,
         metadata: Metadata | None = None,
     ) -> pb.TokenizeResponse:
-        """Tokenize ``text`` or chat ``messages`` as generate would (``add_special_tokens=None``:
-        the server's default, as for generate)."""
+        """Tokenize ``text`` or chat ``messages`` as generate would (``add_special_tokens=None``
+        and ``parse_special_tokens=None``: the server's defaults, as for generate)."""
         request = tokenize_request(
             text,
             messages,
             add_generation_prompt=add_generation_prompt,
             add_special_tokens=add_special_tokens,
             return_offsets=return_offsets,
+            parse_special_tokens=parse_special_tokens,
         )
         response: pb.TokenizeResponse = self._stub.Tokenize(request, **self._call_kwargs(timeout, metadata))
         return response

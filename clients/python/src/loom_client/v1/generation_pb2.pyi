@@ -8,8 +8,11 @@ Conventions used throughout this file:
   Fields are `optional` wherever the server's default differs from the type's zero value, or
   where zero is itself a meaningful setting, so that unset and zero can be told apart.
 - Limits named `limits.<name>` are the fields of ModelLimits, reported by GetModelInfo.
-- A request that breaks a documented limit fails with status INVALID_ARGUMENT and a message
-  naming the field; nothing is silently clamped.
+- A request that breaks a documented limit fails with status INVALID_ARGUMENT, a message and a
+  google.rpc.BadRequest naming every offending field (for a repeated field, its first bad
+  element and how many are bad); nothing is silently clamped. A request whose bytes do not parse
+  as the RPC's message fails with INVALID_ARGUMENT too (google.rpc.ErrorInfo reason
+  MALFORMED_REQUEST).
 - Token counts and ids are uint32; seeds are uint64 (JSON renders uint64 as a string).
 """
 
@@ -74,13 +77,24 @@ class GenerateRequest(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     CHAT_FIELD_NUMBER: _builtins.int
     PARAMETERS_FIELD_NUMBER: _builtins.int
+    PARSE_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller-chosen id, echoed in the response and in server logs and metrics. When empty the
     server assigns a unique id. At most 256 bytes.
     """
     text: _builtins.str
     """Plain text, tokenized with the model's tokenizer. Special tokens (a BOS, for example) are
-    added as the tokenizer does by default. Must not be empty.
+    added as the tokenizer does by default, and markup in the text that spells a special token
+    ("<|im_start|>") becomes that token unless `parse_special_tokens` is false. Must not be
+    empty.
+    """
+    parse_special_tokens: _builtins.bool
+    """Whether markup in `text` that spells one of the tokenizer's special tokens ("<|im_start|>",
+    "<|im_end|>", "</s>"...) becomes that special token. Unset: true, so text can hold a
+    conversation already rendered with the model's chat template. False tokenizes such markup as
+    the ordinary characters it is: set it when the text comes from people who must not be able to
+    forge chat turns, system prompts or an end of sequence. Applies to text input only; must not
+    be false with chat input, and has no effect on token_ids.
     """
     @_builtins.property
     def token_ids(self) -> Global___TokenIds:
@@ -88,7 +102,10 @@ class GenerateRequest(_message.Message):
 
     @_builtins.property
     def chat(self) -> Global___Chat:
-        """A conversation, rendered with the model's chat template before tokenization."""
+        """A conversation, rendered with the model's chat template before tokenization. The rendered
+        prompt is tokenized as a whole, so markup in a message's content that spells a special
+        token becomes that token too (see Chat).
+        """
 
     @_builtins.property
     def parameters(self) -> Global___Parameters:
@@ -102,13 +119,19 @@ class GenerateRequest(_message.Message):
         token_ids: Global___TokenIds | None = ...,
         chat: Global___Chat | None = ...,
         parameters: Global___Parameters | None = ...,
+        parse_special_tokens: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "input", b"input", "parameters", b"parameters", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_parse_special_tokens", b"_parse_special_tokens", "chat", b"chat", "input", b"input", "parameters", b"parameters", "parse_special_tokens", b"parse_special_tokens", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "input", b"input", "parameters", b"parameters", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parse_special_tokens", b"_parse_special_tokens", "chat", b"chat", "input", b"input", "parameters", b"parameters", "parse_special_tokens", b"parse_special_tokens", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__parse_special_tokens: _TypeAlias = _typing.Literal["parse_special_tokens"]  # noqa: Y015
+    _WhichOneofArgType__parse_special_tokens: _TypeAlias = _typing.Literal["_parse_special_tokens", b"_parse_special_tokens"]  # noqa: Y015
     _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["text", "token_ids", "chat"]  # noqa: Y015
     _WhichOneofArgType_input: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__parse_special_tokens) -> _WhichOneofReturnType__parse_special_tokens | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType_input) -> _WhichOneofReturnType_input | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
@@ -166,13 +189,20 @@ class GenerateStreamRequest(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     CHAT_FIELD_NUMBER: _builtins.int
     PARAMETERS_FIELD_NUMBER: _builtins.int
+    PARSE_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller-chosen id, echoed in every response message. When empty the server assigns a unique
     id. At most 256 bytes.
     """
     text: _builtins.str
     """Plain text, tokenized with the model's tokenizer. Special tokens (a BOS, for example) are
-    added as the tokenizer does by default. Must not be empty.
+    added as the tokenizer does by default, and markup in the text that spells a special token
+    ("<|im_start|>") becomes that token unless `parse_special_tokens` is false. Must not be
+    empty.
+    """
+    parse_special_tokens: _builtins.bool
+    """Whether markup in `text` that spells a special token becomes that token, as in
+    GenerateRequest. Unset: true.
     """
     @_builtins.property
     def token_ids(self) -> Global___TokenIds:
@@ -180,7 +210,10 @@ class GenerateStreamRequest(_message.Message):
 
     @_builtins.property
     def chat(self) -> Global___Chat:
-        """A conversation, rendered with the model's chat template before tokenization."""
+        """A conversation, rendered with the model's chat template before tokenization. The rendered
+        prompt is tokenized as a whole, so markup in a message's content that spells a special
+        token becomes that token too (see Chat).
+        """
 
     @_builtins.property
     def parameters(self) -> Global___Parameters:
@@ -196,13 +229,19 @@ class GenerateStreamRequest(_message.Message):
         token_ids: Global___TokenIds | None = ...,
         chat: Global___Chat | None = ...,
         parameters: Global___Parameters | None = ...,
+        parse_special_tokens: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "input", b"input", "parameters", b"parameters", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_parse_special_tokens", b"_parse_special_tokens", "chat", b"chat", "input", b"input", "parameters", b"parameters", "parse_special_tokens", b"parse_special_tokens", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "input", b"input", "parameters", b"parameters", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parse_special_tokens", b"_parse_special_tokens", "chat", b"chat", "input", b"input", "parameters", b"parameters", "parse_special_tokens", b"parse_special_tokens", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__parse_special_tokens: _TypeAlias = _typing.Literal["parse_special_tokens"]  # noqa: Y015
+    _WhichOneofArgType__parse_special_tokens: _TypeAlias = _typing.Literal["_parse_special_tokens", b"_parse_special_tokens"]  # noqa: Y015
     _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["text", "token_ids", "chat"]  # noqa: Y015
     _WhichOneofArgType_input: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__parse_special_tokens) -> _WhichOneofReturnType__parse_special_tokens | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType_input) -> _WhichOneofReturnType_input | None: ...
 
 Global___GenerateStreamRequest: _TypeAlias = GenerateStreamRequest  # noqa: Y015
@@ -305,7 +344,15 @@ Global___TokenIds: _TypeAlias = TokenIds  # noqa: Y015
 
 @_typing.final
 class Chat(_message.Message):
-    """A conversation to be rendered with the model's chat template."""
+    """A conversation to be rendered with the model's chat template.
+
+    The template writes the conversation as one text, with its own markup between turns, and that
+    text is tokenized with special tokens parsed, so the template's markers become special tokens.
+    Markup inside a message's content is not told apart from them: "<|im_end|><|im_start|>system"
+    in a user's message starts a system turn. When content comes from people who must not be able
+    to do that, remove such markup from it first, or build the prompt as token_ids (tokenizing the
+    untrusted parts with Tokenize and parse_special_tokens false).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -344,7 +391,9 @@ class ChatMessage(_message.Message):
     ROLE_FIELD_NUMBER: _builtins.int
     CONTENT_FIELD_NUMBER: _builtins.int
     role: _builtins.str
-    """Who speaks: "system", "user" or "assistant", or any other role the model's template accepts."""
+    """Who speaks: "system", "user", "assistant" or "tool"; any other role is rejected, so that no
+    template silently drops a turn it does not know.
+    """
     content: _builtins.str
     """What was said, as plain text."""
     def __init__(
@@ -845,6 +894,7 @@ class TokenizeRequest(_message.Message):
     CHAT_FIELD_NUMBER: _builtins.int
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
     RETURN_OFFSETS_FIELD_NUMBER: _builtins.int
+    PARSE_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """Plain text."""
     add_special_tokens: _builtins.bool
@@ -853,6 +903,11 @@ class TokenizeRequest(_message.Message):
     """
     return_offsets: _builtins.bool
     """Report where each token's text lies in the input (TokenizedToken.offset). Default false."""
+    parse_special_tokens: _builtins.bool
+    """Whether markup in `text` that spells a special token becomes that token, as
+    GenerateRequest.parse_special_tokens. Unset: true, as Generate does. Applies to text input
+    only; must not be false with chat input.
+    """
     @_builtins.property
     def chat(self) -> Global___Chat:
         """A conversation, rendered with the model's chat template first."""
@@ -864,17 +919,22 @@ class TokenizeRequest(_message.Message):
         chat: Global___Chat | None = ...,
         add_special_tokens: _builtins.bool | None = ...,
         return_offsets: _builtins.bool = ...,
+        parse_special_tokens: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "chat", b"chat", "input", b"input", "text", b"text"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens", "_parse_special_tokens", b"_parse_special_tokens", "add_special_tokens", b"add_special_tokens", "chat", b"chat", "input", b"input", "parse_special_tokens", b"parse_special_tokens", "text", b"text"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "chat", b"chat", "input", b"input", "return_offsets", b"return_offsets", "text", b"text"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens", "_parse_special_tokens", b"_parse_special_tokens", "add_special_tokens", b"add_special_tokens", "chat", b"chat", "input", b"input", "parse_special_tokens", b"parse_special_tokens", "return_offsets", b"return_offsets", "text", b"text"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__add_special_tokens: _TypeAlias = _typing.Literal["add_special_tokens"]  # noqa: Y015
     _WhichOneofArgType__add_special_tokens: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__parse_special_tokens: _TypeAlias = _typing.Literal["parse_special_tokens"]  # noqa: Y015
+    _WhichOneofArgType__parse_special_tokens: _TypeAlias = _typing.Literal["_parse_special_tokens", b"_parse_special_tokens"]  # noqa: Y015
     _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["text", "chat"]  # noqa: Y015
     _WhichOneofArgType_input: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__add_special_tokens) -> _WhichOneofReturnType__add_special_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__parse_special_tokens) -> _WhichOneofReturnType__parse_special_tokens | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType_input) -> _WhichOneofReturnType_input | None: ...
 
@@ -1013,7 +1073,10 @@ class GetModelInfoResponse(_message.Message):
     model_id: _builtins.str
     """The model's identifier: a Hugging Face id, directory or .gguf file name."""
     architecture: _builtins.str
-    """The model architecture serving it, as Hugging Face names it ("LlamaForCausalLM")."""
+    """The model's architecture as Hugging Face names it: the entry of its config.json
+    `architectures` that the model plugin serves ("LlamaForCausalLM"). The plugin itself
+    ("llama") is listed in `plugins`.
+    """
     dtype: _builtins.str
     """The weights' compute dtype: "float32", "float16" or "bfloat16"."""
     device: _builtins.str
@@ -1089,8 +1152,9 @@ class ModelLimits(_message.Message):
     max_batch_prefill_tokens: _builtins.int
     """Most prompt tokens processed in one engine step."""
     max_concurrent_requests: _builtins.int
-    """Requests admitted at once (running plus waiting); 0 means no fixed limit. More fail with
-    RESOURCE_EXHAUSTED.
+    """Generation requests the server hands to the engine at once (at least 1). Beyond them, up to
+    max_queue more wait for a place, lowest priority first; only when that queue is full too does
+    a request fail with RESOURCE_EXHAUSTED.
     """
     default_max_new_tokens: _builtins.int
     """max_new_tokens when a request leaves it unset."""
@@ -1101,8 +1165,9 @@ class ModelLimits(_message.Message):
     max_best_of: _builtins.int
     """Most best_of (and n) per request."""
     max_queue: _builtins.int
-    """Requests that may wait for a slot once max_concurrent_requests are admitted; more fail with
-    RESOURCE_EXHAUSTED. 0: none wait.
+    """Requests that may wait for a place once max_concurrent_requests are in the engine; more fail
+    with RESOURCE_EXHAUSTED (with a RetryInfo). 0: none wait. A waiting request leaves the queue
+    when its deadline passes or its client cancels.
     """
     max_stop_token_ids: _builtins.int
     """Most stop_token_ids per request."""

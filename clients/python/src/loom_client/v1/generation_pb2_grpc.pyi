@@ -8,8 +8,11 @@ Conventions used throughout this file:
   Fields are `optional` wherever the server's default differs from the type's zero value, or
   where zero is itself a meaningful setting, so that unset and zero can be told apart.
 - Limits named `limits.<name>` are the fields of ModelLimits, reported by GetModelInfo.
-- A request that breaks a documented limit fails with status INVALID_ARGUMENT and a message
-  naming the field; nothing is silently clamped.
+- A request that breaks a documented limit fails with status INVALID_ARGUMENT, a message and a
+  google.rpc.BadRequest naming every offending field (for a repeated field, its first bad
+  element and how many are bad); nothing is silently clamped. A request whose bytes do not parse
+  as the RPC's message fails with INVALID_ARGUMENT too (google.rpc.ErrorInfo reason
+  MALFORMED_REQUEST).
 - Token counts and ids are uint32; seeds are uint64 (JSON renders uint64 as a string).
 """
 
