@@ -2,7 +2,14 @@
 
 transformers dequantizes the GGUF into an fp32 model; we write its config, state dict
 (safetensors), tokenizer and generation config into
-``$LOOM_CACHE_DIR/gguf/<name>-<size>-<mtime>-v<N>`` (``~/.cache/loom`` by default).
+``$LOOM_CACHE_DIR/gguf/<name>-<size>-<digest>-v<N>`` (``~/.cache/loom`` by default).
+
+The key is the file's content, not its path or modification time: a reinstall or a new venv
+(new mtime, new path, same bytes) finds the entry it converted before. ``<digest>`` is xxh3-64 of
+the whole file up to ``FULL_HASH_MAX_BYTES`` (the 98 MB default model hashes in 10-15 ms here,
+page cache warm), and of its header, 64 evenly spaced chunks and its tail above that, so that a
+start never reads tens of GB. After a conversion, the other entries of the same model name (an
+older file, an older key layout) are removed: each holds ~600 MB for the 135M default.
 
 Beside them, ``gguf_blocks.safetensors`` keeps the file's own block-quantized bytes of every
 weight matrix, under the Hugging Face name of the dense tensor, rows in that tensor's order
@@ -19,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -27,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import structlog
 import torch
+import xxhash
 
 log = structlog.get_logger(__name__)
 
@@ -41,9 +50,44 @@ def cache_root() -> Path:
     return root / "gguf"
 
 
+# Files up to this size are hashed whole; larger ones by HEADER_BYTES, SAMPLE_CHUNKS chunks of
+# SAMPLE_BYTES spread evenly over the rest, and the last SAMPLE_BYTES (see the module docstring).
+FULL_HASH_MAX_BYTES = 1 << 30
+HEADER_BYTES = 16 << 20  # a GGUF's metadata (tokenizer vocabulary, tensor table) comes first
+SAMPLE_CHUNKS = 64
+SAMPLE_BYTES = 1 << 20
+_READ_BYTES = 8 << 20
+
+
+def content_digest(gguf: Path, size: int) -> str:
+    """xxh3-64 (hex) of ``gguf``'s bytes: all of them, or the samples above for a big file."""
+    digest = xxhash.xxh3_64()
+    with open(gguf, "rb") as handle:
+        if size <= FULL_HASH_MAX_BYTES:
+            while chunk := handle.read(_READ_BYTES):
+                digest.update(chunk)
+        else:
+            digest.update(handle.read(HEADER_BYTES))
+            stride = (size - HEADER_BYTES) // SAMPLE_CHUNKS
+            for i in range(SAMPLE_CHUNKS):
+                handle.seek(HEADER_BYTES + i * stride)
+                digest.update(handle.read(SAMPLE_BYTES))
+            handle.seek(size - SAMPLE_BYTES)
+            digest.update(handle.read(SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
 def cache_key(gguf: Path) -> str:
-    st = gguf.stat()
-    return f"{gguf.stem}-{st.st_size}-{st.st_mtime_ns}-v{CONVERTER_VERSION}"
+    """``<name>-<size>-<content digest>-v<converter>``: equal for equal bytes wherever the file lives."""
+    size = gguf.stat().st_size
+    return f"{gguf.stem}-{size}-{content_digest(gguf, size)}-v{CONVERTER_VERSION}"
+
+
+def _entry_pattern(stem: str) -> re.Pattern[str]:
+    """Names of the entries of the model ``stem``, in this layout and the mtime-keyed one before it
+    (``<name>-<size>-<mtime_ns>-v<N>``). Size, digest and version hold no ``-``, so another model
+    whose name merely starts with ``stem`` never matches."""
+    return re.compile(rf"{re.escape(stem)}-\d+-[0-9a-f]+-v\d+")
 
 
 def _complete(path: Path) -> bool:
@@ -78,7 +122,7 @@ def _state_dict_for_saving(model: torch.nn.Module, tied: bool) -> dict[str, torc
     return tensors
 
 
-def _convert(gguf: Path, out: Path) -> None:
+def _convert(gguf: Path, out: Path, key: str) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -99,8 +143,7 @@ def _convert(gguf: Path, out: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     tokenizer.model_max_length = int(config.max_position_embeddings)  # GGUF leaves it "unbounded"
     tokenizer.save_pretrained(out)
-    st = gguf.stat()
-    source = {"gguf": str(gguf), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "converter": CONVERTER_VERSION}
+    source = {"gguf": str(gguf), "key": key, "size": gguf.stat().st_size, "converter": CONVERTER_VERSION}
     (out / "loom_gguf_source.json").write_text(json.dumps(source, indent=2) + "\n")
 
 
@@ -162,22 +205,50 @@ def _make_shareable(folder: Path) -> None:
         path.chmod(0o644)
 
 
+def _tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _remove_stale_entries(root: Path, stem: str, keep: str) -> None:
+    """Remove the other entries of model ``stem`` (an older file's, an older layout's).
+
+    Call with the model's lock held. Each is renamed away first, so no process can find a
+    half-removed directory under an entry's name."""
+    pattern = _entry_pattern(stem)
+    for entry in sorted(root.iterdir()):
+        if entry.name == keep or not entry.is_dir() or not pattern.fullmatch(entry.name):
+            continue
+        try:
+            size = _tree_bytes(entry)
+            doomed = root / f".{entry.name}.stale-{os.getpid()}"
+            os.rename(entry, doomed)
+            shutil.rmtree(doomed)
+        except OSError as exc:  # e.g. removed by someone else meanwhile, or not ours to remove
+            log.warning("stale converted model not removed", path=str(entry), error=repr(exc))
+            continue
+        log.info("stale converted model removed (same model name, other content or layout)",
+                 path=str(entry), bytes=size, kept=keep)
+
+
 def converted_gguf_dir(gguf: Path) -> Path:
-    """The cached HF-style directory for ``gguf``, converting it on first use (~20 s for 135M)."""
+    """The cached HF-style directory for ``gguf``, converting it on first use."""
     gguf = gguf.resolve()
     root = cache_root()
-    final = root / cache_key(gguf)
+    key = cache_key(gguf)
+    final = root / key
     if _complete(final):
         return final
     root.mkdir(parents=True, exist_ok=True)
-    with _file_lock(root / f".{final.name}.lock"):
+    # One lock per model name: conversions of it (any content) and the removal of its stale
+    # entries never overlap.
+    with _file_lock(root / f".{gguf.stem}.lock"):
         if _complete(final):  # another process finished while we waited
             return final
         if final.exists():  # damaged by hand: rebuild it
             shutil.rmtree(final)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
         try:
-            _convert(gguf, tmp)
+            _convert(gguf, tmp, key)
             _make_shareable(tmp)
             try:
                 os.rename(tmp, final)
@@ -186,4 +257,5 @@ def converted_gguf_dir(gguf: Path) -> Path:
                     raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
+        _remove_stale_entries(root, gguf.stem, keep=final.name)
     return final
