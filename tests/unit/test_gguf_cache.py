@@ -143,14 +143,16 @@ def test_two_processes_converting_at_once_convert_once(tmp_path: Path) -> None:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
     go.touch()
     started = time.monotonic()
-    results = []
+    outputs = []
     for proc in procs:
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0
-        results.append(out.strip())
+        outputs.append(out)
     assert time.monotonic() - started < 60
     assert log.read_text().count("convert") == 1
+    results = [out.strip().splitlines()[-1] for out in outputs]  # the directory, after the log lines
     assert results[0] == results[1]
+    assert sum("another process is converting this model; waiting for it" in out for out in outputs) == 1
     final = Path(results[0])
     assert all((final / name).is_file() for name in gguf_cache._REQUIRED)
     assert [p.name for p in final.parent.iterdir() if p.is_dir()] == [final.name]  # no temp dir left

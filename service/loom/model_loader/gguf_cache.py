@@ -16,9 +16,15 @@ weight matrix, under the Hugging Face name of the dense tensor, rows in that ten
 (transformers permutes the rows of q and k for Llama). A tensor is kept only when dequantizing
 its blocks with gguf-py gives exactly the dense tensor: a quantizer plugin that computes with the
 blocks (``gguf``) multiplies the very weights transformers would. The
-safetensors metadata ``types`` maps each name to its GGML type name (``Q4_1``...). The
-directory appears atomically (built in a temp dir, then renamed) and a file lock makes
-concurrent processes (a test run and a server) convert only once.
+safetensors metadata ``types`` maps each name to its GGML type name (``Q4_1``...).
+
+The directory appears atomically (built in a temp dir, then renamed) and a file lock per model
+name makes concurrent processes (a test run and a server) convert only once, and never remove an
+entry another one is writing.
+
+A conversion reports itself (:mod:`loom.startup_progress`): what it does and how long it usually
+takes, then a line every few seconds with its phase and, in the phases that count them, the
+tensors done; transformers' own progress bars are folded into those counts.
 """
 
 from __future__ import annotations
@@ -31,17 +37,25 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import structlog
 import torch
 import xxhash
 
+from loom.startup_progress import ProgressReporter
+
+from .transformers_progress import report_transformers_progress
+
 log = structlog.get_logger(__name__)
 
 CONVERTER_VERSION = 2  # bump when the directory layout changes, so stale caches are rebuilt
 _REQUIRED = ("config.json", "model.safetensors", "tokenizer_config.json")
 BLOCKS_FILE = "gguf_blocks.safetensors"  # the file's quantized blocks (see the module docstring)
+# The default SmolLM2-135M file (98 MB) converted in 25-31 s on the 2-core development machine
+# (28-34 s with the start-up around it): the figure a first start quotes.
+USUAL_CONVERSION_S = 30
 
 
 def cache_root() -> Path:
@@ -95,14 +109,18 @@ def _complete(path: Path) -> bool:
 
 
 @contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
+def _file_lock(path: Path, **log_fields: Any) -> Iterator[None]:
     try:
         import fcntl
     except ImportError:  # not POSIX: the atomic rename alone keeps the cache consistent
         yield
         return
     with open(path, "a+") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("another process is converting this model; waiting for it", lock=str(path), **log_fields)
+            fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
         finally:
@@ -122,12 +140,17 @@ def _state_dict_for_saving(model: torch.nn.Module, tied: bool) -> dict[str, torc
     return tensors
 
 
-def _convert(gguf: Path, out: Path, key: str) -> None:
+def _convert(gguf: Path, out: Path, key: str, progress: ProgressReporter) -> None:
+    progress.phase("importing transformers")
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(gguf.parent), gguf.name
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # Most of from_pretrained is spent before its tensor loop: parsing the file's metadata and
+    # mapping tensor names. Its loops (dequantizing, loading weights) count as phases of their own.
+    progress.phase("reading the GGUF file")
+    with report_transformers_progress(progress):
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     config = model.config
     if hasattr(config, "quantization_config"):  # the weights we write are dequantized
         del config.quantization_config
@@ -137,9 +160,11 @@ def _convert(gguf: Path, out: Path, key: str) -> None:
     config.save_pretrained(out)
     model.generation_config.save_pretrained(out)
     state = _state_dict_for_saving(model, tied)
+    progress.phase("writing model.safetensors")
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    _write_blocks(gguf, out / BLOCKS_FILE, state, config)
+    _write_blocks(gguf, out / BLOCKS_FILE, state, config, progress)
     del model, state
+    progress.phase("converting the tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     tokenizer.model_max_length = int(config.max_position_embeddings)  # GGUF leaves it "unbounded"
     tokenizer.save_pretrained(out)
@@ -164,11 +189,13 @@ def _matching_rows(values: np.ndarray, dense: np.ndarray, head_counts: set[int])
     return None
 
 
-def _write_blocks(gguf_path: Path, dest: Path, state: dict[str, torch.Tensor], config: object) -> None:
+def _write_blocks(gguf_path: Path, dest: Path, state: dict[str, torch.Tensor], config: object,
+                  progress: ProgressReporter) -> None:
     """Write the file's block-quantized bytes of each 2-D weight that dequantizes to ``state``."""
     import gguf
     from safetensors.torch import save_file
 
+    progress.phase("reading the GGUF blocks")
     reader = gguf.GGUFReader(str(gguf_path))
     field = reader.fields.get("general.architecture")
     arch_name = bytes(field.parts[field.data[0]]).decode() if field is not None else ""
@@ -182,7 +209,7 @@ def _write_blocks(gguf_path: Path, dest: Path, state: dict[str, torch.Tensor], c
     dense_types = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
     blocks: dict[str, torch.Tensor] = {}
     types: dict[str, str] = {}
-    for hf_name, dense in state.items():
+    for hf_name, dense in progress.track(list(state.items()), "keeping the GGUF blocks"):
         tensor = by_name.get(names.get_name(hf_name, try_suffixes=(".weight",)) or "")
         if dense.dim() != 2 or tensor is None or tensor.tensor_type in dense_types:
             continue
@@ -241,14 +268,16 @@ def converted_gguf_dir(gguf: Path) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     # One lock per model name: conversions of it (any content) and the removal of its stale
     # entries never overlap.
-    with _file_lock(root / f".{gguf.stem}.lock"):
+    with _file_lock(root / f".{gguf.stem}.lock", gguf=str(gguf)):
         if _complete(final):  # another process finished while we waited
             return final
         if final.exists():  # damaged by hand: rebuild it
             shutil.rmtree(final)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
         try:
-            _convert(gguf, tmp, key)
+            with ProgressReporter("converting the GGUF file into the cache, once per file", USUAL_CONVERSION_S,
+                                  gguf=str(gguf), cache_dir=str(final)) as progress:
+                _convert(gguf, tmp, key, progress)
             _make_shareable(tmp)
             try:
                 os.rename(tmp, final)
