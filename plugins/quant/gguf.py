@@ -17,6 +17,7 @@ silently; ``--quantize gguf`` fails saying why).
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -208,6 +209,7 @@ class GGUFQuantizer:
     def quantize(self, model: nn.Module) -> int:
         from safetensors import safe_open
 
+        started = time.monotonic()
         fused_layout = getattr(model, "fused_layout", None)  # fused projection -> its checkpoint parts
         layout: dict[str, tuple[str, int, int]] = fused_layout() if callable(fused_layout) else {}
         replaced = 0
@@ -239,5 +241,5 @@ class GGUFQuantizer:
                     model.lm_head = head
                     replaced += 1
         log.info("GGUF blocks serve the linear layers", layers=replaced,
-                 types=sorted(set(types.values())))
+                 types=sorted(set(types.values())), duration_s=round(time.monotonic() - started, 1))
         return replaced

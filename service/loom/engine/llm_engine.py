@@ -80,6 +80,7 @@ class LLMEngine:
         from loom.model_loader import eos_token_ids, load_hf_config, load_model, model_dims, resolve_model_dir
 
         self.config = config
+        started = time.monotonic()
         registry = registry or default_registry()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -91,6 +92,7 @@ class LLMEngine:
 
             threading.Thread(target=cpu_fused.available, name="build-cpu-fused-ops", daemon=True).start()
         model_dir = resolve_model_dir(config.model_id)
+        log.info("loading the model", model_dir=str(model_dir), device=str(self.device))
         hf_config = load_hf_config(model_dir)
         ckpt_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
         if isinstance(ckpt_dtype, str):
@@ -174,7 +176,7 @@ class LLMEngine:
         log.info("engine ready", model_dir=str(model_dir), architecture=loaded.architecture,
                  dtype=self.info.dtype, device=self.info.device, attention_backend=backend_spec.name,
                  kv_blocks=num_blocks, block_size=bs, max_batch_total_tokens=pool_tokens,
-                 max_total_tokens=self.max_model_len)
+                 max_total_tokens=self.max_model_len, duration_s=round(time.monotonic() - started, 1))
 
     def _build(self, num_blocks: int) -> None:
         """(Re)create the KV pool, block manager, scheduler and runner for ``num_blocks`` blocks."""
