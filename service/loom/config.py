@@ -26,7 +26,7 @@ class EngineConfig:
     # blocks on the CPU); none: dense weights; or a quantizer plugin's name
     quantize: str = "auto"
     block_size: int = 16
-    # KV pool size in tokens; None: sized from memory (GPU) or a CPU default.
+    # KV pool size in tokens; None: sized from memory (GPU) or from the limits (CPU, see below).
     max_batch_total_tokens: int | None = None
     max_input_tokens: int | None = None  # None: max_total_tokens - 1
     max_total_tokens: int | None = None  # None: min(model's max positions, 4096)
@@ -43,7 +43,11 @@ class EngineConfig:
     # Prepare step N+1 on the host while the device runs step N ("auto": on CUDA only; on the
     # CPU the forward runs on the host anyway, so it would only delay outputs by a step).
     async_scheduling: str = "auto"  # auto | on | off
-    cpu_kv_cache_tokens: int = 65536  # the pool size on CPU when max_batch_total_tokens is unset
+    # The CPU pool when max_batch_total_tokens is unset (loom/engine/kv_pool_sizing.py): this many
+    # sequences of max_total_tokens (fewer with a smaller max_batch_size), within this share of
+    # the memory available at start, and never less than one sequence of max_total_tokens.
+    cpu_kv_cache_sequences: int = 4
+    cpu_kv_memory_fraction: float = 0.25
     cuda_memory_fraction: float = 0.9
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
     warmup: bool = True  # run one request through every path before serving (sizes the GPU pool)
@@ -88,3 +92,7 @@ class EngineConfig:
             raise ConfigError("--quantize must be auto, none or a quantizer plugin's name; got an empty value")
         if self.attention_backend is not None and not self.attention_backend.strip():
             raise ConfigError("--attention-backend must be an attention plugin's name; got an empty value")
+        if self.cpu_kv_cache_sequences < 1:
+            raise ConfigError("cpu_kv_cache_sequences must be at least 1")
+        if not 0.0 < self.cpu_kv_memory_fraction <= 1.0:
+            raise ConfigError("cpu_kv_memory_fraction must be in (0, 1]")

@@ -11,6 +11,11 @@ the one torch already loaded (the extension links none of its own).
 
 When a kernel cannot be built (no compiler, no ninja, a CPU without the instructions) the
 plugin logs why and keeps its pure-torch path. ``LOOM_CPU_KERNELS=0`` turns every kernel off.
+
+Loading a kernel from the cache takes milliseconds; compiling one takes 10-25 s on 2 cores (each
+extension quotes its own measured figure). A load still running after a second is a compile: it
+is then announced with that figure and reported every few seconds until it ends
+(:mod:`loom.startup_progress`), so a first start is never silent while it compiles.
 """
 
 from __future__ import annotations
@@ -25,7 +30,11 @@ from pathlib import Path
 import structlog
 import torch
 
+from loom.startup_progress import ProgressReporter
+
 log = structlog.get_logger(__name__)
+
+_COMPILE_ANNOUNCE_AFTER_S = 1.0  # a cached kernel loads in milliseconds
 
 INCLUDE_DIR = Path(__file__).parent / "csrc"  # headers shared by the kernels (loom_vec_math.h)
 
@@ -48,8 +57,11 @@ def kernels_enabled() -> bool:
 class CpuExtension:
     """One .cpp file of torch operators in namespace ``namespace``, built on first ``available()``."""
 
-    def __init__(self, name: str, source: Path, namespace: str, op: str, extra_cflags: Sequence[str] = ()) -> None:
+    def __init__(self, name: str, source: Path, namespace: str, op: str, extra_cflags: Sequence[str] = (),
+                 usual_build_s: float | None = None) -> None:
+        """``usual_build_s``: how long compiling it took on the 2-core development machine."""
         self.name, self.source, self.namespace, self.op = name, source, namespace, op
+        self.usual_build_s = usual_build_s
         self.cflags = ["-O3", "-march=native", "-fopenmp", *extra_cflags]
         self._lock = threading.Lock()
         self._ok: bool | None = None
@@ -68,10 +80,13 @@ class CpuExtension:
                 try:
                     from torch.utils import cpp_extension
 
-                    log.info("loading a CPU kernel (compiled once, then cached)", source=str(self.source))
-                    cpp_extension.load(name=self._module_name(), sources=[str(self.source)],
-                                       extra_cflags=self.cflags, extra_include_paths=[str(INCLUDE_DIR)],
-                                       is_python_module=False, verbose=False)
+                    log.debug("loading a CPU kernel", kernel=self.name, source=str(self.source))
+                    with ProgressReporter("compiling a CPU kernel, once per machine",
+                                          self.usual_build_s, announce_after_s=_COMPILE_ANNOUNCE_AFTER_S,
+                                          kernel=self.name, source=str(self.source)):
+                        cpp_extension.load(name=self._module_name(), sources=[str(self.source)],
+                                           extra_cflags=self.cflags, extra_include_paths=[str(INCLUDE_DIR)],
+                                           is_python_module=False, verbose=False)
                     self._ok = hasattr(getattr(torch.ops, self.namespace), self.op)
                     if not self._ok:
                         self._why = f"the build did not register torch.ops.{self.namespace}.{self.op}"

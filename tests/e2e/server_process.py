@@ -40,9 +40,11 @@ class ServerProcess:
     """One ``loom serve`` child process; records the health statuses seen while it started."""
 
     def __init__(self, model_dir: Path | None, log_path: Path, *extra: str,
-                 credentials: grpc.ChannelCredentials | None = None, new_session: bool = False) -> None:
+                 credentials: grpc.ChannelCredentials | None = None, new_session: bool = False,
+                 env: dict[str, str] | None = None) -> None:
         """``new_session``: the server leads a process group of its own (its engine in it), as
-        under a supervisor that signals the whole group."""
+        under a supervisor that signals the whole group. ``env``: variables set for this server on
+        top of :func:`server_env`'s."""
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         # Each test server gets a metrics port of its own: the default 9000 would clash between them.
@@ -58,8 +60,8 @@ class ServerProcess:
         if model_dir is not None:
             args += ["--model-id", str(model_dir)]
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=server_env(),
-                                     start_new_session=new_session)
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**server_env(), **(env or {})}, start_new_session=new_session)
         # A TLS server is reached with ``credentials`` (its CA, and a client certificate for mTLS).
         self.channel = (grpc.insecure_channel(self.address) if credentials is None
                         else grpc.secure_channel(self.address, credentials))
@@ -113,9 +115,10 @@ class ServerProcess:
 
 
 def start_server(model_dir: Path | None, log_dir: Path, name: str, *extra: str,
-                 credentials: grpc.ChannelCredentials | None = None, new_session: bool = False) -> ServerProcess:
+                 credentials: grpc.ChannelCredentials | None = None, new_session: bool = False,
+                 env: dict[str, str] | None = None) -> ServerProcess:
     server = ServerProcess(model_dir, log_dir / f"{name}.log", *extra, credentials=credentials,
-                           new_session=new_session)
+                           new_session=new_session, env=env)
     try:
         server.wait_serving()
     except BaseException:

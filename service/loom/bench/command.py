@@ -134,6 +134,13 @@ async def _run_loom(cfg: EngineConfig, workloads: list[Workload],
 # -- C0-C2 ---------------------------------------------------------------------------------------------------
 
 
+def cpu_pool_tokens(workloads: list[Workload], block_size: int = 16) -> int:
+    """A CPU KV pool that holds every request of the largest workload at once, in whole blocks:
+    the figures measure batching, not preemption (the engine's default CPU pool holds only four
+    full-length sequences)."""
+    return max(sum(-(-(len(p) + n) // block_size) * block_size for p, n in w.requests) for w in workloads)
+
+
 def _run_cpu_workloads(args: argparse.Namespace, names: list[str], result: dict[str, Any]) -> None:
     from loom.model_loader import resolve_model_dir
 
@@ -141,7 +148,8 @@ def _run_cpu_workloads(args: argparse.Namespace, names: list[str], result: dict[
     model_dir = resolve_model_dir(args.model_id)
     max_total = max(len(p) + n for w in workloads for p, n in w.requests)
     cfg = EngineConfig(model_id=str(model_dir), device="cpu", num_threads=args.threads, quantize=args.quantize,
-                       max_total_tokens=max(max_total, 1024), max_batch_prefill_tokens=4096)
+                       max_total_tokens=max(max_total, 1024), max_batch_prefill_tokens=4096,
+                       max_batch_total_tokens=max(cpu_pool_tokens(workloads), max_total, 1024))
     loom, info = asyncio.run(_run_loom(cfg, workloads))
     result["cpu_engine"] = {"plugins": info["plugins"], "attention_backend": info["attention_backend"],
                             "dtype": info["dtype"]}
@@ -190,7 +198,8 @@ def engine_config(args: argparse.Namespace, device: torch.device, workloads: lis
         quantize=args.quantize,
         max_total_tokens=max(args.max_total_tokens, needed),
         max_batch_prefill_tokens=args.max_batch_prefill_tokens or (16384 if on_gpu else 4096),
-        max_batch_total_tokens=args.max_batch_total_tokens,
+        max_batch_total_tokens=args.max_batch_total_tokens or (None if on_gpu else max(
+            cpu_pool_tokens(workloads), args.max_total_tokens, needed)),
     )
     if not on_gpu:
         kwargs["num_threads"] = args.threads

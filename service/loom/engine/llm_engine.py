@@ -24,6 +24,7 @@ from loom.process_tuning import keep_freed_memory
 
 from .block_manager import BlockManager
 from .cuda_graphs import maybe_capture_cuda_graphs
+from .kv_pool_sizing import KvPoolSize, available_memory_bytes, kv_bytes_per_token, size_cpu_kv_pool
 from .model_runner import CausalLM, LaunchedStep, ModelRunner, StepResult
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sequence import PENDING_TOKEN, Sequence, SequenceStatus
@@ -79,6 +80,7 @@ class LLMEngine:
         from loom.model_loader import eos_token_ids, load_hf_config, load_model, model_dims, resolve_model_dir
 
         self.config = config
+        started = time.monotonic()
         registry = registry or default_registry()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -90,6 +92,7 @@ class LLMEngine:
 
             threading.Thread(target=cpu_fused.available, name="build-cpu-fused-ops", daemon=True).start()
         model_dir = resolve_model_dir(config.model_id)
+        log.info("loading the model", model_dir=str(model_dir), device=str(self.device))
         hf_config = load_hf_config(model_dir)
         ckpt_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
         if isinstance(ckpt_dtype, str):
@@ -131,12 +134,14 @@ class LLMEngine:
                 f"--max-total-tokens {self.max_model_len} exceeds the model's "
                 f"max_position_embeddings ({shape.max_position_embeddings})"
             )
-        if config.max_batch_total_tokens:
+        self.kv_pool: KvPoolSize | None = None  # the CPU pool's size and why (None on the GPU)
+        if self.device.type == "cpu":
+            self.kv_pool = self._size_pool_on_cpu()
+            num_blocks = self.kv_pool.blocks
+        elif config.max_batch_total_tokens:
             num_blocks = max(1, config.max_batch_total_tokens // bs)
-        elif self.device.type == "cuda":
-            num_blocks = self._size_pool_on_gpu()
         else:
-            num_blocks = max(1, config.cpu_kv_cache_tokens // bs)
+            num_blocks = self._size_pool_on_gpu()
         if not config.max_total_tokens:
             self.max_model_len = min(self.max_model_len, num_blocks * bs)
         if self.max_model_len > num_blocks * bs:
@@ -171,7 +176,7 @@ class LLMEngine:
         log.info("engine ready", model_dir=str(model_dir), architecture=loaded.hf_architecture, model=loaded.architecture,
                  dtype=self.info.dtype, device=self.info.device, attention_backend=backend_spec.name,
                  kv_blocks=num_blocks, block_size=bs, max_batch_total_tokens=pool_tokens,
-                 max_total_tokens=self.max_model_len)
+                 max_total_tokens=self.max_model_len, duration_s=round(time.monotonic() - started, 1))
 
     def _build(self, num_blocks: int) -> None:
         """(Re)create the KV pool, block manager, scheduler and runner for ``num_blocks`` blocks."""
@@ -220,6 +225,24 @@ class LLMEngine:
         while self.has_unfinished():
             self.step()
         self.num_steps = 0
+
+    def _size_pool_on_cpu(self) -> KvPoolSize:
+        """From the limits, within a share of the memory left after the weights (logged once)."""
+        config = self.config
+        per_token = kv_bytes_per_token(self.shape.num_layers, self.shape.num_kv_heads, self.shape.head_dim,
+                                       torch.empty((), dtype=self.dtype).element_size())
+        available = available_memory_bytes()
+        pool = size_cpu_kv_pool(block_size=config.block_size, max_model_len=self.max_model_len,
+                                bytes_per_token=per_token, explicit_tokens=config.max_batch_total_tokens,
+                                sequences=config.cpu_kv_cache_sequences, max_batch_size=config.max_batch_size,
+                                memory_fraction=config.cpu_kv_memory_fraction, available_bytes=available)
+        log.info("kv cache sized", device="cpu", max_batch_total_tokens=pool.tokens, kv_blocks=pool.blocks,
+                 kv_cache_mib=round(pool.bytes / (1 << 20), 1), bytes_per_token=per_token, reason=pool.reason,
+                 available_mib=None if available is None else available >> 20)
+        if available is not None and pool.bytes > available:
+            log.warning("the KV cache is larger than the memory available; lower --max-total-tokens "
+                        "or --max-batch-total-tokens", kv_cache_mib=pool.bytes >> 20, available_mib=available >> 20)
+        return pool
 
     def _size_pool_on_gpu(self) -> int:
         """Size the KV pool from what is left after the weights and a warm-up's activation peak."""

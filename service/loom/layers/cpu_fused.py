@@ -18,7 +18,8 @@ from loom import kernel_switches
 from loom.cpu_extension import CpuExtension
 
 _OPS = CpuExtension("loom_cpu_fused_ops", Path(__file__).parent / "csrc" / "cpu_fused_ops.cpp",
-                    namespace="loom_cpu_fused", op="rotary", extra_cflags=["-ffp-contract=off"])
+                    namespace="loom_cpu_fused", op="rotary", extra_cflags=["-ffp-contract=off"],
+                    usual_build_s=13)  # 12.6-12.9 s measured on 2 cores
 _built = False  # True once available: later calls skip the extension's lock
 
 
