@@ -62,7 +62,7 @@ class RequestEndedError(RuntimeError):
     freed its KV blocks. The message says why."""
 
 
-def run_engine_core(config: EngineConfig, conn: Connection, log_json: bool = False) -> None:
+def run_engine_core(config: EngineConfig, conn: Connection, log_json: bool = False, log_level: str = "INFO") -> None:
     """Entry point of the engine process.
 
     The front end decides when the engine stops (a "shutdown" message, or its pipe closing when
@@ -75,7 +75,7 @@ def run_engine_core(config: EngineConfig, conn: Connection, log_json: bool = Fal
         signal.signal(sig, signal.SIG_IGN)
     from loom.logging_setup import configure_logging
 
-    configure_logging(json_output=log_json, process="engine")
+    configure_logging(json_output=log_json, level=log_level, process="engine")
     try:
         from .llm_engine import LLMEngine
 
@@ -136,9 +136,10 @@ def _serve_pipe(engine: LLMEngine, conn: Connection) -> None:
 class AsyncEngineClient:
     """Starts the engine process and multiplexes requests over its pipe (asyncio side)."""
 
-    def __init__(self, config: EngineConfig, log_json: bool = False) -> None:
+    def __init__(self, config: EngineConfig, log_json: bool = False, log_level: str = "INFO") -> None:
         self.config = config
         self._log_json = log_json
+        self._log_level = log_level  # the engine process logs at the server's --log-level
         self._conn: Connection | None = None
         self._proc: Any = None
         self._queues: dict[str, asyncio.Queue[EngineOutput | Exception]] = {}
@@ -151,7 +152,7 @@ class AsyncEngineClient:
         """Spawn the engine process and wait until it has loaded the model."""
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
-        self._proc = ctx.Process(target=run_engine_core, args=(self.config, child, self._log_json),
+        self._proc = ctx.Process(target=run_engine_core, args=(self.config, child, self._log_json, self._log_level),
                                  name="loom-engine", daemon=True)
         self._proc.start()
         child.close()

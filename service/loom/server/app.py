@@ -181,7 +181,8 @@ class LoomServer:
         return self.server.add_secure_port(self.settings.address, credentials)
 
     async def _load(self) -> None:
-        self.engine = AsyncEngineClient(self.settings.engine, log_json=self.settings.json_output)
+        self.engine = AsyncEngineClient(self.settings.engine, log_json=self.settings.json_output,
+                                        log_level=self.settings.log_level)
         backend = await load_backend(self.settings, self.engine)
         self.service.attach(backend)
         self.stats_poller.attach(self.engine, backend.info)
