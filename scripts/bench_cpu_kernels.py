@@ -104,7 +104,8 @@ def decode_attention_per_layer() -> None:
         for use_kernel in (True, False):
             backend = TorchAttentionBackend(9, 3, 64, torch.float32, torch.device("cpu"))
             backend.cpu_kernel = use_kernel and cpu_kernels.cpu_decode_kernel_available()
-            results.append(seconds(partial(backend.forward, q, kv, kv, cache, meta, 0.125, None), 200))
+            plan = backend.prepare(meta)
+            results.append(seconds(partial(backend.forward, q, kv, kv, cache, meta, plan, 0.125, None), 200))
         print(f"  {batch} x {length} tokens: kernel {results[0] * 1e6:7.1f} us, gather + SDPA "
               f"{results[1] * 1e6:7.1f} us ({results[1] / results[0]:.2f}x)")
 

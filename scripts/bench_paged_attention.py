@@ -97,7 +97,9 @@ def decode_rows(batch: int, ctx: int, num_sms: int) -> list[dict[str, Any]]:
     k_new = torch.randn(batch, HKV, D, dtype=torch.bfloat16, device="cuda")
     for name, cls in (("torch", TorchAttentionBackend), ("paged", PagedAttentionBackend)):
         backend = cls(HQ, HKV, D, torch.bfloat16, torch.device("cuda"))
-        ms = bench_ms(lambda backend=backend: backend.forward(q, k_new, k_new, cache, meta, SCALE, None))
+        plan = backend.prepare(meta)
+        ms = bench_ms(lambda backend=backend, plan=plan: backend.forward(q, k_new, k_new, cache, meta, plan, SCALE,
+                                                                         None))
         rows.append(dict(kernel=f"{name} backend decode (incl. K/V write)", batch=batch, ctx=ctx, us=ms * 1e3,
                          GBps=case["bytes"] / (ms * 1e-3) / 1e9))
     return rows

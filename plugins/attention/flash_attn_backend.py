@@ -18,17 +18,22 @@ admits keys in ``[q_pos - left, q_pos + right]``, so ``left = window - 1`` and `
 
 from __future__ import annotations
 
-import contextlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from loom.layers.attention import AttentionBackend, AttentionMetadata, write_kv
+from loom.plugin_api import AttentionBackend, AttentionMetadata, write_kv
 
 # flash-attn 2's paged KV (block_table) needs pages of a multiple of this many tokens.
 FLASH_PAGE_MULTIPLE = 256
 
-_CU_SEQLENS_ATTR = "_flash_cu_seqlens_k"
+
+@dataclass(frozen=True)
+class FlashPlan:
+    """What every layer of a step shares."""
+
+    cu_seqlens_k: torch.Tensor | None  # [B + 1] int32 cumulative key lengths; None for pure decode
 
 
 def _flash_module() -> Any:
@@ -51,7 +56,7 @@ def _store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: t
     write_kv(k, v, kv_cache, slots)
 
 
-class FlashAttentionBackend(AttentionBackend):
+class FlashAttentionBackend(AttentionBackend[FlashPlan]):
     """flash-attn 2 (``flash_attn_varlen_func`` / ``flash_attn_with_kvcache``) with paged KV."""
 
     name = "flash"
@@ -77,15 +82,12 @@ class FlashAttentionBackend(AttentionBackend):
             )
         return super().allocate_kv_cache(num_layers, num_blocks, block_size)
 
-    def _cu_seqlens_k(self, meta: AttentionMetadata) -> torch.Tensor:
-        """[B + 1] int32 cumulative key lengths, made once per step and cached on the metadata."""
-        cu: torch.Tensor | None = getattr(meta, _CU_SEQLENS_ATTR, None)
-        if cu is None:
-            cu = torch.zeros(meta.num_seqs + 1, dtype=torch.int32, device=meta.seq_lens.device)
-            torch.cumsum(meta.seq_lens, dim=0, dtype=torch.int32, out=cu[1:])
-            with contextlib.suppress(AttributeError):
-                setattr(meta, _CU_SEQLENS_ATTR, cu)
-        return cu
+    def prepare(self, meta: AttentionMetadata) -> FlashPlan:
+        if meta.is_pure_decode:  # flash_attn_with_kvcache takes the lengths themselves
+            return FlashPlan(None)
+        cu = torch.zeros(meta.num_seqs + 1, dtype=torch.int32, device=meta.seq_lens.device)
+        torch.cumsum(meta.seq_lens, dim=0, dtype=torch.int32, out=cu[1:])
+        return FlashPlan(cu)
 
     def forward(
         self,
@@ -94,6 +96,7 @@ class FlashAttentionBackend(AttentionBackend):
         v: torch.Tensor,  # [T, Hkv, D]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
+        plan: FlashPlan,
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:  # [T, Hq, D]
@@ -116,7 +119,7 @@ class FlashAttentionBackend(AttentionBackend):
             k_cache,
             v_cache,
             cu_seqlens_q=meta.query_start_loc,
-            cu_seqlens_k=self._cu_seqlens_k(meta),
+            cu_seqlens_k=plan.cu_seqlens_k,
             max_seqlen_q=meta.max_query_len,
             max_seqlen_k=meta.max_seq_len,
             softmax_scale=scale,

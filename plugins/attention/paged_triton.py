@@ -3,14 +3,19 @@
 Per layer: one launch writes the new K/V into the pool (:func:`store_kv`), then attention reads
 every key, cached and new alike, from the pool through the block tables
 (:func:`paged_attention`). How a step is served depends only on host-side values of the
-metadata, planned once per step and cached on it (all layers reuse the plan):
+metadata, planned once per step by :meth:`PagedAttentionBackend.prepare` (all layers reuse
+the plan):
 
 * pure decode (every sequence has one query token): one decode launch over all sequences, with
   split-K when there are too few (sequence, KV head) programs to fill the GPU. This path creates
   no tensor from host data and reads nothing on the host but ``num_seqs``, ``max_query_len``
   and ``max_seq_len``, so it can be captured in a CUDA graph (``max_seq_len`` then being the
   graph's upper bound; it only picks the split count).
-* only prefills (query lengths > 1): one launch with 64-row query tiles over all sequences.
+* only prefills (query lengths > 1): one launch with 64-row query tiles over all sequences. The
+  kernel reads each sequence's query range and context length from the device-side
+  ``query_start_loc`` and ``seq_lens``, so a step whose every sequence has the same query
+  length ``q > 1`` on cached context (verification of ``q - 1`` draft tokens) is planned from
+  ``num_seqs`` and ``max_query_len`` alone, creates no tensor, and can be captured too.
 * mixed: the decode sequences get the decode launch and the others the prefill launch, each
   told which sequences it serves through a small index tensor. Decode rows thereby keep 16-row
   tiles instead of occupying a 64-row prefill tile for one token.
@@ -20,25 +25,24 @@ Slot ``-1`` in ``slot_mapping`` skips the write of that token (CUDA-graph paddin
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass
 
 import torch
 
-from loom.layers.attention import AttentionBackend, AttentionMetadata
+from loom.plugin_api import AttentionBackend, AttentionMetadata
 
 from .triton_kernels import paged_attention, store_kv
-
-_PLAN_ATTR = "_paged_triton_plan"
 
 # Split-K only pays when each split keeps at least this many keys to read.
 _MIN_KEYS_PER_SPLIT = 256
 _MAX_SPLITS = 16
 
 
-@dataclass
-class _Plan:
+@dataclass(frozen=True)
+class PagedPlan:
+    """Which launches serve a step: decode rows (one token) and the others, and how."""
+
     decode_ids: torch.Tensor | None  # [nd] int32, None when every sequence decodes
     num_decode: int
     prefill_ids: torch.Tensor | None  # [np] int32, None when every sequence prefills
@@ -71,12 +75,13 @@ def _ids_on(ids: list[int], device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-class PagedAttentionBackend(AttentionBackend):
+class PagedAttentionBackend(AttentionBackend[PagedPlan]):
     """Triton paged attention: decode with GQA-grouped tiles and split-K, varlen prefill over
     cached context, sliding windows; bf16/fp16 (fp32 works, with tf32 dots)."""
 
     name = "paged"
     supports_cuda_graphs = True
+    supports_cuda_graphs_multi_token = True  # uniform query lengths: see prepare()
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -90,32 +95,30 @@ class PagedAttentionBackend(AttentionBackend):
         if device.type == "cuda":
             self._sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
-    def plan(self, meta: AttentionMetadata) -> _Plan:
-        plan: _Plan | None = getattr(meta, _PLAN_ATTR, None)
-        if plan is not None:
-            return plan
+    def prepare(self, meta: AttentionMetadata) -> PagedPlan:
+        """A pure decode, or a step whose every sequence has ``max_query_len`` tokens, is planned
+        from ``num_seqs``, ``max_query_len`` and ``max_seq_len`` only and creates no tensor (what
+        a CUDA graph needs); a mixed step indexes its two kinds of sequences from the host list."""
         n = meta.num_seqs
         if meta.is_pure_decode:
-            plan = _Plan(None, n, None, 0, 0,
-                         choose_num_splits(n, self.num_kv_heads, meta.max_seq_len, self._sms))
-        else:
-            dec = [i for i, ql in enumerate(meta.query_lens_cpu) if ql == 1]
-            pre = [i for i, ql in enumerate(meta.query_lens_cpu) if ql != 1]
-            dev = meta.seq_lens.device
-            # Decode rows of a mixed step use one split: mixed steps carry a prefill, so the
-            # GPU is busy anyway, and this keeps the step's plan simple.
-            plan = _Plan(
-                decode_ids=_ids_on(dec, dev) if dec else None,
-                num_decode=len(dec),
-                # None: every sequence prefills, and the launch serves sequences 0..n-1.
-                prefill_ids=_ids_on(pre, dev) if dec else None,
-                num_prefill=len(pre),
-                max_prefill_query_len=max(meta.query_lens_cpu[i] for i in pre),
-                num_splits=1,
-            )
-        with contextlib.suppress(AttributeError):
-            setattr(meta, _PLAN_ATTR, plan)
-        return plan
+            return PagedPlan(None, n, None, 0, 0,
+                             choose_num_splits(n, self.num_kv_heads, meta.max_seq_len, self._sms))
+        if meta.slot_mapping.shape[0] == n * meta.max_query_len:  # every sequence has max_query_len tokens
+            return PagedPlan(None, 0, None, n, meta.max_query_len, 1)
+        dec = [i for i, ql in enumerate(meta.query_lens_cpu) if ql == 1]
+        pre = [i for i, ql in enumerate(meta.query_lens_cpu) if ql != 1]
+        dev = meta.seq_lens.device
+        # Decode rows of a mixed step use one split: mixed steps carry a prefill, so the
+        # GPU is busy anyway, and this keeps the step's plan simple.
+        return PagedPlan(
+            decode_ids=_ids_on(dec, dev) if dec else None,
+            num_decode=len(dec),
+            # None: every sequence prefills, and the launch serves sequences 0..n-1.
+            prefill_ids=_ids_on(pre, dev) if dec else None,
+            num_prefill=len(pre),
+            max_prefill_query_len=max(meta.query_lens_cpu[i] for i in pre),
+            num_splits=1,
+        )
 
     def forward(
         self,
@@ -124,6 +127,7 @@ class PagedAttentionBackend(AttentionBackend):
         v: torch.Tensor,  # [T, Hkv, D]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
+        plan: PagedPlan,
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:  # [T, Hq, D]
@@ -131,7 +135,6 @@ class PagedAttentionBackend(AttentionBackend):
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = torch.empty((q.shape[0], self.num_heads, self.head_dim), dtype=q.dtype, device=q.device)
-        plan = self.plan(meta)
         if plan.num_decode:
             paged_attention(q, kv_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                             num_seqs=plan.num_decode, seq_ids=plan.decode_ids, max_query_len=1,

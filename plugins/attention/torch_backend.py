@@ -1,9 +1,9 @@
 """The ``torch`` attention backend: ``scaled_dot_product_attention`` over the paged KV cache.
 
 Runs wherever PyTorch does and is the reference the other backends are checked against, and
-the CPU fast path. One step is planned once (which rows decode, which prefill, the gather
-indices and masks) and the plan is cached on the step's :class:`AttentionMetadata`, so all
-layers of the model reuse it. Per layer the work is then:
+the CPU fast path. One step is planned once, in :meth:`TorchAttentionBackend.prepare` (which
+rows decode, which prefill, the gather indices; masks are added on first use), and all layers of
+the model reuse the plan. Per layer the work is then:
 
 * write the new K/V into the pool at ``slot_mapping``;
 * the pure-decode sequences (``query_len == 1``): in fp32 on the CPU, one call of a compiled
@@ -23,19 +23,14 @@ kernel may order its sums differently for other batch shapes (differences of ~1 
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from loom.layers.attention import AttentionBackend, AttentionMetadata, write_kv
+from loom.plugin_api import AttentionBackend, AttentionMetadata, write_kv
 
 from . import cpu_kernels
-
-# Attribute under which the step plan is cached on the metadata object. The runner builds a
-# fresh AttentionMetadata per step, so the plan lives exactly as long as the step.
-_PLAN_ATTR = "_torch_attention_plan"
 
 _MaskKey = tuple[int | None, torch.dtype]
 
@@ -74,7 +69,9 @@ class _Prefill:
 
 
 @dataclass
-class _StepPlan:
+class StepPlan:
+    """The torch backend's plan of one step, shared by all layers."""
+
     decodes: list[_DecodeGroup]
     prefills: list[_Prefill]
 
@@ -105,7 +102,7 @@ def _length_groups(dec_seqs: list[int], seq_lens: list[int]) -> list[list[int]]:
     return [sorted(g) for g in groups]  # step order inside a group: rows stay a slice when they can
 
 
-def _plan_step(meta: AttentionMetadata, split_by_length: bool = True) -> _StepPlan:
+def plan_step(meta: AttentionMetadata, split_by_length: bool = True) -> StepPlan:
     """Split the step into decode groups and prefills, from host-side lists only. Without
     ``split_by_length`` (the in-place kernel pads nothing) all decodes form one group."""
     bs = meta.block_size
@@ -153,7 +150,7 @@ def _plan_step(meta: AttentionMetadata, split_by_length: bool = True) -> _StepPl
         sl = meta.seq_lens_cpu[i]
         block_ids = meta.block_tables[i, : -(-sl // bs)] if sl > ql else None
         prefills.append(_Prefill(start=starts[i], query_len=ql, seq_len=sl, block_ids=block_ids))
-    return _StepPlan(decodes=decodes, prefills=prefills)
+    return StepPlan(decodes=decodes, prefills=prefills)
 
 
 def _decode_mask(group: _DecodeGroup, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:
@@ -194,21 +191,7 @@ def _prefill_mask(
     return mask
 
 
-def get_step_plan(meta: AttentionMetadata, split_by_length: bool = True) -> _StepPlan:
-    """The step's plan, built on the first layer's call and reused by the others.
-
-    Keyed by the metadata object itself: a runner must build a new AttentionMetadata for each
-    step rather than mutate one in place.
-    """
-    plan: _StepPlan | None = getattr(meta, _PLAN_ATTR, None)
-    if plan is None:
-        plan = _plan_step(meta, split_by_length)
-        with contextlib.suppress(AttributeError):  # a slotted/frozen metadata: plan per call
-            setattr(meta, _PLAN_ATTR, plan)
-    return plan
-
-
-class TorchAttentionBackend(AttentionBackend):
+class TorchAttentionBackend(AttentionBackend[StepPlan]):
     """Paged attention with ``torch.nn.functional.scaled_dot_product_attention``.
 
     Slot ``-1`` in ``slot_mapping`` (skip the write) is not supported: every new token's K/V is
@@ -227,6 +210,10 @@ class TorchAttentionBackend(AttentionBackend):
         self.cpu_kernel = (device.type == "cpu" and dtype == torch.float32
                            and cpu_kernels.cpu_decode_kernel_available())
 
+    def prepare(self, meta: AttentionMetadata) -> StepPlan:
+        # The in-place CPU kernel pads nothing: its decodes need no split by length.
+        return plan_step(meta, split_by_length=not self.cpu_kernel)
+
     def forward(
         self,
         q: torch.Tensor,  # [T, Hq, D]
@@ -234,6 +221,7 @@ class TorchAttentionBackend(AttentionBackend):
         v: torch.Tensor,  # [T, Hkv, D]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
+        plan: StepPlan,
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:  # [T, Hq, D]
@@ -243,7 +231,6 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             write_kv(k, v, kv_cache, meta.slot_mapping)
 
-        plan = get_step_plan(meta, split_by_length=not self.cpu_kernel)
         if len(plan.decodes) == 1 and not plan.prefills and plan.decodes[0].row_slice == (0, q.shape[0]):
             return self._decode(q, kv_cache, plan.decodes[0], scale, sliding_window)
 

@@ -15,6 +15,11 @@ Two kernels and a reduction:
   its log-sum-exp; ``_combine_kernel`` merges them. The cut is made inside the kernel from the
   device-side ``seq_lens``, so the grid depends only on host values fixed at launch (batch size,
   head count, split count) and the launch is CUDA-graph capturable.
+* the same holds for queries longer than one token: each program reads its sequence's query range
+  and context length from the device-side ``query_start_loc`` and ``seq_lens``; the grid needs only
+  ``num_seqs`` and an upper bound of the query lengths. A graph of sequences that all have ``q``
+  tokens (draft verification on cached context) is captured with ``max_query_len = q``; its
+  padding sequences (``seq_len`` 0, so ``ctx_len = -q``) see no key and write zeros.
 
 Causality is aligned to the end of each sequence: sequence ``b`` has ``L = seq_lens[b]`` tokens of
 which the last ``q = query_len`` are queries, query ``i`` sits at position ``L - q + i`` and sees

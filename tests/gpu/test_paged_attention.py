@@ -1,5 +1,5 @@
 """The ``paged`` Triton backend against the torch reference backend on a CUDA GPU, and CUDA-graph
-decode against eager decode.
+steps (decode, and three query tokens per sequence on cached context) against eager steps.
 
 Every case draws a fresh random step (pool full of stale finite values, shuffled block tables,
 block size 16) and checks: the K/V written into the pool equal the torch backend's exactly; the
@@ -8,6 +8,7 @@ output is within half-precision tolerance of the torch backend's and of a float3
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import Any
 
@@ -20,7 +21,7 @@ from helpers.paged_cases import PagedStep, make_step
 from helpers.reference_attention import ReferenceAttentionBackend
 
 from loom.layers.attention import AttentionMetadata, ForwardContext, forward_context
-from loom_plugins.attention.paged_triton import _PLAN_ATTR, PagedAttentionBackend, _Plan
+from loom_plugins.attention.paged_triton import PagedAttentionBackend
 from loom_plugins.attention.torch_backend import TorchAttentionBackend
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -38,6 +39,8 @@ def _seqs(mode: str, rng: random.Random) -> list[tuple[int, int]]:
         return [(0, rng.randint(1, 300)) for _ in range(5)]
     if mode == "cached":  # a suffix on top of cached context (chunked prefill, prefix cache hits)
         return [(rng.randint(1, 600), rng.randint(2, 200)) for _ in range(5)]
+    if mode == "verify":  # k + 1 = 4 tokens per sequence on cached context (draft verification)
+        return [(rng.randint(1, 600), 4) for _ in range(7)]
     assert mode == "mixed"
     return [(rng.randint(0, 500), 1), (0, rng.randint(2, 200)), (rng.randint(0, 500), 1),
             (rng.randint(1, 400), rng.randint(2, 100)), (rng.randint(0, 500), 1)]
@@ -47,15 +50,17 @@ def _check(step: PagedStep, hq: int, hkv: int, d: int, dtype: torch.dtype, windo
            splits: int | None = None) -> None:
     scale = d**-0.5
     ref_cache, torch_cache, cache = step.kv_cache.clone(), step.kv_cache.clone(), step.kv_cache.clone()
+    meta = step.meta
     ref = ReferenceAttentionBackend(hq, hkv, d, torch.float32, CUDA).forward(
-        step.q.float(), step.k.float(), step.v.float(), ref_cache.float(), step.fresh_meta(), scale, window)
-    expect = TorchAttentionBackend(hq, hkv, d, dtype, CUDA).forward(
-        step.q, step.k, step.v, torch_cache, step.fresh_meta(), scale, window)
-    meta = step.fresh_meta()
+        step.q.float(), step.k.float(), step.v.float(), ref_cache.float(), meta, None, scale, window)
+    torch_backend = TorchAttentionBackend(hq, hkv, d, dtype, CUDA)
+    expect = torch_backend.forward(step.q, step.k, step.v, torch_cache, meta, torch_backend.prepare(meta), scale,
+                                   window)
+    backend = PagedAttentionBackend(hq, hkv, d, dtype, CUDA)
+    plan = backend.prepare(meta)
     if splits is not None:
-        setattr(meta, _PLAN_ATTR, _Plan(None, meta.num_seqs, None, 0, 0, splits))
-    out = PagedAttentionBackend(hq, hkv, d, dtype, CUDA).forward(
-        step.q, step.k, step.v, cache, meta, scale, window)
+        plan = dataclasses.replace(plan, num_splits=splits)
+    out = backend.forward(step.q, step.k, step.v, cache, meta, plan, scale, window)
     torch.cuda.synchronize()
     assert torch.equal(cache, torch_cache), "K/V written to the pool differ from the torch backend's"
     assert torch.isfinite(out).all()
@@ -64,7 +69,7 @@ def _check(step: PagedStep, hq: int, hkv: int, d: int, dtype: torch.dtype, windo
     assert rel < REL_NORM[dtype], f"relative error {rel:.2e} against the float32 reference"
 
 
-@pytest.mark.parametrize("mode", ["decode", "prefill", "cached", "mixed"])
+@pytest.mark.parametrize("mode", ["decode", "prefill", "cached", "verify", "mixed"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize(("hq", "hkv"), [(8, 2), (4, 4)], ids=["gqa4", "mha"])
 @pytest.mark.parametrize("d", [64, 128])
@@ -75,7 +80,7 @@ def test_matches_torch_backend(mode: str, dtype: torch.dtype, hq: int, hkv: int,
     _check(step, hq, hkv, d, dtype)
 
 
-@pytest.mark.parametrize("mode", ["decode", "cached", "mixed"])
+@pytest.mark.parametrize("mode", ["decode", "cached", "verify", "mixed"])
 def test_sliding_window(mode: str) -> None:
     rng = random.Random(mode)
     step = make_step(_seqs(mode, rng), num_heads=8, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16,
@@ -90,7 +95,7 @@ def test_split_k_decode_long_context(splits: int | None, window: int | None) -> 
     seqs = [(4100, 1), (2999, 1)]
     step = make_step(seqs, num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, device=CUDA, seed=5)
     if splits is None:
-        plan = PagedAttentionBackend(32, 8, 128, torch.bfloat16, CUDA).plan(step.fresh_meta())
+        plan = PagedAttentionBackend(32, 8, 128, torch.bfloat16, CUDA).prepare(step.meta)
         assert plan.num_splits > 1
     _check(step, 32, 8, 128, torch.bfloat16, window=window, splits=splits)
 
@@ -147,13 +152,14 @@ def _meta(tables: list[list[int]], ctx: list[int], new: list[int], page: int) ->
         max_query_len=max(new), max_seq_len=max(lens), block_size=page)
 
 
+@pytest.mark.parametrize("query_len", [1, 3], ids=["decode", "q3"])
 @pytest.mark.parametrize("n", [1, 3, 8])
-def test_cuda_graph_decode_equals_eager(n: int) -> None:
+def test_cuda_graph_step_equals_eager(n: int, query_len: int) -> None:
     with torch.inference_mode():
-        _graph_vs_eager(n)
+        _graph_vs_eager(n, query_len)
 
 
-def _graph_vs_eager(n: int) -> None:
+def _graph_vs_eager(n: int, q: int) -> None:
     from loom.engine.cuda_graphs import CudaGraphRunner
     from loom.engine.model_runner import StepInputs
 
@@ -161,44 +167,53 @@ def _graph_vs_eager(n: int) -> None:
     model = _tiny_llama()
     backend = PagedAttentionBackend(8, 2, 64, torch.bfloat16, CUDA)
     caches = backend.allocate_kv_cache(2, 200, page)
-    graphs = CudaGraphRunner([1, 2, 4, 8], page, CUDA)
+    graphs = CudaGraphRunner([1, 2, 4, 8], page, CUDA, query_lens=(1, 3))
     graphs.capture(model, backend, caches, max_blocks)
+    assert graphs.captured_query_lens == [1, 3] and len(graphs.graphs) == 8
 
-    rng = random.Random(n)
+    rng = random.Random(n * 10 + q)
     free = list(range(200))
     rng.shuffle(free)
     lens = [rng.randint(2, 300) for _ in range(n)]
-    tables = [[free.pop() for _ in range(-(-(ln + 1) // page))] for ln in lens]
+    tables = [[free.pop() for _ in range(-(-(ln + 3) // page))] for ln in lens]  # room for 3 more tokens
     prompts = [[rng.randrange(3, 1000) for _ in range(ln)] for ln in lens]
-    # Prefill every sequence eagerly, then one decode step.
+    # Prefill every sequence eagerly, then one step of q tokens per sequence on that context.
     meta = _meta(tables, [0] * n, lens, page)
     ids = torch.tensor([t for p in prompts for t in p], device=CUDA)
     pos = torch.cat([torch.arange(ln, device=CUDA) for ln in lens])
-    with forward_context(ForwardContext(backend, caches, meta)):
+    with forward_context(ForwardContext(backend, caches, meta, backend.prepare(meta))):
         model(ids, pos)
-    step_ids = torch.tensor([rng.randrange(3, 1000) for _ in range(n)], device=CUDA)
-    step_pos = torch.tensor(lens, device=CUDA)
+    step_ids = torch.tensor([rng.randrange(3, 1000) for _ in range(n * q)], device=CUDA)
+    step_pos = torch.cat([torch.arange(ln, ln + q, device=CUDA) for ln in lens])
     before = [c.clone() for c in caches]
 
-    meta = _meta(tables, lens, [1] * n, page)
-    with forward_context(ForwardContext(backend, caches, meta)):
+    meta = _meta(tables, lens, [q] * n, page)
+    with forward_context(ForwardContext(backend, caches, meta, backend.prepare(meta))):
         eager = model(step_ids, step_pos).clone()
     eager_caches = [c.clone() for c in caches]
     for c, b in zip(caches, before, strict=True):
         c.copy_(b)
 
-    meta = _meta(tables, lens, [1] * n, page)
-    hidden = graphs.try_run(StepInputs(step_ids, step_pos, meta, [], []))
-    assert hidden is not None and hidden.shape == eager.shape
+    hidden = graphs.try_run(StepInputs(step_ids, step_pos, _meta(tables, lens, [q] * n, page), [], []))
+    assert hidden is not None and hidden.shape == eager.shape == (n * q, 512)
     torch.cuda.synchronize()
     assert graphs.num_replays == 1
-    # Same kernels, but the graph may split decode differently (its max_seq_len is the bound).
+    # Same attention kernels, but the graph may split decode differently (its max_seq_len is the
+    # bound) and its matmuls have bs * q rows.
     torch.testing.assert_close(hidden, eager, atol=2e-2, rtol=2e-2)
     # The graph wrote exactly the eager step's K/V, and the padding rows wrote nothing.
     for c, e in zip(caches, eager_caches, strict=True):
         assert torch.equal(c, e)
 
-    # A prefill step, or more sequences than the largest graph, is not replayed.
+    # A prefill step, a step of a query length without graphs, a step mixing query lengths, or
+    # more sequences than the largest graph: not replayed.
     assert graphs.try_run(StepInputs(ids, pos, _meta(tables, [0] * n, lens, page), [], [])) is None
-    many = _meta([tables[0]] * 9, [lens[0]] * 9, [1] * 9, page)
-    assert graphs.try_run(StepInputs(step_ids[:1].repeat(9), step_pos[:1].repeat(9), many, [], [])) is None
+    any_ids = torch.full((27,), 5, device=CUDA)  # token ids and positions of the right length
+    two = _meta(tables, lens, [2] * n, page)
+    assert graphs.try_run(StepInputs(any_ids[: 2 * n], any_ids[: 2 * n], two, [], [])) is None
+    if n > 1:
+        mixed = _meta(tables, lens, [3] + [1] * (n - 1), page)
+        assert graphs.try_run(StepInputs(any_ids[: n + 2], any_ids[: n + 2], mixed, [], [])) is None
+    many = _meta([tables[0]] * 9, [lens[0]] * 9, [q] * 9, page)
+    assert graphs.try_run(StepInputs(any_ids[: 9 * q], any_ids[: 9 * q], many, [], [])) is None
+    assert graphs.num_replays == 1

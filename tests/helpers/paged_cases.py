@@ -24,13 +24,6 @@ class PagedStep:
     kv_cache: torch.Tensor  # [2, num_blocks, block_size, Hkv, D]
     meta: AttentionMetadata
 
-    def fresh_meta(self) -> AttentionMetadata:
-        """A copy of the metadata without any backend's cached plan."""
-        m = self.meta
-        return AttentionMetadata(m.query_start_loc, m.seq_lens, m.slot_mapping, m.block_tables,
-                                 list(m.query_lens_cpu), list(m.seq_lens_cpu), m.max_query_len,
-                                 m.max_seq_len, m.block_size)
-
 
 def make_step(
     seqs: list[tuple[int, int]],  # (context_len, query_len) per sequence, in batch order

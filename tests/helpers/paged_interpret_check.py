@@ -12,6 +12,7 @@ no bf16), so fp16 and fp32 stand in; the GPU tests cover bf16.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -35,6 +36,8 @@ CASES: list[tuple[list[tuple[int, int]], int, int, int, str, int | None, int | N
     ([(3, 1), (0, 30), (17, 1), (30, 20)], 4, 4, 32, "float32", 7, None, 16),  # MHA + window
     ([(3, 1), (0, 30), (17, 1), (30, 20)], 6, 2, 24, "float32", None, None, 4),  # G=3, D=24, page 4
     ([(100, 1), (0, 70)], 2, 2, 16, "float16", None, None, 8),  # prefill spanning query tiles
+    ([(10, 3), (0, 3), (37, 3), (64, 3)], 4, 2, 32, "float32", None, None, 16),  # uniform q = 3 on context
+    ([(10, 3), (33, 3), (5, 3)], 6, 2, 24, "float16", 6, None, 4),  # the same with a window, G=3, page 4
 ]
 
 
@@ -44,7 +47,7 @@ def run_case(seqs: list[tuple[int, int]], hq: int, hkv: int, d: int, dtype_name:
 
     from helpers.paged_cases import make_step
     from helpers.reference_attention import ReferenceAttentionBackend
-    from loom_plugins.attention.paged_triton import _PLAN_ATTR, PagedAttentionBackend, _Plan
+    from loom_plugins.attention.paged_triton import PagedAttentionBackend
 
     dtype = getattr(torch, dtype_name)
     step = make_step(seqs, num_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=page, dtype=dtype,
@@ -52,12 +55,12 @@ def run_case(seqs: list[tuple[int, int]], hq: int, hkv: int, d: int, dtype_name:
     cpu = torch.device("cpu")
     ref_cache, cache = step.kv_cache.clone(), step.kv_cache.clone()
     ref = ReferenceAttentionBackend(hq, hkv, d, dtype, cpu).forward(
-        step.q, step.k, step.v, ref_cache, step.fresh_meta(), d**-0.5, window)
-    meta = step.fresh_meta()
+        step.q, step.k, step.v, ref_cache, step.meta, None, d**-0.5, window)
+    backend = PagedAttentionBackend(hq, hkv, d, dtype, cpu)
+    plan = backend.prepare(step.meta)
     if splits is not None:
-        setattr(meta, _PLAN_ATTR, _Plan(None, meta.num_seqs, None, 0, 0, splits))
-    out = PagedAttentionBackend(hq, hkv, d, dtype, cpu).forward(
-        step.q, step.k, step.v, cache, meta, d**-0.5, window)
+        plan = dataclasses.replace(plan, num_splits=splits)
+    out = backend.forward(step.q, step.k, step.v, cache, step.meta, plan, d**-0.5, window)
     return (out.float() - ref.float()).abs().max().item(), (cache.float() - ref_cache.float()).abs().max().item()
 
 
@@ -69,15 +72,59 @@ def run_padding_case() -> float:
     from loom_plugins.attention.paged_triton import PagedAttentionBackend
 
     step = make_step([(10, 1), (3, 1), (0, 1)], num_heads=4, num_kv_heads=2, head_dim=16)
-    meta = step.fresh_meta()
+    meta = step.meta
     meta.slot_mapping[2] = -1
     meta.seq_lens[2] = 0
     cache = step.kv_cache.clone()
-    out = PagedAttentionBackend(4, 2, 16, torch.float32, torch.device("cpu")).forward(
-        step.q, step.k, step.v, cache, meta, 0.25, None)
+    backend = PagedAttentionBackend(4, 2, 16, torch.float32, torch.device("cpu"))
+    out = backend.forward(step.q, step.k, step.v, cache, meta, backend.prepare(meta), 0.25, None)
     written = (cache != step.kv_cache).any(dim=(0, 3, 4)).nonzero().tolist()  # [block, offset] pairs
     assert len(written) == 2, f"expected 2 written slots, got {written}"
     return out[2].abs().max().item()
+
+
+def run_graph_case(query_len: int, dtype_name: str) -> list[str]:
+    """The CUDA-graph path without a GPU: the backend's static metadata and the plan made once
+    from the capture metadata, replayed for two different steps of ``query_len`` tokens per
+    sequence. Real rows must equal the reference, padding rows give 0 and write nothing."""
+    import torch
+
+    from helpers.paged_cases import make_step
+    from helpers.reference_attention import ReferenceAttentionBackend
+    from loom_plugins.attention.paged_triton import PagedAttentionBackend
+
+    dtype = getattr(torch, dtype_name)
+    cpu, hq, hkv, d, page, graph_seqs = torch.device("cpu"), 8, 2, 32, 16, 4
+    backend = PagedAttentionBackend(hq, hkv, d, dtype, cpu)
+    backend.init_cuda_graph_state(6, 64, page, query_len)  # bound 1024 keys: decode gets split-K
+    capture_meta = backend.capture_metadata(graph_seqs, query_len)
+    plan = backend.prepare(capture_meta)  # fixed at "capture": host values are placeholders
+    errors: list[str] = []
+    for seed, contexts in ((1, [40, 3, 77]), (2, [0, 100])):
+        seqs = [(c, query_len) for c in contexts]
+        step = make_step(seqs, num_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=page, dtype=dtype,
+                         seed=seed, extra_table_columns=1)
+        n, t, pad_t = len(seqs), len(seqs) * query_len, graph_seqs * query_len
+        ref_cache, cache = step.kv_cache.clone(), step.kv_cache.clone()
+        ref = ReferenceAttentionBackend(hq, hkv, d, dtype, cpu).forward(
+            step.q, step.k, step.v, ref_cache, step.meta, None, d**-0.5, None)
+        backend.prepare_replay(step.meta, graph_seqs, query_len)
+        gen = torch.Generator().manual_seed(seed)
+        # padding rows carry stale (here random) inputs
+        q, k, v = (torch.cat([x, torch.randn((pad_t - t, *x.shape[1:]), generator=gen).to(dtype)])
+                   for x in (step.q, step.k, step.v))
+        out = backend.forward(q, k, v, cache, capture_meta, plan, d**-0.5, None)
+        out_err = (out[:t].float() - ref.float()).abs().max().item()
+        tol = 5e-3 if dtype_name == "float16" else 1e-5
+        if out_err > tol:
+            errors.append(f"q={query_len} step {seed}: out err {out_err:.2e}")
+        if out[t:].abs().max().item() != 0.0:
+            errors.append(f"q={query_len} step {seed}: padding rows attended")
+        if not torch.equal(cache, ref_cache):
+            errors.append(f"q={query_len} step {seed}: the pool differs from the reference's (padding wrote?)")
+        if n < graph_seqs and capture_meta.seq_lens[n:].abs().sum().item() != 0:
+            errors.append(f"q={query_len} step {seed}: padding rows kept a sequence length")
+    return errors
 
 
 def main() -> int:
@@ -92,6 +139,11 @@ def main() -> int:
     pad = run_padding_case()
     failures += pad != 0.0
     print(f"{'ok  ' if pad == 0.0 else 'FAIL'} padding rows: output max {pad}")
+    for query_len, dtype_name in ((1, "float32"), (3, "float32"), (3, "float16")):
+        errors = run_graph_case(query_len, dtype_name)
+        failures += bool(errors)
+        print(f"{'FAIL' if errors else 'ok  '} graph metadata, query length {query_len}, {dtype_name}: "
+              f"{'; '.join(errors) or 'equal to the reference'}")
     return 1 if failures else 0
 
 

@@ -14,8 +14,11 @@ from loom.layers.attention import AttentionBackend, AttentionMetadata, ForwardCo
 from loom.model_loader.hf_config import model_dims
 
 
-class ReferenceAttentionBackend(AttentionBackend):
+class ReferenceAttentionBackend(AttentionBackend[None]):
     name = "test-reference"
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        return None  # plans nothing: forward reads the metadata directly
 
     def forward(
         self,
@@ -24,6 +27,7 @@ class ReferenceAttentionBackend(AttentionBackend):
         v: torch.Tensor,  # [T, Hkv, D]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
+        plan: None,
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:  # [T, Hq, D]
@@ -55,7 +59,7 @@ class ModelHarness:
     """Runs steps of a loaded model with a private KV pool; each sequence owns a fixed block range."""
 
     def __init__(self, model: Any, config: Any, *, block_size: int = 4, num_blocks: int = 64,
-                 max_seqs: int = 4, backend_cls: type[AttentionBackend] = ReferenceAttentionBackend,
+                 max_seqs: int = 4, backend_cls: type[AttentionBackend[Any]] = ReferenceAttentionBackend,
                  dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
         dims = model_dims(config)
         self.model = model
@@ -93,7 +97,8 @@ class ModelHarness:
         )
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        with torch.no_grad(), forward_context(ForwardContext(self.backend, self.kv_caches, meta)):
+        plan = self.backend.prepare(meta)
+        with torch.no_grad(), forward_context(ForwardContext(self.backend, self.kv_caches, meta, plan)):
             hidden = self.model(input_ids, pos)  # [T, H]
             return self.model.compute_logits(hidden)  # [T, V]
 

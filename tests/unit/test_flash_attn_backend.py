@@ -75,7 +75,9 @@ def test_decode_call(fake_flash: FakeFlashAttn) -> None:
                      block_size=256, dtype=torch.bfloat16)
     backend = _backend()
     cache = step.kv_cache.clone()
-    out = backend.forward(step.q, step.k, step.v, cache, step.meta, 0.125, 100)
+    plan = backend.prepare(step.meta)
+    assert plan.cu_seqlens_k is None  # decode passes the lengths themselves
+    out = backend.forward(step.q, step.k, step.v, cache, step.meta, plan, 0.125, 100)
     assert out.shape == (3, 8, 64)
     ((kind, args, kw),) = fake_flash.calls
     assert kind == "kvcache"
@@ -98,7 +100,8 @@ def test_prefill_call(fake_flash: FakeFlashAttn) -> None:
                      block_size=256, dtype=torch.float16)
     backend = _backend(torch.float16)
     cache = step.kv_cache.clone()
-    out = backend.forward(step.q, step.k, step.v, cache, step.meta, 0.125, None)
+    plan = backend.prepare(step.meta)
+    out = backend.forward(step.q, step.k, step.v, cache, step.meta, plan, 0.125, None)
     assert out.shape == (13, 8, 64)
     ((kind, args, kw),) = fake_flash.calls
     assert kind == "varlen"
@@ -113,6 +116,7 @@ def test_prefill_call(fake_flash: FakeFlashAttn) -> None:
     assert kw["causal"] is True and kw["window_size"] == (-1, -1) and kw["softmax_scale"] == 0.125
     flat_v = cache[1].view(-1, 2, 64)
     assert torch.equal(flat_v[step.meta.slot_mapping], step.v)
-    # cu_seqlens_k is computed once per step and reused by every layer.
-    backend.forward(step.q, step.k, step.v, cache, step.meta, 0.125, None)
+    # cu_seqlens_k is computed once per step (in prepare) and reused by every layer.
+    assert kw["cu_seqlens_k"] is plan.cu_seqlens_k
+    backend.forward(step.q, step.k, step.v, cache, step.meta, plan, 0.125, None)
     assert fake_flash.calls[1][2]["cu_seqlens_k"] is kw["cu_seqlens_k"]

@@ -10,7 +10,7 @@ import torch
 
 from loom.layers.attention import Attention, AttentionMetadata, ForwardContext, forward_context
 from loom_plugins.attention import cpu_kernels, loom_attention_backends
-from loom_plugins.attention.torch_backend import TorchAttentionBackend, get_step_plan
+from loom_plugins.attention.torch_backend import TorchAttentionBackend
 
 
 @pytest.fixture(autouse=True, params=["cpu-kernel", "gather"])
@@ -137,7 +137,8 @@ def reference(case: Case, scale: float, sliding_window: int | None) -> torch.Ten
 def run_backend(case: Case, num_heads: int, num_kv_heads: int, head_dim: int,
                 sliding_window: int | None) -> torch.Tensor:
     backend = TorchAttentionBackend(num_heads, num_kv_heads, head_dim, case.q.dtype, case.q.device)
-    out = backend.forward(case.q, case.k, case.v, case.kv_cache, case.meta, head_dim**-0.5, sliding_window)
+    out = backend.forward(case.q, case.k, case.v, case.kv_cache, case.meta, backend.prepare(case.meta),
+                          head_dim**-0.5, sliding_window)
     return out.cpu()
 
 
@@ -241,7 +242,7 @@ def test_sequence_result_does_not_depend_on_batch() -> None:
         backend = TorchAttentionBackend(9, 3, 64, torch.float32, torch.device("cpu"))
         sl_ = slice(lo, lo + ql)
         out_1 = backend.forward(batched.q[sl_], batched.k[sl_], batched.v[sl_], batched.kv_cache, meta,
-                                64**-0.5, None)
+                                backend.prepare(meta), 64**-0.5, None)
         torch.testing.assert_close(out_1, out_b[sl_], atol=1e-6, rtol=0)
 
 
@@ -269,19 +270,23 @@ def test_cpu_kernel_rejects_tables_too_short_and_bad_block_ids(decode_path: str)
     assert torch.equal(cache[0, 0, 3], k[0]) and torch.equal(cache[1, 5, 3], k[1] + 1)
 
 
-def test_plan_is_built_once_per_step_and_shared_by_layers() -> None:
-    """Two layers with their own caches reuse one plan through the Attention layer."""
+def test_plan_is_built_once_per_step_and_shared_by_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two layers with their own caches read the one plan of the forward context."""
     seqs = [(20, 1), (0, 6), (3, 1)]
     case = make_case(seqs, block_size=8, num_heads=4, num_kv_heads=2, head_dim=16, seed=2)
     backend = TorchAttentionBackend(4, 2, 16, torch.float32, torch.device("cpu"))
     caches = [case.kv_cache, case.kv_cache.clone()]
     layers = [Attention(i, 4, 2, 16) for i in range(2)]
     t = case.q.shape[0]
-    with forward_context(ForwardContext(backend, caches, case.meta)):
+    plan = backend.prepare(case.meta)
+    assert len(plan.prefills) == 1 and sum(g.num_seqs for g in plan.decodes) == 2
+    seen: list[object] = []
+    forward = backend.forward
+    monkeypatch.setattr(backend, "forward", lambda *a: seen.append(a[5]) or forward(*a))
+    with forward_context(ForwardContext(backend, caches, case.meta, plan)):
         out0 = layers[0](case.q.reshape(t, -1), case.k.reshape(t, -1), case.v.reshape(t, -1))
-        plan = get_step_plan(case.meta)
         out1 = layers[1](case.q.reshape(t, -1), case.k.reshape(t, -1), case.v.reshape(t, -1))
-        assert get_step_plan(case.meta) is plan
+    assert len(seen) == 2 and all(p is plan for p in seen)
     expected = reference(case, 16**-0.5, None).reshape(t, -1)
     torch.testing.assert_close(out0.double(), expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out1.double(), expected, atol=1e-5, rtol=1e-5)
@@ -293,7 +298,8 @@ def test_bfloat16_runs_close_to_reference() -> None:
     case.q, case.k, case.v = case.q.bfloat16(), case.k.bfloat16(), case.v.bfloat16()
     case.kv_cache = case.kv_cache.bfloat16()
     backend = TorchAttentionBackend(9, 3, 64, torch.bfloat16, torch.device("cpu"))
-    out = backend.forward(case.q, case.k, case.v, case.kv_cache, case.meta, 64**-0.5, None)
+    out = backend.forward(case.q, case.k, case.v, case.kv_cache, case.meta, backend.prepare(case.meta), 64**-0.5,
+                          None)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), expected, atol=3e-2, rtol=3e-2)
 

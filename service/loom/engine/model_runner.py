@@ -74,7 +74,7 @@ class ModelRunner:
                  eos_token_ids: tuple[int, ...] = (), fault_injection: bool = False,
                  cuda_graphs: CudaGraphRunner | None = None) -> None:
         self.model = model
-        self.cuda_graphs = cuda_graphs  # replays pure-decode steps that fit a captured size
+        self.cuda_graphs = cuda_graphs  # replays steps of a captured size and query length
         self.backend = backend
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -184,7 +184,8 @@ class ModelRunner:
             _inject_faults(inputs)
         hidden = self.cuda_graphs.try_run(inputs) if self.cuda_graphs is not None else None
         if hidden is None:
-            with forward_context(ForwardContext(self.backend, self.kv_caches, inputs.meta)):
+            plan = self.backend.prepare(inputs.meta)  # once per step; every layer reads it
+            with forward_context(ForwardContext(self.backend, self.kv_caches, inputs.meta, plan)):
                 hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
         rows = self.stager.to_device(inputs.sample_rows, torch.int64)
         logits = self.model.compute_logits(hidden.index_select(0, rows))  # [N, V] fp32

@@ -1,9 +1,16 @@
 """The attention layer models call, and the contract attention backends implement.
 
 Models never see batch bookkeeping: a decoder layer calls ``self.attn(q, k, v)`` on the flat
-token dimension. The model runner sets a :class:`ForwardContext` for the step (which tokens
-belong to which sequence, where their K/V go in the paged pool, the block tables) and the
-:class:`Attention` layer hands it to the chosen backend together with its layer's cache.
+token dimension. Once per step the model runner describes the batch in an
+:class:`AttentionMetadata` (which tokens belong to which sequence, where their K/V go in the
+paged pool, the block tables), asks the backend to :meth:`~AttentionBackend.prepare` its plan
+for the step, and sets a :class:`ForwardContext` holding both; each :class:`Attention` layer
+hands them to the backend together with its layer's cache.
+
+CUDA graphs: the graph runner never builds a backend's metadata. It asks the backend for static
+buffers (:meth:`~AttentionBackend.init_cuda_graph_state`), for metadata over them to capture
+with (:meth:`~AttentionBackend.capture_metadata`), and before each replay to copy the step's
+metadata into them (:meth:`~AttentionBackend.prepare_replay`).
 """
 
 from __future__ import annotations
@@ -11,12 +18,19 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 from torch import nn
 
+if TYPE_CHECKING:
+    from .attention_graph import StaticAttentionBuffers
 
-@dataclass
+# What a backend's prepare() returns and its forward() reads: the backend's own plan type.
+PlanT = TypeVar("PlanT")
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Per-step layout of the flattened batch. ``B`` sequences, ``T`` new tokens in all.
 
@@ -24,6 +38,9 @@ class AttentionMetadata:
     ``query_lens[i]`` tokens of its ``seq_lens[i]`` tokens of context. Its K/V for positions
     ``< seq_lens[i] - query_lens[i]`` are already in the pool; the new ones are written to
     ``slot_mapping`` (slot = block_id * block_size + offset) before attention reads them.
+
+    Slotted, so it takes no attributes beyond these: a backend keeps what it derives from the
+    step in the plan its :meth:`AttentionBackend.prepare` returns, never on the metadata.
     """
 
     query_start_loc: torch.Tensor  # [B + 1] int32, on device
@@ -46,11 +63,19 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
-class AttentionBackend:
+class AttentionBackend(Generic[PlanT]):
     """What an attention backend plugin provides. One instance serves all layers of a model.
 
     ``kv_cache`` for a layer is a tensor ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
     (K then V) allocated by the runner through :meth:`allocate_kv_cache`.
+
+    Per step: :meth:`prepare` once (the runner), then :meth:`forward` once per layer with the
+    plan it returned. For CUDA graphs, per query length ``q`` the graph runner captures:
+    :meth:`init_cuda_graph_state` once, then for each batch size :meth:`capture_metadata` and
+    :meth:`prepare` on that metadata (the plan baked into the graph), and before each replay
+    :meth:`prepare_replay`. The defaults keep the metadata's own tensors in static buffers; a
+    backend whose plan holds device state derived from the metadata overrides
+    :meth:`prepare_replay` to refresh it.
     """
 
     name: str = "abstract"
@@ -58,6 +83,10 @@ class AttentionBackend:
     # tensors made from host data, launches shaped only by host values fixed at capture
     # (num_seqs, max_query_len, max_seq_len as an upper bound), device metadata read in place.
     supports_cuda_graphs: bool = False
+    # The same promise for steps whose every sequence has one query length q > 1 (verification
+    # of q - 1 draft tokens on cached context): prepare() and forward() read no per-sequence
+    # host list (query_lens_cpu, seq_lens_cpu hold capture-time placeholders in a graph).
+    supports_cuda_graphs_multi_token: bool = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -66,11 +95,17 @@ class AttentionBackend:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = device
+        self._graph_buffers: dict[int, StaticAttentionBuffers] = {}  # query_len -> buffers
 
     def allocate_kv_cache(self, num_layers: int, num_blocks: int, block_size: int) -> list[torch.Tensor]:
         """One cache tensor per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``."""
         shape = (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
         return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
+
+    def prepare(self, meta: AttentionMetadata) -> PlanT:
+        """The step's plan (from host-side fields; no device sync), built once per step and
+        read by every layer's :meth:`forward`."""
+        raise NotImplementedError(f"attention backend {self.name!r} does not implement prepare()")
 
     def forward(
         self,
@@ -79,11 +114,38 @@ class AttentionBackend:
         v: torch.Tensor,  # [T, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
+        plan: PlanT,  # what prepare(meta) returned
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Write the new K/V into the pool at ``meta.slot_mapping``, then attend causally."""
         raise NotImplementedError
+
+    # -- CUDA graphs ------------------------------------------------------------------------------
+
+    def can_capture(self, query_len: int) -> bool:
+        """Whether a step whose every sequence has ``query_len`` tokens can run in a CUDA graph."""
+        return self.supports_cuda_graphs if query_len == 1 else self.supports_cuda_graphs_multi_token
+
+    def init_cuda_graph_state(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
+                              query_len: int) -> None:
+        """Allocate the static buffers graphs of ``query_len`` tokens per sequence read, for up
+        to ``max_num_seqs`` sequences of up to ``max_blocks_per_seq`` blocks."""
+        from .attention_graph import StaticAttentionBuffers
+
+        if not self.can_capture(query_len):
+            raise ValueError(f"attention backend {self.name!r} cannot capture steps of query length {query_len}")
+        self._graph_buffers[query_len] = StaticAttentionBuffers(
+            max_num_seqs, max_blocks_per_seq, block_size, query_len, self.device)
+
+    def capture_metadata(self, num_seqs: int, query_len: int) -> AttentionMetadata:
+        """Metadata over the static buffers for a graph of ``num_seqs`` sequences."""
+        return self._graph_buffers[query_len].metadata(num_seqs)
+
+    def prepare_replay(self, step_meta: AttentionMetadata, num_seqs: int, query_len: int) -> None:
+        """Copy the step's metadata into the static buffers of the ``num_seqs`` graph (rows past
+        the step's sequences become padding that writes and attends nothing)."""
+        self._graph_buffers[query_len].copy_step(step_meta, num_seqs)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
@@ -95,9 +157,12 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: to
 
 @dataclass
 class ForwardContext:
-    backend: AttentionBackend
+    """What the attention layers read during one model forward."""
+
+    backend: AttentionBackend[Any]
     kv_caches: list[torch.Tensor]
     meta: AttentionMetadata
+    plan: Any  # backend.prepare(meta): the backend's own plan type
 
 
 _context: ForwardContext | None = None
@@ -143,6 +208,7 @@ class Attention(nn.Module):
             v.view(T, self.num_kv_heads, self.head_dim),
             ctx.kv_caches[self.layer_idx],
             ctx.meta,
+            ctx.plan,
             self.scale,
             self.sliding_window,
         )

@@ -38,7 +38,7 @@ class _Spec:
 
 @dataclass(frozen=True)
 class AttentionBackendSpec(_Spec):
-    """An attention backend: ``load()`` returns a class implementing ``loom.layers.attention.AttentionBackend``.
+    """An attention backend: ``load()`` returns a subclass of ``loom.plugin_api.AttentionBackend``.
 
     ``devices`` lists the torch device types it runs on; ``priority`` orders the automatic choice
     (higher wins among available backends for the device).
