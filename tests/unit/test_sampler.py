@@ -60,6 +60,43 @@ def test_warpers_match_transformers_in_one_heterogeneous_batch() -> None:
         assert torch.allclose(ours[i][kept], ref[kept], atol=1e-5), f"row {i}"
 
 
+# Each filter, with and without temperature, top_n 5 (top_k=2 keeps fewer than that), and a
+# greedy row: (params, the processors of the reported distribution, the filters after them).
+FILTERED: list[tuple[SamplingParams, list[object], list[object]]] = [
+    (SamplingParams(do_sample=True, top_k=2, seed=1, top_n_tokens=5), [], [TopKLogitsWarper(2)]),
+    (SamplingParams(do_sample=True, temperature=0.7, top_p=0.8, seed=2, top_n_tokens=5),
+     [TemperatureLogitsWarper(0.7)], [TopPLogitsWarper(0.8)]),
+    (SamplingParams(do_sample=True, temperature=1.3, typical_p=0.6, seed=3, top_n_tokens=5),
+     [TemperatureLogitsWarper(1.3)], [TypicalLogitsWarper(0.6)]),
+    (SamplingParams(do_sample=True, temperature=0.5, min_p=0.1, seed=4, top_n_tokens=5),
+     [TemperatureLogitsWarper(0.5)], [MinPLogitsWarper(0.1)]),
+    (SamplingParams(do_sample=True, top_k=20, top_p=0.9, seed=5, top_n_tokens=5), [],
+     [TopKLogitsWarper(20), TopPLogitsWarper(0.9)]),
+    (SamplingParams(top_n_tokens=5), [], []),
+]
+
+
+def test_logprobs_are_reported_before_filtering_and_alternatives_were_kept() -> None:
+    torch.manual_seed(5)
+    logits = torch.randn(len(FILTERED), V) * 3
+    b = build_sampling_batch([seq(sp) for sp, _, _ in FILTERED], V, torch.device("cpu"))
+    out = Sampler()(logits, b)
+    assert out.top_ids is not None and out.top_logprobs is not None
+    for i, (sp, reported_procs, filters) in enumerate(FILTERED):
+        reported = hf_logprobs(logits[i], *reported_procs)  # after temperature, before filtering
+        kept = hf_logprobs(logits[i], *reported_procs, *filters) > float("-inf")
+        token = int(out.token_ids[i])
+        assert kept[token], f"row {i}: drawn from outside the filtered distribution"
+        assert out.logprobs[i].item() == pytest.approx(reported[token].item(), abs=1e-5), f"row {i}"
+        # the most likely kept tokens, fewer than asked when fewer were kept
+        order = [t for t in reported.argsort(descending=True).tolist() if kept[t]][: sp.top_n_tokens]
+        listed = [(t, lp) for t, lp in zip(out.top_ids[i].tolist(), out.top_logprobs[i].tolist(), strict=True)
+                  if lp != float("-inf")]
+        assert [t for t, _ in listed] == order, f"row {i}"
+        assert [lp for _, lp in listed] == pytest.approx(reported[order].tolist(), abs=1e-5), f"row {i}"
+    assert sum(lp == float("-inf") for lp in out.top_logprobs[0].tolist()) == 3  # top_k=2 of 5 slots
+
+
 def test_repetition_penalty_matches_transformers() -> None:
     torch.manual_seed(1)
     logits = torch.randn(2, V) * 2

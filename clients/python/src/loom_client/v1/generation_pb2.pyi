@@ -435,8 +435,9 @@ class Parameters(_message.Message):
     """
     best_of: _builtins.int
     """Generate this many candidate completions and return the `n` with the highest sum of token
-    logprobs. Unset: equal to n. From n to limits.max_best_of; above n it needs sampling and is
-    not supported by GenerateStream.
+    logprobs (each as Token.logprob reports it: after penalties and temperature, before
+    top-k/top-p/typical/min-p filtering). Unset: equal to n. From n to limits.max_best_of; above n
+    it needs sampling and is not supported by GenerateStream.
     """
     priority: _builtins.int
     """Scheduling priority among waiting requests: lower values are served first. Default 0; any
@@ -823,16 +824,20 @@ class Token(_message.Message):
     text: _builtins.str
     """The token decoded on its own. Part of a multi-byte character decodes as U+FFFD."""
     logprob: _builtins.float
-    """Natural log of the token's probability under the distribution it was chosen from (after
-    temperature and penalties; before top-k/top-p/typical/min-p filtering). Set when logprobs or
-    prompt_logprobs were asked for; unset for the first prompt token.
+    """Natural log of the token's probability after penalties and temperature, before
+    top-k/top-p/typical/min-p filtering (the token itself is drawn from the filtered
+    distribution, so this is below 0 even when the filters left one candidate). Greedy decoding
+    applies only the penalties. Set when logprobs or prompt_logprobs were asked for; unset for
+    the first prompt token.
     """
     special: _builtins.bool
     """Whether this is a special token (BOS, EOS, a chat-template marker...)."""
     @_builtins.property
     def top_tokens(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopToken]:
-        """The most likely tokens at this position, most likely first; top_n_tokens of them for
-        generated tokens, empty for prompt tokens.
+        """The most likely tokens at this position among those top-k/top-p/typical/min-p kept (a
+        filtered-out token, or one of probability 0, is never listed), most likely first:
+        top_n_tokens of them for generated tokens, fewer when fewer were kept; empty for prompt
+        tokens.
         """
 
     def __init__(
