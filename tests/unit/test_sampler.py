@@ -186,6 +186,28 @@ def test_a_non_finite_row_is_flagged_and_leaves_the_others_alone(bad: float) -> 
         assert out.token_ids[i] == clean.token_ids[i] and out.logprobs[i] == clean.logprobs[i]
 
 
+def test_penalties_or_temperature_that_overflow_mark_only_their_row() -> None:
+    """Finite, positive parameters past what validation accepts can still overflow a logit."""
+    torch.manual_seed(6)
+    logits = torch.randn(4, V) * 3
+    logits[:, 7] = 5.0  # a prompt token with a positive logit: 5 / 1e-38 is past float32
+    sane = [SamplingParams(repetition_penalty=1.3, top_n_tokens=3),
+            SamplingParams(do_sample=True, seed=8, top_p=0.9, repetition_penalty=1.2, top_n_tokens=3),
+            SamplingParams(do_sample=True, seed=9, temperature=0.7, top_n_tokens=3),
+            SamplingParams(do_sample=True, seed=10, top_k=5, top_n_tokens=3)]
+    overflowing = [SamplingParams(repetition_penalty=1e-38, top_n_tokens=3), sane[1],
+                   SamplingParams(do_sample=True, seed=9, temperature=1e-38, top_n_tokens=3), sane[3]]
+    clean = Sampler()(logits.clone(), build_sampling_batch([seq(p, (7, 8)) for p in sane], V, torch.device("cpu")))
+    out = Sampler()(logits.clone(), build_sampling_batch([seq(p, (7, 8)) for p in overflowing], V,
+                                                         torch.device("cpu")))
+    assert clean.finite.all()
+    assert out.finite.tolist() == [False, True, False, True]
+    assert out.top_ids is not None and out.top_logprobs is not None and clean.top_ids is not None
+    for i in (1, 3):
+        assert out.token_ids[i] == clean.token_ids[i] and out.logprobs[i] == clean.logprobs[i]
+        assert torch.equal(out.top_ids[i], clean.top_ids[i]) and torch.equal(out.top_logprobs[i], clean.top_logprobs[i])
+
+
 def test_a_row_of_minus_infinity_except_one_token_is_finite() -> None:
     logits = torch.full((1, V), float("-inf"))
     logits[0, 9] = 0.0

@@ -221,7 +221,8 @@ class ModelRunner:
                 for s, i, lps in zip(seqs, ids_l, lps_l, strict=True)
             ]
         failed = {
-            seq.seq_id: "the model produced non-finite logits (NaN or inf) for this request"
+            seq.seq_id: ("non-finite logits (NaN or inf) for this request, from the model or after its "
+                         "penalties and temperature")
             for seq, ok in zip(seqs, finite.tolist(), strict=True) if not ok
         }
         return StepResult(seqs, token_ids.tolist(), logprobs.tolist(), top, failed)

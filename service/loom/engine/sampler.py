@@ -187,7 +187,7 @@ def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tens
 class SamplerOutput:
     token_ids: torch.Tensor  # [N] int64
     logprobs: torch.Tensor  # [N] float32: the chosen token's, after penalties and temperature, before filtering
-    finite: torch.Tensor  # [N] bool: False where the row's logits held NaN or +inf (or all -inf)
+    finite: torch.Tensor  # [N] bool: False where the processed logits held NaN or +inf (or all -inf)
     top_ids: torch.Tensor | None  # [N, max_top_n]: the most likely tokens the filters kept, best first ...
     top_logprobs: torch.Tensor | None  # [N, max_top_n]: ... on the same distribution; -inf: no such token
 
@@ -251,15 +251,17 @@ class Sampler:
     """Chooses one token per row. Works on float32 logits [N, V]."""
 
     def __call__(self, logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
-        # The model's own logits must be finite: a NaN or +inf anywhere in a row makes the row's
-        # max NaN or +inf. One reduction instead of isfinite(...).all() (five passes over [N, V],
-        # about 1 ms a step at batch 512 on the H200). Rows never mix, so a bad row harms no
-        # other; its request fails on the host. (A row of -inf also fails: nothing to choose.)
-        finite = torch.isfinite(logits.amax(dim=-1))
         # The distribution reported: after penalties and temperature, before filtering. [N, V]
         scaled = apply_penalties(logits.float(), b)
         if b.any_sample:
             scaled = apply_temperature(scaled, b)
+        # The processed logits must be finite: a NaN or +inf anywhere in a row, from the model or
+        # from a penalty or temperature that overflowed, makes the row's max NaN or +inf. One
+        # reduction instead of isfinite(...).all() (five passes over [N, V], about 1 ms a step at
+        # batch 512 on the H200). Filters only replace values by a finite lowest one, so they add
+        # nothing to check. Rows never mix, so a bad row harms no other; its request fails on the
+        # host. (A row of -inf also fails: nothing to choose.)
+        finite = torch.isfinite(scaled.amax(dim=-1))
         filtering = b.any_sample and b.use_filters
         kept = torch.where(b.do_sample[:, None], apply_filters(scaled, b), scaled) if filtering else scaled
         logprobs = kept.log_softmax(-1)  # [N, V]: the distribution tokens are drawn from

@@ -509,7 +509,8 @@ class SamplingParameters(_message.Message):
     """
     temperature: _builtins.float
     """Divides the logits before sampling: below 1 sharpens, above 1 flattens. Unset: 1.0. Must be
-    finite and at least 0; 0 means greedy decoding, whatever else is set.
+    0, or finite and at least 0.0001 (smaller values would overflow the logits, and pick the
+    most likely token anyway); 0 means greedy decoding, whatever else is set.
     """
     top_k: _builtins.int
     """Sample only among the k most likely tokens. Unset or 0: no top-k filtering."""
@@ -648,7 +649,8 @@ class PenaltyParameters(_message.Message):
     PRESENCE_PENALTY_FIELD_NUMBER: _builtins.int
     repetition_penalty: _builtins.float
     """Divides positive logits (multiplies negative ones) of tokens in the prompt or the completion so
-    far. Unset: 1.0 (off). Must be finite and above 0; above 1 discourages repetition.
+    far. Unset: 1.0 (off). Must be in [0.01, 100] (a range in which no logit can overflow); above
+    1 discourages repetition.
     """
     frequency_penalty: _builtins.float
     """Subtracted from a token's logit once per time it occurs in the completion so far. Unset: 0.0
