@@ -162,6 +162,23 @@ def test_counter_uniform_is_deterministic_and_uniform() -> None:
     assert not torch.equal(u[0], counter_uniform(seeds[:1], torch.tensor([1]), 20000)[0])
 
 
+def test_a_uniform_that_rounds_up_to_one_never_draws_a_filtered_token() -> None:
+    """Uniforms within 2**-25 of 1 (one token id in 2**25, so one row in ~680 of a 49,152-token
+    vocabulary) used to round to 1.0 in float32: an infinite Gumbel noise that drew its token
+    whatever its probability, filtered out or not. (seed 3, step 10) holds one at id 10947."""
+    vocab, seed, step, unlucky = 49152, 3, 10, 10947
+    u = counter_uniform(torch.tensor([seed]), torch.tensor([step]), vocab)[0]
+    assert u.max() < 1.0
+    assert u[unlucky] == u.max()  # still the largest draw: the other draws are unchanged
+    logits = torch.zeros(1, vocab)
+    logits[0, 5], logits[0, unlucky] = 10.0, -20.0
+    s = seq(SamplingParams(do_sample=True, seed=seed, top_k=1))
+    s.token_ids.extend([0] * step)  # the output position being sampled is ``step``
+    b = build_sampling_batch([s], vocab, torch.device("cpu"))
+    assert b.steps.tolist() == [step]
+    assert Sampler()(logits, b).token_ids.tolist() == [5]
+
+
 def test_sampling_follows_the_distribution() -> None:
     probs = torch.tensor([0.5, 0.3, 0.2] + [0.0] * (V - 3))
     logits = probs.clamp_min(1e-12).log()[None].repeat(3000, 1)

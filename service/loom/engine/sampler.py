@@ -28,6 +28,7 @@ from .sequence import Sequence
 from .staging import Stager
 
 _MASK53 = (1 << 53) - 1
+_BELOW_ONE = 1.0 - 2.0**-24  # the largest float32 below 1
 
 
 def _i64(x: int) -> int:
@@ -57,7 +58,11 @@ def counter_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -
     base = _splitmix(seeds * _GOLDEN + steps * _MIX1)  # [N]
     ids = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
     x = _splitmix(base[:, None] + ids[None, :] * _GOLDEN)  # [N, V]
-    return ((_shr(x, 11) & _MASK53).to(torch.float64) + 0.5).mul_(2.0**-53).to(torch.float32)
+    u = ((_shr(x, 11) & _MASK53).to(torch.float64) + 0.5).mul_(2.0**-53).to(torch.float32)
+    # A draw within 2**-25 of 1 rounds to 1.0 in float32, and 1.0 is an infinite Gumbel noise
+    # that would pick its token whatever its probability (one row in ~680 at 49,152 tokens).
+    # Only those draws move, to the largest float32 below 1.
+    return u.clamp_(max=_BELOW_ONE)
 
 
 @dataclass
