@@ -1,7 +1,8 @@
-"""Generation parameters through the real server: seeds, finish reasons, min_new_tokens."""
+"""Generation parameters through the real server: seeds, finish reasons, min_new_tokens, logprobs."""
 
 from __future__ import annotations
 
+import math
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -90,3 +91,46 @@ def test_min_new_tokens_holds_back_eos(smol_server: ServerProcess) -> None:
         response=pb.ResponseParameters(tokens=True))), timeout=120).completions[0]
     assert held.generated_tokens >= 20
     assert all(t.id != 2 for t in held.tokens[:19])  # no EOS before min_new_tokens
+
+
+def test_logprobs_under_temperature_and_top_p_are_taken_before_filtering(smol_server: ServerProcess) -> None:
+    """The README's GenerateStream example (temperature 0.8, top_p 0.95): each token's logprob is
+    finite and below 0 (it read 0 whenever top_p left a single candidate), and every alternative
+    is a kept token on the same distribution (never a filtered one at -3.4e38)."""
+    params = pb.Parameters(sampling=pb.SamplingParameters(temperature=0.8, top_p=0.95, seed=7),
+                           stopping=pb.StoppingParameters(max_new_tokens=64, stop_sequences=["\n\n"]),
+                           response=pb.ResponseParameters(tokens=True, logprobs=True, top_n_tokens=5))
+    stream = smol_server.stub.GenerateStream(pb.GenerateStreamRequest(text="Once upon a time", parameters=params),
+                                             timeout=120)
+    tokens = [t for msg in stream for t in msg.tokens]
+    assert len(tokens) > 8
+    for t in tokens:
+        assert t.HasField("logprob") and math.isfinite(t.logprob) and t.logprob < 0, t
+        alternatives = [(a.id, a.logprob) for a in t.top_tokens]
+        assert 1 <= len(alternatives) <= 5
+        assert all(-1e30 < lp < 0 for _, lp in alternatives), alternatives
+        assert [lp for _, lp in alternatives] == sorted((lp for _, lp in alternatives), reverse=True)
+        listed = dict(alternatives)
+        if t.id in listed:
+            assert listed[t.id] == t.logprob
+        else:  # a less likely token was drawn; it was kept, so the list holds five
+            assert len(alternatives) == 5 and t.logprob <= alternatives[-1][1]
+
+
+def test_sampled_logprobs_equal_the_model_logprobs_of_the_same_text(smol_server: ServerProcess) -> None:
+    """A reference from the model's own logits: at temperature 1 with top_p, each sampled token's
+    logprob is the log_softmax of the unfiltered logits, i.e. its prompt logprob when the prompt
+    and the completion are sent back as one prompt."""
+    params = pb.Parameters(sampling=pb.SamplingParameters(temperature=1.0, top_p=0.8, seed=3),
+                           stopping=pb.StoppingParameters(max_new_tokens=16, ignore_eos=True),
+                           response=pb.ResponseParameters(logprobs=True, prompt_logprobs=True))
+    first = smol_server.stub.Generate(pb.GenerateRequest(text="The weather today is", parameters=params), timeout=120)
+    prompt = [t.id for t in first.prompt_tokens]
+    sampled = first.completions[0].tokens
+    again = smol_server.stub.Generate(pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=prompt + [t.id for t in sampled]),
+        parameters=pb.Parameters(stopping=pb.StoppingParameters(max_new_tokens=1),
+                                 response=pb.ResponseParameters(prompt_logprobs=True))), timeout=120)
+    reference = [t.logprob for t in again.prompt_tokens[len(prompt):]]
+    assert len(reference) == len(sampled) == 16
+    assert [t.logprob for t in sampled] == pytest.approx(reference, abs=2e-3)

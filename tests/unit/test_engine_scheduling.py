@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from loom.engine.llm_engine import LLMEngine
-from loom.engine.types import EngineOutput, EngineRequest, SamplingParams, StoppingParams
+from loom.engine.types import EngineOutput, EngineRequest, FinishReason, SamplingParams, StoppingParams
 
 
 def req(rid: str, prompt: list[int], new: int, **kw: object) -> EngineRequest:
@@ -154,6 +154,28 @@ def test_a_failing_request_fails_alone(make_engine: Callable[..., LLMEngine]) ->
     assert outs["inject-fault-1"][-1].error and "injected failure" in outs["inject-fault-1"][-1].error
     assert outs["inject-nan-1"][-1].error and "non-finite" in outs["inject-nan-1"][-1].error
     assert not engine.requests
+
+
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_a_request_whose_penalty_or_temperature_overflows_fails_alone(make_engine: Callable[..., LLMEngine],
+                                                                       async_scheduling: str) -> None:
+    """Validation keeps such values out; the engine still fails the row, not the batch, should a
+    logit overflow (1e-45, float32's smallest, turns any positive logit into inf)."""
+    good = [req(f"ok{i}", [5 + i, 6, 7, 8], 12) for i in range(3)]
+    good.append(req("ok-sampled", [11, 12, 13], 12, sampling=SamplingParams(do_sample=True, top_p=0.9, seed=3)))
+    alone, _ = drive(make_engine(max_batch_total_tokens=1024), good)
+    bad = [req("penalty", list(range(3, 40)), 12, sampling=SamplingParams(repetition_penalty=1e-45)),
+           req("temperature", [9, 9, 9], 12, sampling=SamplingParams(do_sample=True, temperature=1e-45, seed=1))]
+    engine = make_engine(max_batch_total_tokens=1024, async_scheduling=async_scheduling)
+    tokens, outs = drive(engine, good + bad, arrivals={"penalty": 2, "temperature": 4})
+    for r in good:
+        assert tokens[r.request_id] == alone[r.request_id]
+    for name in ("penalty", "temperature"):
+        assert tokens[name] == []
+        last = outs[name][-1]
+        assert last.finish_reason is FinishReason.ERROR and last.error and "non-finite" in last.error, last
+    assert not engine.requests
+    assert (engine.num_async_steps > 0) == (async_scheduling == "on")
 
 
 def test_prompts_admitted_together_share_their_prefix(make_engine: Callable[..., LLMEngine]) -> None:

@@ -23,7 +23,14 @@ from hypothesis import strategies as st
 from loom.frontend.generation import GenerationPlan
 from loom.frontend.tokenizer import Tokenizer
 from loom.server.errors import FieldViolation, ValidationError
-from loom.server.validation import RequestLimits, validate_generate
+from loom.server.validation import (
+    MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
+    MIN_TEMPERATURE,
+    RequestLimits,
+    as_float32,
+    validate_generate,
+)
 from loom_client.v1 import generation_pb2 as pb
 
 LIMITS = RequestLimits(max_input_tokens=1000, max_total_tokens=1024, vocab_size=49152, max_stop_sequences=4,
@@ -49,8 +56,11 @@ def check_plan(plan: GenerationPlan, streaming: bool) -> None:
     for value in (s.temperature, s.top_p, s.typical_p, s.min_p, s.repetition_penalty, s.frequency_penalty,
                   s.presence_penalty):
         assert math.isfinite(value)
-    assert s.temperature > 0 and 0 < s.top_p <= 1 and 0 < s.typical_p <= 1 and 0 <= s.min_p < 1
-    assert s.repetition_penalty > 0 and s.top_n_tokens <= LIMITS.max_top_n_tokens
+    assert 0 < s.top_p <= 1 and 0 < s.typical_p <= 1 and 0 <= s.min_p < 1
+    # the ranges in which no processed logit can overflow
+    assert s.temperature >= as_float32(MIN_TEMPERATURE)
+    assert as_float32(MIN_REPETITION_PENALTY) <= s.repetition_penalty <= MAX_REPETITION_PENALTY
+    assert s.top_n_tokens <= LIMITS.max_top_n_tokens
     assert plan.time_limit_s is None or plan.time_limit_s > 0
     assert len(plan.text.stop_sequences) <= LIMITS.max_stop_sequences and all(plan.text.stop_sequences)
 

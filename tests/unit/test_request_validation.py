@@ -9,7 +9,13 @@ import pytest
 
 from loom.frontend.tokenizer import Tokenizer
 from loom.server.errors import ValidationError
-from loom.server.validation import RequestLimits, validate_generate
+from loom.server.validation import (
+    MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
+    MIN_TEMPERATURE,
+    RequestLimits,
+    validate_generate,
+)
 from loom_client.v1 import generation_pb2 as pb
 
 LIMITS = RequestLimits(max_input_tokens=50, max_total_tokens=64, vocab_size=49152, default_max_new_tokens=20)
@@ -48,11 +54,22 @@ INVALID = [
      "chat.messages[0].role"),
     ("temperature", {"parameters": params(sampling={"temperature": -1})}, "parameters.sampling.temperature"),
     ("temperature nan", {"parameters": params(sampling={"temperature": float("nan")})}, "parameters.sampling.temperature"),
+    ("temperature tiny", {"parameters": params(sampling={"temperature": 1e-38})}, "parameters.sampling.temperature"),
+    ("temperature below min", {"parameters": params(sampling={"temperature": MIN_TEMPERATURE / 2})},
+     "parameters.sampling.temperature"),
     ("top_p 0", {"parameters": params(sampling={"top_p": 0})}, "parameters.sampling.top_p"),
     ("top_p > 1", {"parameters": params(sampling={"top_p": 1.5})}, "parameters.sampling.top_p"),
     ("typical_p", {"parameters": params(sampling={"typical_p": 0})}, "parameters.sampling.typical_p"),
     ("min_p", {"parameters": params(sampling={"min_p": 1})}, "parameters.sampling.min_p"),
     ("repetition", {"parameters": params(penalties={"repetition_penalty": 0})}, "parameters.penalties.repetition_penalty"),
+    ("repetition tiny", {"parameters": params(penalties={"repetition_penalty": 1e-38})},
+     "parameters.penalties.repetition_penalty"),
+    ("repetition below min", {"parameters": params(penalties={"repetition_penalty": MIN_REPETITION_PENALTY / 2})},
+     "parameters.penalties.repetition_penalty"),
+    ("repetition above max", {"parameters": params(penalties={"repetition_penalty": MAX_REPETITION_PENALTY * 2})},
+     "parameters.penalties.repetition_penalty"),
+    ("repetition huge", {"parameters": params(penalties={"repetition_penalty": 3.4e38})},
+     "parameters.penalties.repetition_penalty"),
     ("frequency", {"parameters": params(penalties={"frequency_penalty": 2.5})}, "parameters.penalties.frequency_penalty"),
     ("presence", {"parameters": params(penalties={"presence_penalty": -3})}, "parameters.penalties.presence_penalty"),
     ("max_new 0", {"parameters": params(stopping={"max_new_tokens": 0})}, "parameters.stopping.max_new_tokens"),
@@ -122,6 +139,23 @@ def test_sampling_knobs_turn_sampling_on_and_temperature_zero_is_greedy(tok: Tok
     assert validate(tok, parameters=params(sampling={"temperature": 0.7})).engine_request.sampling.do_sample
     greedy = validate(tok, parameters=params(sampling={"temperature": 0, "top_p": 0.5, "do_sample": True}))
     assert not greedy.engine_request.sampling.do_sample
+
+
+def test_the_bounds_that_keep_logits_finite_are_inclusive_and_named(tok: Tokenizer) -> None:
+    """The bounds as float32 carries them (0.01 and 1e-4 are not exact in float32) pass; the
+    message of a value past them names the range."""
+    at_bounds = validate(tok, parameters=params(sampling={"temperature": MIN_TEMPERATURE},
+                                                penalties={"repetition_penalty": MIN_REPETITION_PENALTY}))
+    s = at_bounds.engine_request.sampling
+    assert s.do_sample and s.temperature == pytest.approx(MIN_TEMPERATURE)
+    assert s.repetition_penalty == pytest.approx(MIN_REPETITION_PENALTY)
+    high = validate(tok, parameters=params(penalties={"repetition_penalty": MAX_REPETITION_PENALTY}))
+    assert high.engine_request.sampling.repetition_penalty == MAX_REPETITION_PENALTY
+    with pytest.raises(ValidationError) as info:
+        validate(tok, parameters=params(sampling={"temperature": 1e-38}, penalties={"repetition_penalty": 1e-38}))
+    described = {v.field: v.description for v in info.value.violations}
+    assert f"at least {MIN_TEMPERATURE:g}" in described["parameters.sampling.temperature"]
+    assert f"[{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}]" in described["parameters.penalties.repetition_penalty"]
 
 
 def test_chat_renders_the_template(tok: Tokenizer) -> None:

@@ -60,6 +60,43 @@ def test_warpers_match_transformers_in_one_heterogeneous_batch() -> None:
         assert torch.allclose(ours[i][kept], ref[kept], atol=1e-5), f"row {i}"
 
 
+# Each filter, with and without temperature, top_n 5 (top_k=2 keeps fewer than that), and a
+# greedy row: (params, the processors of the reported distribution, the filters after them).
+FILTERED: list[tuple[SamplingParams, list[object], list[object]]] = [
+    (SamplingParams(do_sample=True, top_k=2, seed=1, top_n_tokens=5), [], [TopKLogitsWarper(2)]),
+    (SamplingParams(do_sample=True, temperature=0.7, top_p=0.8, seed=2, top_n_tokens=5),
+     [TemperatureLogitsWarper(0.7)], [TopPLogitsWarper(0.8)]),
+    (SamplingParams(do_sample=True, temperature=1.3, typical_p=0.6, seed=3, top_n_tokens=5),
+     [TemperatureLogitsWarper(1.3)], [TypicalLogitsWarper(0.6)]),
+    (SamplingParams(do_sample=True, temperature=0.5, min_p=0.1, seed=4, top_n_tokens=5),
+     [TemperatureLogitsWarper(0.5)], [MinPLogitsWarper(0.1)]),
+    (SamplingParams(do_sample=True, top_k=20, top_p=0.9, seed=5, top_n_tokens=5), [],
+     [TopKLogitsWarper(20), TopPLogitsWarper(0.9)]),
+    (SamplingParams(top_n_tokens=5), [], []),
+]
+
+
+def test_logprobs_are_reported_before_filtering_and_alternatives_were_kept() -> None:
+    torch.manual_seed(5)
+    logits = torch.randn(len(FILTERED), V) * 3
+    b = build_sampling_batch([seq(sp) for sp, _, _ in FILTERED], V, torch.device("cpu"))
+    out = Sampler()(logits, b)
+    assert out.top_ids is not None and out.top_logprobs is not None
+    for i, (sp, reported_procs, filters) in enumerate(FILTERED):
+        reported = hf_logprobs(logits[i], *reported_procs)  # after temperature, before filtering
+        kept = hf_logprobs(logits[i], *reported_procs, *filters) > float("-inf")
+        token = int(out.token_ids[i])
+        assert kept[token], f"row {i}: drawn from outside the filtered distribution"
+        assert out.logprobs[i].item() == pytest.approx(reported[token].item(), abs=1e-5), f"row {i}"
+        # the most likely kept tokens, fewer than asked when fewer were kept
+        order = [t for t in reported.argsort(descending=True).tolist() if kept[t]][: sp.top_n_tokens]
+        listed = [(t, lp) for t, lp in zip(out.top_ids[i].tolist(), out.top_logprobs[i].tolist(), strict=True)
+                  if lp != float("-inf")]
+        assert [t for t, _ in listed] == order, f"row {i}"
+        assert [lp for _, lp in listed] == pytest.approx(reported[order].tolist(), abs=1e-5), f"row {i}"
+    assert sum(lp == float("-inf") for lp in out.top_logprobs[0].tolist()) == 3  # top_k=2 of 5 slots
+
+
 def test_repetition_penalty_matches_transformers() -> None:
     torch.manual_seed(1)
     logits = torch.randn(2, V) * 2
@@ -125,6 +162,23 @@ def test_counter_uniform_is_deterministic_and_uniform() -> None:
     assert not torch.equal(u[0], counter_uniform(seeds[:1], torch.tensor([1]), 20000)[0])
 
 
+def test_a_uniform_that_rounds_up_to_one_never_draws_a_filtered_token() -> None:
+    """Uniforms within 2**-25 of 1 (one token id in 2**25, so one row in ~680 of a 49,152-token
+    vocabulary) used to round to 1.0 in float32: an infinite Gumbel noise that drew its token
+    whatever its probability, filtered out or not. (seed 3, step 10) holds one at id 10947."""
+    vocab, seed, step, unlucky = 49152, 3, 10, 10947
+    u = counter_uniform(torch.tensor([seed]), torch.tensor([step]), vocab)[0]
+    assert u.max() < 1.0
+    assert u[unlucky] == u.max()  # still the largest draw: the other draws are unchanged
+    logits = torch.zeros(1, vocab)
+    logits[0, 5], logits[0, unlucky] = 10.0, -20.0
+    s = seq(SamplingParams(do_sample=True, seed=seed, top_k=1))
+    s.token_ids.extend([0] * step)  # the output position being sampled is ``step``
+    b = build_sampling_batch([s], vocab, torch.device("cpu"))
+    assert b.steps.tolist() == [step]
+    assert Sampler()(logits, b).token_ids.tolist() == [5]
+
+
 def test_sampling_follows_the_distribution() -> None:
     probs = torch.tensor([0.5, 0.3, 0.2] + [0.0] * (V - 3))
     logits = probs.clamp_min(1e-12).log()[None].repeat(3000, 1)
@@ -147,6 +201,28 @@ def test_a_non_finite_row_is_flagged_and_leaves_the_others_alone(bad: float) -> 
     assert clean.finite.all()
     for i in (0, 2):
         assert out.token_ids[i] == clean.token_ids[i] and out.logprobs[i] == clean.logprobs[i]
+
+
+def test_penalties_or_temperature_that_overflow_mark_only_their_row() -> None:
+    """Finite, positive parameters past what validation accepts can still overflow a logit."""
+    torch.manual_seed(6)
+    logits = torch.randn(4, V) * 3
+    logits[:, 7] = 5.0  # a prompt token with a positive logit: 5 / 1e-38 is past float32
+    sane = [SamplingParams(repetition_penalty=1.3, top_n_tokens=3),
+            SamplingParams(do_sample=True, seed=8, top_p=0.9, repetition_penalty=1.2, top_n_tokens=3),
+            SamplingParams(do_sample=True, seed=9, temperature=0.7, top_n_tokens=3),
+            SamplingParams(do_sample=True, seed=10, top_k=5, top_n_tokens=3)]
+    overflowing = [SamplingParams(repetition_penalty=1e-38, top_n_tokens=3), sane[1],
+                   SamplingParams(do_sample=True, seed=9, temperature=1e-38, top_n_tokens=3), sane[3]]
+    clean = Sampler()(logits.clone(), build_sampling_batch([seq(p, (7, 8)) for p in sane], V, torch.device("cpu")))
+    out = Sampler()(logits.clone(), build_sampling_batch([seq(p, (7, 8)) for p in overflowing], V,
+                                                         torch.device("cpu")))
+    assert clean.finite.all()
+    assert out.finite.tolist() == [False, True, False, True]
+    assert out.top_ids is not None and out.top_logprobs is not None and clean.top_ids is not None
+    for i in (1, 3):
+        assert out.token_ids[i] == clean.token_ids[i] and out.logprobs[i] == clean.logprobs[i]
+        assert torch.equal(out.top_ids[i], clean.top_ids[i]) and torch.equal(out.top_logprobs[i], clean.top_logprobs[i])
 
 
 def test_a_row_of_minus_infinity_except_one_token_is_finite() -> None:

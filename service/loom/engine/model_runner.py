@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 
 _PROMPT_LOGPROB_ROWS = 512
+_NO_TOKEN = float("-inf")  # the sampler's top-n logprob of a slot that holds no kept token
 
 
 class CausalLM(Protocol):
@@ -213,12 +214,16 @@ class ModelRunner:
         top: list[list[tuple[int, float]]] | None = None
         if len(step.host) == 5:
             ids_l, lps_l = step.host[3].tolist(), step.host[4].tolist()
+            # A -inf logprob marks a slot that holds no token the filters kept: fewer
+            # alternatives than asked for come back, never a filtered-out one.
             top = [
-                list(zip(i[: s.sampling.top_n_tokens], lp[: s.sampling.top_n_tokens], strict=True))
-                for s, i, lp in zip(seqs, ids_l, lps_l, strict=True)
+                [(t, lp) for t, lp in zip(i[: s.sampling.top_n_tokens], lps[: s.sampling.top_n_tokens], strict=True)
+                 if lp != _NO_TOKEN]
+                for s, i, lps in zip(seqs, ids_l, lps_l, strict=True)
             ]
         failed = {
-            seq.seq_id: "the model produced non-finite logits (NaN or inf) for this request"
+            seq.seq_id: ("non-finite logits (NaN or inf) for this request, from the model or after its "
+                         "penalties and temperature")
             for seq, ok in zip(seqs, finite.tolist(), strict=True) if not ok
         }
         return StepResult(seqs, token_ids.tolist(), logprobs.tolist(), top, failed)

@@ -2,8 +2,15 @@
 
 Each row carries its own parameters as tensors; a processor runs only when some row enables it,
 and rows that disable it are left bit-identical. Order (as TGI, plus min_p last): repetition,
-frequency and presence penalties; then, for sampled rows only, temperature, top_k, top_p,
-typical_p, min_p. Greedy rows take the argmax after the penalties (as transformers does).
+frequency and presence penalties; then, for sampled rows only, temperature, then the filters
+top_k, top_p, typical_p, min_p. Greedy rows take the argmax after the penalties (as transformers
+does).
+
+Two distributions come out of a row. Tokens are drawn from the *filtered* one; the logprobs
+reported (the chosen token's, the top-n alternatives', and so the sum best_of ranks by) are those
+of the distribution after penalties and temperature but *before* filtering, as the proto
+promises. Alternatives are still only tokens the filters kept: the others come back with a -inf
+logprob, which the runner drops.
 
 Sampled rows draw with the exponential-race (Gumbel-max) trick from *counter-based* noise: the
 uniform for (seed, output position, token id) is a fixed hash, so a seeded request picks the
@@ -21,6 +28,7 @@ from .sequence import Sequence
 from .staging import Stager
 
 _MASK53 = (1 << 53) - 1
+_BELOW_ONE = 1.0 - 2.0**-24  # the largest float32 below 1
 
 
 def _i64(x: int) -> int:
@@ -50,7 +58,11 @@ def counter_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -
     base = _splitmix(seeds * _GOLDEN + steps * _MIX1)  # [N]
     ids = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
     x = _splitmix(base[:, None] + ids[None, :] * _GOLDEN)  # [N, V]
-    return ((_shr(x, 11) & _MASK53).to(torch.float64) + 0.5).mul_(2.0**-53).to(torch.float32)
+    u = ((_shr(x, 11) & _MASK53).to(torch.float64) + 0.5).mul_(2.0**-53).to(torch.float32)
+    # A draw within 2**-25 of 1 rounds to 1.0 in float32, and 1.0 is an infinite Gumbel noise
+    # that would pick its token whatever its probability (one row in ~680 at 49,152 tokens).
+    # Only those draws move, to the largest float32 below 1.
+    return u.clamp_(max=_BELOW_ONE)
 
 
 @dataclass
@@ -77,6 +89,11 @@ class SamplingBatch:
     use_typical: bool
     use_min_p: bool
     max_top_n: int
+
+    @property
+    def use_filters(self) -> bool:
+        """Whether some sampled row filters its distribution (top_k, top_p, typical_p, min_p)."""
+        return self.use_top_k or self.use_top_p or self.use_typical or self.use_min_p
 
 
 _SAMPLE, _TOP_K, _TOP_P, _TYPICAL, _MIN_P, _REP, _FREQ = (1 << i for i in range(7))
@@ -174,10 +191,10 @@ def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tens
 @dataclass
 class SamplerOutput:
     token_ids: torch.Tensor  # [N] int64
-    logprobs: torch.Tensor  # [N] float32: log-probability of the chosen token
-    finite: torch.Tensor  # [N] bool: False where the row's logits held NaN or +inf (or all -inf)
-    top_ids: torch.Tensor | None  # [N, max_top_n]
-    top_logprobs: torch.Tensor | None  # [N, max_top_n]
+    logprobs: torch.Tensor  # [N] float32: the chosen token's, after penalties and temperature, before filtering
+    finite: torch.Tensor  # [N] bool: False where the processed logits held NaN or +inf (or all -inf)
+    top_ids: torch.Tensor | None  # [N, max_top_n]: the most likely tokens the filters kept, best first ...
+    top_logprobs: torch.Tensor | None  # [N, max_top_n]: ... on the same distribution; -inf: no such token
 
 
 def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
@@ -193,10 +210,15 @@ def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     return logits
 
 
-def apply_warpers(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
-    """Temperature, top_k, top_p, typical_p, min_p, each row with its own value (off = identity)."""
+def apply_temperature(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """Each row divided by its temperature (greedy rows by 1.0, which is exact)."""
+    return logits / b.temperature
+
+
+def apply_filters(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """top_k, top_p, typical_p, min_p, each row with its own value (off = identity). A removed
+    token's logit becomes the dtype's lowest finite value."""
     neg_inf = torch.finfo(logits.dtype).min
-    logits = logits / b.temperature
     if b.use_top_k:
         kth = torch.sort(logits, dim=-1, descending=True).values.gather(1, (b.top_k - 1).clamp(min=0))
         logits = logits.masked_fill(logits < kth, neg_inf)
@@ -225,30 +247,47 @@ def apply_warpers(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     return logits
 
 
+def apply_warpers(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """Temperature, then the filters: the distribution sampled rows draw from."""
+    return apply_filters(apply_temperature(logits, b), b)
+
+
 class Sampler:
     """Chooses one token per row. Works on float32 logits [N, V]."""
 
     def __call__(self, logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
-        # The model's own logits must be finite: a NaN or +inf anywhere in a row makes the row's
-        # max NaN or +inf. One reduction instead of isfinite(...).all() (five passes over [N, V],
-        # about 1 ms a step at batch 512 on the H200). Rows never mix, so a bad row harms no
-        # other; its request fails on the host. (A row of -inf also fails: nothing to choose.)
-        finite = torch.isfinite(logits.amax(dim=-1))
-        logits = apply_penalties(logits.float(), b)
+        # The distribution reported: after penalties and temperature, before filtering. [N, V]
+        scaled = apply_penalties(logits.float(), b)
         if b.any_sample:
-            warped = apply_warpers(logits, b)
-            logits = torch.where(b.do_sample[:, None], warped, logits)
-        logprobs = logits.log_softmax(-1)  # [N, V]
+            scaled = apply_temperature(scaled, b)
+        # The processed logits must be finite: a NaN or +inf anywhere in a row, from the model or
+        # from a penalty or temperature that overflowed, makes the row's max NaN or +inf. One
+        # reduction instead of isfinite(...).all() (five passes over [N, V], about 1 ms a step at
+        # batch 512 on the H200). Filters only replace values by a finite lowest one, so they add
+        # nothing to check. Rows never mix, so a bad row harms no other; its request fails on the
+        # host. (A row of -inf also fails: nothing to choose.)
+        finite = torch.isfinite(scaled.amax(dim=-1))
+        filtering = b.any_sample and b.use_filters
+        kept = torch.where(b.do_sample[:, None], apply_filters(scaled, b), scaled) if filtering else scaled
+        logprobs = kept.log_softmax(-1)  # [N, V]: the distribution tokens are drawn from
         token_ids = logprobs.argmax(-1)
         if b.any_sample:
             u = counter_uniform(b.seeds, b.steps, logits.shape[-1])
             gumbel = -torch.log(-torch.log(u))  # [N, V]
             sampled = (logprobs + gumbel).argmax(-1)
             token_ids = torch.where(b.do_sample, sampled, token_ids)
-        chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
+        # Without a filter the two distributions are one; with one, a second log_softmax (rows
+        # that filter nothing get the same values as ``logprobs``).
+        reported = scaled.log_softmax(-1) if filtering else logprobs  # [N, V]
+        chosen = reported.gather(1, token_ids[:, None]).squeeze(1)
         top_ids = top_lp = None
         if b.max_top_n > 0:
-            top_lp, top_ids = logprobs.topk(b.max_top_n, dim=-1)
+            # Ranked on the filtered distribution, whose kept tokens are in the same order as in
+            # the reported one and ahead of every removed token; a removed token (or one of zero
+            # probability) that still makes the top n is marked -inf, for the host to drop.
+            top_ids = logprobs.topk(b.max_top_n, dim=-1).indices  # [N, max_top_n]
+            removed = kept.gather(1, top_ids) <= torch.finfo(kept.dtype).min
+            top_lp = reported.gather(1, top_ids).masked_fill(removed, float("-inf"))
         return SamplerOutput(token_ids, chosen, finite, top_ids, top_lp)
 
 

@@ -8,6 +8,7 @@ need the prompt's length (max_input_tokens, the total budget) run after tokeniza
 from __future__ import annotations
 
 import math
+import struct
 import time
 from dataclasses import dataclass, replace
 
@@ -25,6 +26,20 @@ MAX_STOP_SEQUENCE_BYTES = 256
 # Stop ids are checked against every sampled token on the engine's hot path; a bound keeps a
 # request from sending the whole vocabulary.
 MAX_STOP_TOKEN_IDS = 64
+# Bounds that keep the processed logits finite. Temperature divides a logit and the repetition
+# penalty divides or multiplies it, so together they scale it by at most 100 / 1e-4 = 1e6 (and the
+# frequency and presence penalties add at most 2 x max_total_tokens each): any model's logits stay
+# far from float32's 3.4e38. Outside these ranges a request gains nothing: a temperature below
+# 1e-4 picks the most likely token (use 0), and a repetition penalty of 100 (or 0.01) already
+# moves a seen token's logit a hundredfold.
+MIN_TEMPERATURE = 1e-4
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+
+
+def as_float32(x: float) -> float:
+    """``x`` rounded to float32, as a request carries it: a bound such as 0.01 is not exact in
+    float32, and a client that sends the bound itself must be inside it."""
+    return float(struct.unpack("f", struct.pack("f", x))[0])
 
 
 @dataclass(frozen=True)
@@ -56,8 +71,9 @@ class _Checker:
 
 def _check_sampling(c: _Checker, s: pb.SamplingParameters) -> SamplingParams:
     f = "parameters.sampling."
-    if s.HasField("temperature") and not (math.isfinite(s.temperature) and s.temperature >= 0):
-        c.add(f + "temperature", f"must be finite and at least 0, got {s.temperature:g}")
+    if s.HasField("temperature") and s.temperature != 0 and not (
+            math.isfinite(s.temperature) and s.temperature >= as_float32(MIN_TEMPERATURE)):
+        c.add(f + "temperature", f"must be 0 (greedy) or finite and at least {MIN_TEMPERATURE:g}, got {s.temperature:g}")
     if s.HasField("top_p"):
         c.range(f + "top_p", s.top_p, 0, 1, low_open=True, high_open=False)
     if s.HasField("typical_p"):
@@ -81,8 +97,9 @@ def _check_sampling(c: _Checker, s: pb.SamplingParameters) -> SamplingParams:
 
 def _check_penalties(c: _Checker, p: pb.PenaltyParameters, sampling: SamplingParams) -> SamplingParams:
     f = "parameters.penalties."
-    if p.HasField("repetition_penalty") and not (math.isfinite(p.repetition_penalty) and p.repetition_penalty > 0):
-        c.add(f + "repetition_penalty", f"must be finite and above 0, got {p.repetition_penalty:g}")
+    if p.HasField("repetition_penalty"):
+        c.range(f + "repetition_penalty", p.repetition_penalty, as_float32(MIN_REPETITION_PENALTY),
+                as_float32(MAX_REPETITION_PENALTY), low_open=False, high_open=False)
     for name in ("frequency_penalty", "presence_penalty"):
         if p.HasField(name):
             c.range(f + name, getattr(p, name), -2, 2, low_open=False, high_open=False)

@@ -435,8 +435,9 @@ class Parameters(_message.Message):
     """
     best_of: _builtins.int
     """Generate this many candidate completions and return the `n` with the highest sum of token
-    logprobs. Unset: equal to n. From n to limits.max_best_of; above n it needs sampling and is
-    not supported by GenerateStream.
+    logprobs (each as Token.logprob reports it: after penalties and temperature, before
+    top-k/top-p/typical/min-p filtering). Unset: equal to n. From n to limits.max_best_of; above n
+    it needs sampling and is not supported by GenerateStream.
     """
     priority: _builtins.int
     """Scheduling priority among waiting requests: lower values are served first. Default 0; any
@@ -508,7 +509,8 @@ class SamplingParameters(_message.Message):
     """
     temperature: _builtins.float
     """Divides the logits before sampling: below 1 sharpens, above 1 flattens. Unset: 1.0. Must be
-    finite and at least 0; 0 means greedy decoding, whatever else is set.
+    0, or finite and at least 0.0001 (smaller values would overflow the logits, and pick the
+    most likely token anyway); 0 means greedy decoding, whatever else is set.
     """
     top_k: _builtins.int
     """Sample only among the k most likely tokens. Unset or 0: no top-k filtering."""
@@ -647,7 +649,8 @@ class PenaltyParameters(_message.Message):
     PRESENCE_PENALTY_FIELD_NUMBER: _builtins.int
     repetition_penalty: _builtins.float
     """Divides positive logits (multiplies negative ones) of tokens in the prompt or the completion so
-    far. Unset: 1.0 (off). Must be finite and above 0; above 1 discourages repetition.
+    far. Unset: 1.0 (off). Must be in [0.01, 100] (a range in which no logit can overflow); above
+    1 discourages repetition.
     """
     frequency_penalty: _builtins.float
     """Subtracted from a token's logit once per time it occurs in the completion so far. Unset: 0.0
@@ -823,16 +826,20 @@ class Token(_message.Message):
     text: _builtins.str
     """The token decoded on its own. Part of a multi-byte character decodes as U+FFFD."""
     logprob: _builtins.float
-    """Natural log of the token's probability under the distribution it was chosen from (after
-    temperature and penalties; before top-k/top-p/typical/min-p filtering). Set when logprobs or
-    prompt_logprobs were asked for; unset for the first prompt token.
+    """Natural log of the token's probability after penalties and temperature, before
+    top-k/top-p/typical/min-p filtering (the token itself is drawn from the filtered
+    distribution, so this is below 0 even when the filters left one candidate). Greedy decoding
+    applies only the penalties. Set when logprobs or prompt_logprobs were asked for; unset for
+    the first prompt token.
     """
     special: _builtins.bool
     """Whether this is a special token (BOS, EOS, a chat-template marker...)."""
     @_builtins.property
     def top_tokens(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopToken]:
-        """The most likely tokens at this position, most likely first; top_n_tokens of them for
-        generated tokens, empty for prompt tokens.
+        """The most likely tokens at this position among those top-k/top-p/typical/min-p kept (a
+        filtered-out token, or one of probability 0, is never listed), most likely first:
+        top_n_tokens of them for generated tokens, fewer when fewer were kept; empty for prompt
+        tokens.
         """
 
     def __init__(
