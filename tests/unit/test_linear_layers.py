@@ -374,3 +374,37 @@ def test_load_packed_weights_maps_parts_to_fused_parameters() -> None:
     assert torch.equal(block.gate_up_proj.bias, torch.cat([gb, ub]))
     with pytest.raises(ModelLoadError, match=r"'up_proj\.weight' has shape \(2, 4\).*expects \(3, 4\)"):
         load_packed_weights(block, [("up_proj.weight", up[:2])], {"gate_up_proj": ["gate_proj", "up_proj"]})
+
+
+def _two_rank_worker(rank: int, init_file: str) -> None:
+    """One of two gloo processes: the collectives of row-parallel, embedding and head for real."""
+    import torch.distributed as dist
+
+    from loom.distributed import parallel_state
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        parallel_state.init_tensor_parallel()
+        assert (get_tp_rank(), get_tp_size()) == (rank, 2)
+        w, b, x = _rand(5, 6), _rand(5, seed=1), _rand(3, 6, seed=2)
+        row = RowParallelLinear(6, 5, bias=True, input_is_parallel=False)
+        row.weight.weight_loader(row.weight, w)
+        row.bias.weight_loader(row.bias, b)
+        torch.testing.assert_close(row(x), F.linear(x, w, b))
+        col = ColumnParallelLinear(6, 4, bias=False)
+        col.weight.weight_loader(col.weight, w[:4])
+        assert torch.equal(col(x), F.linear(x, w[:4].narrow(0, 2 * rank, 2)))  # its own rows, not gathered
+        table, ids = _rand(7, 6, seed=3), torch.tensor([0, 3, 4, 6, 6, 1])
+        embed = VocabParallelEmbedding(7, 6)
+        embed.weight.weight_loader(embed.weight, table)
+        assert torch.equal(embed(ids), F.embedding(ids, table))
+        head = ParallelLMHead(7, 6, tied=embed)
+        torch.testing.assert_close(head(x), F.linear(x, table))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_collectives_over_two_real_ranks(tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    mp.spawn(_two_rank_worker, args=(str(tmp_path / "pg"),), nprocs=2, join=True)

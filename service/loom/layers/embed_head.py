@@ -20,7 +20,7 @@ from loom.plugin_api.quantization import (
     set_weight_attrs,
 )
 
-from .linear import WeightShapeError
+from .linear import WeightShapeError, default_weight_loader
 
 
 class VocabShard:
@@ -96,7 +96,7 @@ class ParallelLMHead(nn.Module):
 
     def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         if getattr(param, "output_dim", None) != 0:  # a per-tensor value: the same on every rank
-            param.data.copy_(loaded_weight)
+            default_weight_loader(param, loaded_weight)
             return
         self.shard.load(param, loaded_weight)
 
