@@ -408,3 +408,38 @@ def test_collectives_over_two_real_ranks(tmp_path: Path) -> None:
     import torch.multiprocessing as mp
 
     mp.spawn(_two_rank_worker, args=(str(tmp_path / "pg"),), nprocs=2, join=True)
+
+
+def test_gguf_config_picks_its_method_per_layer_from_the_block_types(
+    tiny_model_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
+    import json
+
+    from safetensors.torch import save_file
+
+    from loom_plugins.quant import gguf
+
+    if not gguf.kernel_available():
+        pytest.skip(f"GGUF CPU kernel unavailable: {gguf.cpu_unsupported_reason()}")
+    path = tiny_model_dir("llama")
+    types = {f"model.layers.0.self_attn.{p}.weight": "Q4_1" for p in ("q_proj", "k_proj", "v_proj")}
+    types |= {"model.layers.1.self_attn.q_proj.weight": "Q4_1", "model.layers.1.self_attn.k_proj.weight": "Q8_0",
+              "model.layers.1.self_attn.v_proj.weight": "Q4_1", "model.layers.0.mlp.down_proj.weight": "Q6_K",
+              "lm_head.weight": "Q8_0"}
+    save_file({"unused": torch.zeros(1)}, str(tmp_path / gguf.BLOCKS_FILE), metadata={"types": json.dumps(types)})
+    config = gguf.GGUFConfig(tmp_path, torch.device("cpu"), torch.float32)
+    config.packed_modules_mapping = dict(LlamaForCausalLM.packed_modules_mapping)
+    model: Any = build_model(LlamaForCausalLM, load_hf_config(path), torch.float32, torch.device("cpu"), config)
+    layers = model.model.layers
+
+    def served(module: nn.Module) -> bool:
+        return isinstance(module.quant_method, gguf.GGUFLinearMethod)
+
+    assert served(layers[0].self_attn.qkv_proj) and served(model.lm_head)
+    assert layers[0].self_attn.qkv_proj.blocks.shape == (128, 64 // 32 * 20)  # Q4_1: 20 bytes a block of 32
+    assert not served(layers[1].self_attn.qkv_proj)  # parts of two types: one blocks tensor cannot hold them
+    assert not served(layers[0].mlp.down_proj)  # Q6_K has no kernel
+    assert not served(layers[0].self_attn.o_proj)  # no blocks: dense
+    assert config.skips_checkpoint_tensor("model.layers.0.self_attn.k_proj.weight")
+    assert not config.skips_checkpoint_tensor("model.layers.1.self_attn.k_proj.weight")
+    assert config.served["model.layers.0.self_attn.v_proj.weight"] == "model.layers.0.self_attn.v_proj.blocks"
