@@ -8,24 +8,27 @@ backend, through the step's forward context.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from loom.layers.activation import SiluAndMul
 from loom.layers.attention import Attention
+from loom.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from loom.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from loom.layers.norm import RMSNorm
 from loom.layers.rotary import RotaryEmbedding, get_rope
 from loom.model_loader.hf_config import SlidingWindowRule, head_dim_of, layer_sliding_windows, num_kv_heads_of
 
-from .weights import FusedLayout, load_fused_weights
+from .weights import load_packed_weights
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
     from transformers import PretrainedConfig
+
+    from loom.plugin_api.quantization import QuantizationConfig
 
 
 @dataclass(frozen=True)
@@ -41,16 +44,18 @@ class LlamaVariant:
 
 class LlamaAttentionBlock(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_idx: int, variant: LlamaVariant,
-                 sliding_window: int | None) -> None:
+                 sliding_window: int | None, quant_config: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
-        self.num_heads = int(config.num_attention_heads)
-        self.num_kv_heads = num_kv_heads_of(config)
         self.head_dim = head_dim_of(config)
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
         hidden = int(config.hidden_size)
-        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=variant.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=variant.o_bias)
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, int(config.num_attention_heads),
+                                          num_kv_heads_of(config), bias=variant.qkv_bias,
+                                          quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
+        # This rank's heads (all of them with one rank).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.o_proj = RowParallelLinear(int(config.num_attention_heads) * self.head_dim, hidden,
+                                        bias=variant.o_bias, quant_config=quant_config, prefix=f"{prefix}.o_proj")
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if variant.qk_norm:
@@ -74,13 +79,16 @@ class LlamaAttentionBlock(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig, bias: bool) -> None:
+    def __init__(self, config: PretrainedConfig, bias: bool, quant_config: QuantizationConfig | None,
+                 prefix: str) -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (only 'silu')")
         hidden, inter = int(config.hidden_size), int(config.intermediate_size)
-        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)  # [gate | up]
-        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias=bias, quant_config=quant_config,
+                                                       prefix=f"{prefix}.gate_up_proj")  # [gate | up]
+        self.down_proj = RowParallelLinear(inter, hidden, bias=bias, quant_config=quant_config,
+                                           prefix=f"{prefix}.down_proj")
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
@@ -89,10 +97,11 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_idx: int, variant: LlamaVariant,
-                 sliding_window: int | None) -> None:
+                 sliding_window: int | None, quant_config: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
-        self.self_attn = LlamaAttentionBlock(config, layer_idx, variant, sliding_window)
-        self.mlp = LlamaMLP(config, variant.mlp_bias)
+        self.self_attn = LlamaAttentionBlock(config, layer_idx, variant, sliding_window, quant_config,
+                                             f"{prefix}.self_attn")
+        self.mlp = LlamaMLP(config, variant.mlp_bias, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -116,12 +125,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, variant: LlamaVariant) -> None:
+    def __init__(self, config: PretrainedConfig, variant: LlamaVariant, quant_config: QuantizationConfig | None,
+                 prefix: str = "model") -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                   prefix=f"{prefix}.embed_tokens")
         windows = layer_sliding_windows(config, variant.sliding_window_rule)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, variant, windows[i]) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, variant, windows[i], quant_config, f"{prefix}.layers.{i}")
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = get_rope(config, head_dim_of(config))
@@ -139,50 +151,37 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """The model contract the engine relies on: forward, compute_logits, load_weights."""
 
+    # fused parameter -> the checkpoint modules whose rows it holds, in order (shard ids 0, 1, ...)
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
     @classmethod
     def variant(cls, config: PretrainedConfig) -> LlamaVariant:
         bias = bool(getattr(config, "attention_bias", False))
         return LlamaVariant(qkv_bias=bias, o_bias=bias, mlp_bias=bool(getattr(config, "mlp_bias", False)))
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.variant(config))
+        self.model = LlamaModel(config, self.variant(config), quant_config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # Tied: the logits reuse the embedding matrix, so no second [V, H] tensor is allocated
-        # (a quantizer may still give the model a quantized head of its own).
-        self.lm_head: nn.Module | None = None
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # (a quantization method may still give the head quantized weights of its own).
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=quant_config,
+                                      tied=self.model.embed_tokens if self.tie_word_embeddings else None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids [T], positions [T] (int64) -> final-normed hidden states [T, H]."""
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] float32
-        if self.lm_head is not None:
-            logits: torch.Tensor = self.lm_head(hidden)
-            return logits.float()
-        return F.linear(hidden, self.model.embed_tokens.weight).float()
-
-    def fused_layout(self) -> FusedLayout:
-        """Where each HF projection lives inside the fused parameters: (fused, offset, rows)."""
-        head_dim = head_dim_of(self.config)
-        q_size = int(self.config.num_attention_heads) * head_dim
-        kv_size = num_kv_heads_of(self.config) * head_dim
-        inter = int(self.config.intermediate_size)
-        return {
-            "q_proj": ("qkv_proj", 0, q_size),
-            "k_proj": ("qkv_proj", q_size, kv_size),
-            "v_proj": ("qkv_proj", q_size + kv_size, kv_size),
-            "gate_proj": ("gate_up_proj", 0, inter),
-            "up_proj": ("gate_up_proj", inter, inter),
-        }
+        logits: torch.Tensor = self.lm_head(hidden)
+        return logits.float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named checkpoint tensors into the (fused) parameters; refuse unknown names."""
+        """Hand each HF-named checkpoint tensor to its parameter's loader; refuse unknown names."""
         skip = {"lm_head.weight"} if self.tie_word_embeddings else set()
-        load_fused_weights(self, weights, self.fused_layout(), skip)
+        load_packed_weights(self, weights, self.packed_modules_mapping, skip)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -1,4 +1,12 @@
-"""Loading Hugging Face checkpoint tensors into models whose projections are fused."""
+"""Loading Hugging Face checkpoint tensors through each parameter's own ``weight_loader``.
+
+A model whose layers fuse several checkpoint modules (``q_proj``, ``k_proj`` and ``v_proj`` in
+one ``qkv_proj``) declares a ``packed_modules_mapping``: fused module -> its parts, in order. A
+checkpoint tensor ``...k_proj.<param>`` then goes to ``...qkv_proj.<param>`` with shard id 1
+(the fused layer maps it to its rows; ``<param>`` is ``weight``, ``bias``, or whatever a
+quantization method registered: ``qweight``, ``scales``...). Parameters without a loader of
+their own (norms) take the whole tensor.
+"""
 
 from __future__ import annotations
 
@@ -7,28 +15,25 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from loom.layers.linear import WeightShapeError, default_weight_loader
 from loom.model_loader.errors import ModelLoadError
 
-# HF module name -> (fused module name, first row, number of rows), e.g.
-# "k_proj" -> ("qkv_proj", Hq*D, Hkv*D). Weights and biases are both split along dim 0.
-FusedLayout = dict[str, tuple[str, int, int]]
+# fused module name -> the checkpoint module names it holds, in row order
+PackedModules = dict[str, list[str]]
 
 # Buffers some checkpoints carry that Loom recomputes.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
 
-def _expected_names(params: Iterable[str], layout: FusedLayout) -> set[str]:
+def _expected_names(params: Iterable[str], packed: PackedModules) -> set[str]:
     """Every checkpoint name the model needs, in HF naming (fused params expanded)."""
-    parts_of: dict[str, list[str]] = {}
-    for hf_name, (fused, _, _) in layout.items():
-        parts_of.setdefault(fused, []).append(hf_name)
     expected: set[str] = set()
     for name in params:
         parts = name.split(".")
-        if len(parts) < 2 or parts[-2] not in parts_of:
+        if len(parts) < 2 or parts[-2] not in packed:
             expected.add(name)
             continue
-        for hf_module in parts_of[parts[-2]]:
+        for hf_module in packed[parts[-2]]:
             expected.add(".".join([*parts[:-2], hf_module, parts[-1]]))
     return expected
 
@@ -39,15 +44,16 @@ def _summarise(names: Iterable[str], limit: int = 8) -> str:
     return ", ".join(ordered[:limit]) + more
 
 
-def load_fused_weights(
+def load_packed_weights(
     model: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],
-    layout: FusedLayout,
+    packed: PackedModules,
     skip: set[str] | None = None,
 ) -> None:
-    """Copy each ``(hf_name, tensor)`` into ``model``; unknown, missing or misshapen weights fail."""
+    """Load each ``(hf_name, tensor)`` into ``model``; unknown, missing or misshapen weights fail."""
     params = dict(model.named_parameters())  # tied parameters appear once
-    expected = _expected_names(params, layout)
+    part_of = {part: (fused, i) for fused, parts in packed.items() for i, part in enumerate(parts)}
+    expected = _expected_names(params, packed)
     loaded: set[str] = set()
     unexpected: list[str] = []
     skip = skip or set()
@@ -56,19 +62,20 @@ def load_fused_weights(
             if name in skip or name.endswith(IGNORED_SUFFIXES):
                 continue
             parts = name.split(".")
-            fused = layout.get(parts[-2]) if len(parts) >= 2 else None
+            fused = part_of.get(parts[-2]) if len(parts) >= 2 else None
             target = ".".join([*parts[:-2], fused[0], parts[-1]]) if fused else name
             param = params.get(target)
             if param is None:
                 unexpected.append(name)
                 continue
-            dst = param.narrow(0, fused[1], fused[2]) if fused else param
-            if tuple(dst.shape) != tuple(tensor.shape):
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            try:
+                loader(param, tensor, fused[1]) if fused else loader(param, tensor)
+            except WeightShapeError as exc:
                 raise ModelLoadError(
-                    f"weight {name!r} has shape {tuple(tensor.shape)} in the checkpoint but "
-                    f"{type(model).__name__} expects {tuple(dst.shape)}; does config.json match the weights?"
-                )
-            dst.copy_(tensor)
+                    f"weight {name!r} has shape {exc.checkpoint_shape} in the checkpoint but "
+                    f"{type(model).__name__} expects {exc.expected_shape}; does config.json match the weights?"
+                ) from None
             loaded.add(name)
     if unexpected:
         raise ModelLoadError(

@@ -3,7 +3,7 @@
 ``gguf``: a GGUF file's Q4_0 / Q4_1 / Q4_K / Q8_0 weights computed in their blocks on the CPU (the
 default SmolLM2 ships as Q4_1). AWQ, GPTQ, FP8 and NF4 plug in the same way, here or from a
 third-party package, through the ``loom_quantizers`` hook and the contract in
-``loom.layers.quantization``.
+``loom.plugin_api.quantization`` (a config class that picks a linear method per layer).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from loom.plugin_api import QuantizerSpec, hookimpl
 
 
 def _load_gguf() -> type:
-    from .gguf import GGUFQuantizer
+    from .gguf import GGUFConfig
 
-    return GGUFQuantizer
+    return GGUFConfig
 
 
 def _check_gguf() -> str | None:

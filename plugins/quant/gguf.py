@@ -1,25 +1,30 @@
 """The ``gguf`` quantizer: a GGUF file's Q4_0, Q4_1, Q4_K and Q8_0 weights computed in their blocks.
 
 The model loader keeps the file's block bytes beside the dequantized checkpoint
-(``loom.model_loader.gguf_cache``), each verified to dequantize exactly to the dense tensor. This
-plugin replaces the model's linear layers by :class:`GGUFLinear`, whose CPU kernel
-(``csrc/gguf_linear_cpu.cpp``) dequantizes in registers with gguf-py's own float operations: the
-weights multiplied are the dense model's, bit for bit, read from 0.625-0.75 (4-bit) or 1.125
-(Q8_0) bytes each instead of 4. Fused projections (qkv, gate/up) concatenate their parts' rows; a tied model
-also gets a quantized logits head from the embedding's blocks.
+(``loom.model_loader.gguf_cache``), each verified to dequantize exactly to the dense tensor.
+:class:`GGUFConfig` gives every linear layer whose parts all have blocks of one kernel type the
+:class:`GGUFLinearMethod`: the layer's parameter is ``blocks`` (the file's bytes, ``[out, row
+bytes]`` uint8, loaded from ``gguf_blocks.safetensors`` through the layer's own weight loader:
+fused projections (qkv, gate/up) take their parts' rows), never the dense weight. After loading,
+the blocks are regrouped for the CPU kernel (``csrc/gguf_linear_cpu.cpp``), which dequantizes in
+registers with gguf-py's own float operations: the weights multiplied are the dense model's, bit
+for bit, read from 0.625-0.75 (4-bit) or 1.125 (Q8_0) bytes each instead of 4. A tied model's
+head gets the embedding's blocks (lookups stay dense). :class:`GGUFLinear` is the same kernel as
+a stand-alone module.
 
 fp32 activations on an x86-64 CPU with AVX2 and FMA. On other devices, with ``--dtype`` other
-than float32, or for other block types (Q6_K, Q5_K, ...: a fused layer with such a part too), the
-dense weights serve (``--quantize auto`` falls back
-silently; ``--quantize gguf`` fails saying why).
+than float32, or for other block types (Q6_K, Q5_K, ...: a fused layer with such a part too, or
+with parts of two GGUF types), the dense weights serve (``--quantize auto`` falls back silently;
+``--quantize gguf`` fails saying why).
 """
 
 from __future__ import annotations
 
 import json
-import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import structlog
 import torch
@@ -27,8 +32,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.cpu_extension import CpuExtension, cpu_flags, kernels_enabled
-from loom.layers.quantization import QuantizationError
+from loom.distributed.parallel_state import get_tp_size
 from loom.model_loader.gguf_cache import BLOCKS_FILE
+from loom.plugin_api.quantization import (
+    LinearMethod,
+    QuantizationConfig,
+    QuantizationError,
+    WeightLoader,
+    set_weight_attrs,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -37,7 +49,8 @@ log = structlog.get_logger(__name__)
 # per-32 scale d * sc and minimum -(dmin * m) computed here in float32 as gguf-py computes them,
 # and x - y is x + (-y) exactly: the same weights).
 KERNEL_TYPE = {"Q4_0": 2, "Q4_1": 3, "Q4_K": 3, "Q8_0": 8}
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144}  # Q4_K: 256 weights a block
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144}
+_BLOCK_WEIGHTS = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": 256}
 QK = 32
 # From this many rows on, a GEMM on the dequantized weight (MKL) serves instead of the kernel.
 # Below it, every row's sums run in one order, whatever the batch.
@@ -132,8 +145,35 @@ def pack(parts: list[Unpacked]) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return qs, d, m, qtype
 
 
+def gguf_linear(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, qtype: int,
+                out_features: int, in_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [..., in] @ W^T (+ bias)`` with W in the kernel's packed blocks (see :func:`pack`)."""
+    lead = x.shape[:-1]
+    # [M, in]; a model's activations are already 2-D and contiguous: no reshape op then
+    x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, in_features).contiguous()
+    if x2.shape[0] >= DENSE_ROWS:
+        # Prefill-sized: the weights are read once per many rows, so bytes no longer matter
+        # and MKL's GEMM beats the kernel there (by up to 1.2x at 4096 rows on 2 cores).
+        # Dequantizing costs one pass over the weight, about 0.1% of the GEMM.
+        return F.linear(x2, dequantize(qs, d, m, qtype, out_features), bias).view(*lead, out_features)
+    y: torch.Tensor = torch.ops.loom_gguf_cpu.linear(x2, qs, d, m, qtype, out_features)
+    if bias is not None:
+        y.add_(bias)
+    return y if x2 is x else y.view(*lead, out_features)
+
+
+def dequantize(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, qtype: int, out_features: int) -> torch.Tensor:
+    """The packed blocks' weight ``[out, in]`` float32: the dense weight, exactly."""
+    w: torch.Tensor = torch.ops.loom_gguf_cpu.dequantize(qs, d, m, qtype, out_features)
+    return w
+
+
 class GGUFLinear(nn.Module):
-    """``y = x @ W^T (+ bias)`` with W kept in GGUF blocks; x fp32 on the CPU."""
+    """``y = x @ W^T (+ bias)`` with W kept in GGUF blocks; x fp32 on the CPU (a stand-alone module)."""
+
+    qs: torch.Tensor  # buffers: the kernel's packed blocks (see pack)
+    d: torch.Tensor
+    m: torch.Tensor
 
     def __init__(self, parts: list[Unpacked], in_features: int, bias: torch.Tensor | None,
                  type_names: str) -> None:
@@ -155,44 +195,60 @@ class GGUFLinear(nn.Module):
         return cls([unpack(raw, type_name)], in_features, bias, type_name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        lead = x.shape[:-1]
-        # [M, in]; a model's activations are already 2-D and contiguous: no reshape op then
-        x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, self.in_features).contiguous()
-        if x2.shape[0] >= DENSE_ROWS:
-            # Prefill-sized: the weights are read once per many rows, so bytes no longer matter
-            # and MKL's GEMM beats the kernel there (by up to 1.2x at 4096 rows on 2 cores).
-            # Dequantizing costs one pass over the weight, about 0.1% of the GEMM.
-            return F.linear(x2, self.dequantized_weight(), self.bias).view(*lead, self.out_features)
-        y: torch.Tensor = torch.ops.loom_gguf_cpu.linear(x2, self.qs, self.d, self.m, self.qtype, self.out_features)
-        if self.bias is not None:
-            y.add_(self.bias)
-        return y if x2 is x else y.view(*lead, self.out_features)
+        return gguf_linear(x, self.qs, self.d, self.m, self.qtype, self.out_features, self.in_features, self.bias)
 
     def dequantized_weight(self) -> torch.Tensor:  # [out, in] float32: the dense weight, exactly
-        w: torch.Tensor = torch.ops.loom_gguf_cpu.dequantize(self.qs, self.d, self.m, self.qtype, self.out_features)
-        return w
+        return dequantize(self.qs, self.d, self.m, self.qtype, self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, type={self.type_name}, " \
                f"bias={self.bias is not None}"
 
 
-def _parts_of(module_name: str, layout: dict[str, tuple[str, int, int]]) -> list[str]:
-    """The checkpoint tensors whose rows make up a module's weight, in row order."""
-    prefix, _, leaf = module_name.rpartition(".")
-    parts = sorted((offset, hf) for hf, (fused, offset, _) in layout.items() if fused == leaf)
-    names = [hf for _, hf in parts] or [leaf]
-    return [f"{prefix}.{name}.weight" if prefix else f"{name}.weight" for name in names]
+class GGUFLinearMethod(LinearMethod):
+    """A layer whose parts all have blocks of GGUF type ``type_name``: ``blocks`` [out, row bytes]
+    uint8 are loaded, then regrouped into the kernel's ``qs``, ``d``, ``m`` buffers."""
+
+    def __init__(self, type_name: str) -> None:
+        self.type_name = type_name
+
+    def create_weights(self, layer: Any, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype,
+                       weight_loader: WeightLoader) -> None:
+        row_bytes = input_size_per_partition // _BLOCK_WEIGHTS[self.type_name] * _BLOCK_BYTES[self.type_name]
+        blocks = nn.Parameter(torch.empty(sum(output_partition_sizes), row_bytes, dtype=torch.uint8),
+                              requires_grad=False)
+        # Rows are output features (fused parts at their offsets); a row's bytes are not split.
+        set_weight_attrs(blocks, output_dim=0, input_dim=None, weight_loader=weight_loader)
+        layer.register_parameter("blocks", blocks)
+        layer.gguf_shape = (sum(output_partition_sizes), input_size_per_partition)  # (out, in)
+
+    def process_weights_after_loading(self, layer: Any) -> None:
+        # Unpacking works row by row, so the fused rows unpack as their parts would one by one.
+        qs, d, m, qtype = pack([unpack(layer.blocks.data, self.type_name)])
+        del layer.blocks
+        layer.register_buffer("qs", qs)
+        layer.register_buffer("d", d)
+        layer.register_buffer("m", m)
+        layer.gguf_qtype = qtype
+
+    def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        out_features, in_features = layer.gguf_shape
+        return gguf_linear(x, layer.qs, layer.d, layer.m, layer.gguf_qtype, out_features, in_features, bias)
+
+    def dequantized_weight(self, layer: Any) -> torch.Tensor:  # [out, in] float32: the dense weight, exactly
+        return dequantize(layer.qs, layer.d, layer.m, layer.gguf_qtype, layer.gguf_shape[0])
 
 
-class GGUFQuantizer:
-    """Swaps a model's linear layers for GGUFLinear where the file's blocks allow it."""
+class GGUFConfig(QuantizationConfig):
+    """The GGUF blocks kept beside a converted checkpoint, for every layer whose parts have them."""
 
     @classmethod
     def for_checkpoint(cls, model_dir: Path) -> bool:
         return (Path(model_dir) / BLOCKS_FILE).is_file()
 
     def __init__(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__(model_dir, device, dtype)
         self.path = Path(model_dir) / BLOCKS_FILE
         if not self.path.is_file():
             raise QuantizationError(f"{model_dir} holds no GGUF blocks (only a .gguf model has them)")
@@ -200,46 +256,44 @@ class GGUFQuantizer:
             raise QuantizationError("the GGUF kernels run on the CPU; on other devices the dense weights serve")
         if dtype != torch.float32:
             raise QuantizationError(f"the GGUF kernels compute in float32, not {dtype}")
+        if get_tp_size() > 1:
+            raise QuantizationError("the GGUF kernels serve one tensor-parallel rank (a block's row is not split)")
         reason = cpu_unsupported_reason()
         if reason is None and not _KERNEL.available():
             reason = f"the kernel could not be built: {_KERNEL.unavailable_reason()}"
         if reason is not None:
             raise QuantizationError(reason)
-
-    def quantize(self, model: nn.Module) -> int:
         from safetensors import safe_open
 
-        started = time.monotonic()
-        fused_layout = getattr(model, "fused_layout", None)  # fused projection -> its checkpoint parts
-        layout: dict[str, tuple[str, int, int]] = fused_layout() if callable(fused_layout) else {}
-        replaced = 0
         with safe_open(str(self.path), framework="pt") as blocks:
-            types: dict[str, str] = json.loads((blocks.metadata() or {}).get("types", "{}"))
+            self.types: dict[str, str] = json.loads((blocks.metadata() or {}).get("types", "{}"))
+        # checkpoint tensor whose blocks a layer loads -> the name the model loads them under
+        self.served: dict[str, str] = {}
+        self.dense_skipped: set[str] = set()
 
-            def build(names: list[str], in_features: int, out_features: int,
-                      bias: torch.Tensor | None) -> GGUFLinear | None:
-                kinds = [types.get(name) for name in names]
-                if any(kind not in KERNEL_TYPE for kind in kinds):
-                    return None  # a part is dense, or of a type without a kernel
-                parts = [unpack(blocks.get_tensor(name), str(kind)) for name, kind in zip(names, kinds, strict=True)]
-                if len({p.qtype for p in parts}) != 1 or sum(p.q.shape[0] for p in parts) != out_features:
-                    return None
-                return GGUFLinear(parts, in_features, bias, "+".join(sorted({str(k) for k in kinds})))
+    def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
+        tied_to = getattr(layer, "tied_to", None)  # a tied head: the embedding's blocks
+        parts = [tied_to] if tied_to else self.checkpoint_parts(prefix)
+        kinds = {self.types.get(f"{part}.weight") for part in parts}
+        if len(kinds) != 1:
+            return None  # parts of different types: one blocks tensor cannot hold them
+        kind = kinds.pop()
+        input_size: int = getattr(layer, "input_size")  # noqa: B009 - every linear layer and head has it
+        if kind not in KERNEL_TYPE or input_size % _BLOCK_WEIGHTS[str(kind)]:
+            return None  # dense, a type without a kernel, or rows that are not whole blocks
+        for part in parts:
+            # The tied head's blocks load as "<head>.blocks"; the fused parts' as "<part>.blocks".
+            self.served[f"{part}.weight"] = f"{prefix if tied_to else part}.blocks"
+            if not tied_to:  # the embedding itself stays dense (lookups)
+                self.dense_skipped.add(f"{part}.weight")
+        return GGUFLinearMethod(str(kind))
 
-            for name, module in list(model.named_modules()):
-                if not isinstance(module, nn.Linear):
-                    continue
-                new = build(_parts_of(name, layout), module.in_features, module.out_features, module.bias)
-                if new is not None:
-                    parent_name, _, leaf = name.rpartition(".")
-                    setattr(model.get_submodule(parent_name) if parent_name else model, leaf, new)
-                    replaced += 1
-            embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-            if getattr(model, "lm_head", True) is None and isinstance(embed, nn.Embedding):
-                head = build(["model.embed_tokens.weight"], embed.embedding_dim, embed.num_embeddings, None)
-                if head is not None:  # the tied head reads the embedding's blocks; lookups stay dense
-                    model.lm_head = head
-                    replaced += 1
-        log.info("GGUF blocks serve the linear layers", layers=replaced,
-                 types=sorted(set(types.values())), duration_s=round(time.monotonic() - started, 1))
-        return replaced
+    def skips_checkpoint_tensor(self, name: str) -> bool:
+        return name in self.dense_skipped
+
+    def extra_checkpoint_weights(self, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+        from safetensors import safe_open
+
+        with safe_open(str(self.path), framework="pt") as blocks:
+            for name, target in self.served.items():
+                yield target, blocks.get_tensor(name).to(device)

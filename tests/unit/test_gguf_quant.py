@@ -130,11 +130,12 @@ def test_default_model_runs_on_its_own_blocks_with_the_exact_dense_weights(
     dense = load_model(default_model_dir, torch.float32, torch.device("cpu"), quant_registry, quantize="none")
     assert (quantized.quantization, dense.quantization) == ("gguf", None)
     dense_params = dict(dense.model.named_parameters())
-    layers = {n: m for n, m in quantized.model.named_modules() if isinstance(m, gguf_quant.GGUFLinear)}
+    layers = {n: m for n, m in quantized.model.named_modules()
+              if isinstance(getattr(m, "quant_method", None), gguf_quant.GGUFLinearMethod)}
     assert len(layers) == 30 * 4 + 1  # qkv, o, gate_up, down per layer and the tied head
     for name, layer in layers.items():
         reference = dense_params["model.embed_tokens.weight" if name == "lm_head" else f"{name}.weight"]
-        assert torch.equal(layer.dequantized_weight(), reference), name
+        assert torch.equal(layer.quant_method.dequantized_weight(layer), reference), name
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
     prompt = tokenizer("The capital of France is")["input_ids"]

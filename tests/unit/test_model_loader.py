@@ -86,7 +86,7 @@ def test_load_weights_ignores_rotary_buffers_and_tied_head(
 ) -> None:
     path = tiny_model_dir("llama-tied-bias")
     model: Any = load_model(path, torch.float32, torch.device("cpu"), models_registry).model
-    assert model.lm_head is None  # tied: the logits reuse the embedding matrix
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied: the logits reuse the embedding matrix
     extra = [("model.layers.0.self_attn.rotary_emb.inv_freq", torch.zeros(8)),
              ("lm_head.weight", torch.zeros(320, 64))]
     model.load_weights([*_weights(path), *extra])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 import structlog
 import torch
 from torch import nn
+
+from loom.plugin_api.quantization import QuantizationConfig, UnquantizedLinearMethod
 
 from .errors import ModelLoadError
 from .random_model import init_random_weights, random_weights_of
@@ -30,7 +33,7 @@ class LoadedModel:
     hf_config: PretrainedConfig
     architecture: str  # the model plugin's name, e.g. "llama"
     model_dir: Path
-    quantization: str | None = None  # the quantizer plugin serving the linear layers, if any
+    quantization: str | None = None  # the quantizer plugin serving (some of) the linear layers, if any
     hf_architecture: str = ""  # the config.json `architectures` entry it serves, e.g. "LlamaForCausalLM"
 
 
@@ -74,9 +77,9 @@ def load_hf_config(model_dir: Path) -> PretrainedConfig:
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str,
                registry: PluginRegistry, quantize: str = "auto") -> LoadedModel:
-    """Pick the plugin for ``config.architectures``, build it in ``dtype`` on ``device``, load
-    weights, then let a quantizer replace linear layers (``quantize``: see
-    ``loom.layers.quantization``).
+    """Pick the plugin for ``config.architectures``, choose the quantization (``quantize``: see
+    ``loom.plugin_api.quantization``), build the model in ``dtype`` on ``device`` with each linear
+    layer's method, stream the weights into it, and let each method process what it loaded.
 
     An unknown architecture raises the registry's PluginError, which lists the known ones.
     """
@@ -86,43 +89,70 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str,
     hf_architecture = next(a for a in architectures if a in spec.architectures)
     model_cls: Any = spec.load()
     device = torch.device(device)
-    # Parameters are created directly in the target dtype on the target device.
-    with default_dtype(dtype), device, skip_weight_init():
-        model = model_cls(config)
     random_weights = random_weights_of(config)
+    model, quant_config, quantization = None, None, None
+    if random_weights is None:  # a benchmark model has no checkpoint, so no quantized format
+        for name, candidate in quantization_candidates(model_dir, dtype, device, registry, quantize):
+            candidate.packed_modules_mapping = dict(getattr(model_cls, "packed_modules_mapping", {}))
+            model = build_model(model_cls, config, dtype, device, candidate)
+            served = sum(1 for m in model.modules() if not isinstance(
+                getattr(m, "quant_method", None), (type(None), UnquantizedLinearMethod)))
+            if served:
+                quant_config, quantization = candidate, name
+                log.info("quantized linear layers", quantizer=name, layers=served)
+                break
+            if quantize != "auto":
+                raise ModelLoadError(f"--quantize {name}: no layer of this checkpoint is in its format")
+            model = None
+    if model is None:
+        model = build_model(model_cls, config, dtype, device, None)
     if random_weights is not None:  # a benchmark model: drawn in place on the device, no checkpoint
         init_random_weights(model, random_weights)
     else:
-        model.load_weights(iter_weights(model_dir, dtype, device))
-    quantization = None
-    if random_weights is None:
-        quantization = apply_quantizer(model, model_dir, dtype, device, registry, quantize)
+        weights = iter_weights(model_dir, dtype, device,
+                               skip=quant_config.skips_checkpoint_tensor if quant_config else None)
+        if quant_config is not None:
+            weights = itertools.chain(weights, quant_config.extra_checkpoint_weights(device))
+        load_weights: Any = model.load_weights  # the model contract's method (nn.Module types it as a tensor)
+        load_weights(weights)
+    with torch.no_grad():
+        for module in model.modules():
+            method = getattr(module, "quant_method", None)
+            if method is not None:
+                method.process_weights_after_loading(module)
     model.requires_grad_(False)
     model.eval()
     return LoadedModel(model=model, hf_config=config, architecture=spec.name, model_dir=model_dir,
                        quantization=quantization, hf_architecture=hf_architecture)
 
 
-def apply_quantizer(model: nn.Module, model_dir: Path, dtype: torch.dtype, device: torch.device,
-                    registry: PluginRegistry, quantize: str) -> str | None:
-    """Run the chosen quantizer over ``model``; returns its name, or None when the weights stay dense.
+def build_model(model_cls: Any, config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
+                quant_config: QuantizationConfig | None) -> nn.Module:
+    """The model's module, parameters created directly in ``dtype`` on ``device`` (not initialised)."""
+    with default_dtype(dtype), device, skip_weight_init():
+        # A model plugin without quantization support keeps its one-argument constructor.
+        model: nn.Module = model_cls(config, quant_config=quant_config) if quant_config else model_cls(config)
+    return model
 
-    ``auto``: the first available quantizer whose format the checkpoint carries and that can run
-    here (the reason one cannot is logged); ``none``: dense; a name: that one, or ModelLoadError.
+
+def quantization_candidates(model_dir: Path, dtype: torch.dtype, device: torch.device, registry: PluginRegistry,
+                            quantize: str) -> Iterator[tuple[str, QuantizationConfig]]:
+    """The quantization configs to try building the model with, in order.
+
+    ``auto``: each available quantizer whose format the checkpoint carries and that can run here
+    (the reason one cannot is logged); ``none``: nothing; a name: that one, or ModelLoadError.
     """
-    from loom.layers.quantization import QuantizationError
+    from loom.plugin_api.quantization import QuantizationError
 
     if quantize == "none":
-        return None
+        return
     if quantize != "auto":
         spec = registry.quantizer(quantize)  # PluginError: unknown (lists the names) or unavailable
         try:
-            quantizer = spec.load()(model_dir, device, dtype)
+            yield spec.name, spec.load()(model_dir, device, dtype)
         except QuantizationError as exc:
             raise ModelLoadError(f"--quantize {spec.name}: {exc}") from exc
-        if quantizer.quantize(model) == 0:
-            raise ModelLoadError(f"--quantize {spec.name}: no layer of this checkpoint is in its format")
-        return spec.name
+        return
     for info in registry.infos("quantizer"):
         if info.unavailable_reason is not None:
             continue
@@ -130,10 +160,8 @@ def apply_quantizer(model: nn.Module, model_dir: Path, dtype: torch.dtype, devic
         if not cls.for_checkpoint(model_dir):
             continue
         try:
-            quantizer = cls(model_dir, device, dtype)
+            config = cls(model_dir, device, dtype)
         except QuantizationError as exc:
             log.info("quantizer not applied; dense weights serve", quantizer=info.spec.name, reason=str(exc))
             continue
-        if quantizer.quantize(model):
-            return info.spec.name
-    return None
+        yield info.spec.name, config

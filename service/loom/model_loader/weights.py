@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -30,17 +30,21 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_weights(model_dir: Path, dtype: torch.dtype, device: torch.device | str) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(model_dir: Path, dtype: torch.dtype, device: torch.device | str,
+                 skip: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` for every checkpoint tensor, floating ones cast to ``dtype`` on ``device``.
 
     Tensors are read and converted one at a time, so the host never holds a full-precision copy
-    of the whole model.
+    of the whole model. ``skip(name)`` True: the tensor is not even read (a quantization method
+    loads that layer's weights from elsewhere).
     """
     from safetensors import safe_open
 
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as handle:
             for name in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                if skip is not None and skip(name):
+                    continue
                 tensor = handle.get_tensor(name)
                 if tensor.is_floating_point():
                     yield name, tensor.to(device=device, dtype=dtype)

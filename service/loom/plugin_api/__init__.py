@@ -1,7 +1,9 @@
 """The public plugin API: what plugins/ and third-party packages import.
 
-The attention backend contract (``AttentionBackend``, ``AttentionMetadata``, ...) needs torch,
-so it is loaded on first use: ``loom plugins`` lists plugins without importing torch.
+The attention backend contract (``AttentionBackend``, ``AttentionMetadata``, ...) and the linear
+quantization contract (``LinearMethod``, ``QuantizationConfig``, ...: see
+``loom.plugin_api.quantization``) need torch, so they are loaded on first use: ``loom plugins``
+lists plugins without importing torch.
 """
 
 from __future__ import annotations
@@ -21,9 +23,19 @@ from .specs import (
 
 if TYPE_CHECKING:
     from .attention import AttentionBackend, AttentionMetadata, StaticAttentionBuffers, write_kv
+    from .quantization import (
+        LinearMethod,
+        QuantizationConfig,
+        QuantizationError,
+        UnquantizedLinearMethod,
+        WeightLoader,
+        set_weight_attrs,
+    )
 
 _LAZY = {name: ".attention" for name in ("AttentionBackend", "AttentionMetadata", "StaticAttentionBuffers",
                                          "write_kv")}
+_LAZY |= {name: ".quantization" for name in ("LinearMethod", "QuantizationConfig", "QuantizationError",
+                                             "UnquantizedLinearMethod", "WeightLoader", "set_weight_attrs")}
 
 
 def __getattr__(name: str) -> Any:
@@ -38,15 +50,21 @@ __all__ = [
     "AttentionBackend",
     "AttentionBackendSpec",
     "AttentionMetadata",
+    "LinearMethod",
     "ModelArchitectureSpec",
     "PluginError",
     "PluginInfo",
     "PluginRegistry",
+    "QuantizationConfig",
+    "QuantizationError",
     "QuantizerSpec",
     "SpeculativeDecoderSpec",
     "StaticAttentionBuffers",
+    "UnquantizedLinearMethod",
+    "WeightLoader",
     "default_registry",
     "hookimpl",
     "normalise_name",
+    "set_weight_attrs",
     "write_kv",
 ]

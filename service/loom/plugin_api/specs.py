@@ -64,7 +64,8 @@ class ModelArchitectureSpec(_Spec):
 
 @dataclass(frozen=True)
 class QuantizerSpec(_Spec):
-    """A weight quantizer: ``load()`` returns a class following ``loom.layers.quantization.Quantizer``."""
+    """A weight quantizer: ``load()`` returns a ``loom.plugin_api.quantization.QuantizationConfig``
+    subclass, which picks each linear layer's method when the model is built."""
 
     kind: PluginKind = "quantizer"
 

@@ -1,0 +1,1 @@
+"""Which tensor-parallel rank this process is, and the collectives between ranks."""

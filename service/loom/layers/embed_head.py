@@ -1,0 +1,111 @@
+"""The token embedding and the logits head, their vocabulary split over tensor-parallel ranks.
+
+Rank r holds rows ``r*n : (r+1)*n`` of the ``[V, H]`` matrix, ``n = ceil(V / ranks)``; the last
+rank's rows past V are zeros (one rank: exactly ``[V, H]``, no padding). A lookup finds each
+token on the one rank that holds its row (the others contribute zeros) and sums over ranks; the
+head computes each rank's logits for its rows and gathers them, dropping the padding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loom.distributed.parallel_state import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
+from loom.plugin_api.quantization import (
+    LinearMethod,
+    QuantizationConfig,
+    UnquantizedLinearMethod,
+    set_weight_attrs,
+)
+
+from .linear import WeightShapeError, default_weight_loader
+
+
+class VocabShard:
+    """Which vocabulary rows one rank holds."""
+
+    def __init__(self, vocab_size: int, rank: int, size: int) -> None:
+        self.vocab_size = vocab_size
+        self.rows = -(-vocab_size // size)  # every rank's row count, padding included
+        self.start = min(rank * self.rows, vocab_size)
+        self.end = min(self.start + self.rows, vocab_size)  # rows start:end are real tokens
+
+    def load(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
+        """The whole checkpoint matrix ``[V, ...]`` -> this rank's rows, zero padding after them."""
+        if loaded.shape[0] != self.vocab_size or loaded.shape[1:] != param.shape[1:]:
+            raise WeightShapeError(tuple(loaded.shape), (self.vocab_size, *param.shape[1:]))
+        real = self.end - self.start
+        param.data[:real].copy_(loaded[self.start:self.end])
+        param.data[real:].zero_()
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, prefix: str = "",
+                 params_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.prefix = num_embeddings, embedding_dim, prefix
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.shard = VocabShard(num_embeddings, self.tp_rank, self.tp_size)
+        self.weight = nn.Parameter(torch.empty(self.shard.rows, embedding_dim, dtype=params_dtype),
+                                   requires_grad=False)  # [V / ranks, H]
+        set_weight_attrs(self.weight, output_dim=0, weight_loader=self.weight_loader)
+
+    def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+        self.shard.load(param, loaded_weight)
+
+    def lookup_local(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]: zeros for other ranks' tokens
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        mine = (input_ids >= self.shard.start) & (input_ids < self.shard.end)
+        rows = F.embedding((input_ids - self.shard.start) * mine, self.weight)  # other ranks' tokens: row 0
+        return rows.masked_fill(~mine.unsqueeze(-1), 0)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
+        return all_reduce(self.lookup_local(input_ids))
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows={self.shard.start}:{self.shard.end}"
+
+
+class ParallelLMHead(nn.Module):
+    """``logits = hidden @ W^T`` over the vocabulary; W ``[V, H]`` split by rows like the embedding.
+
+    ``tied``: the model's embedding, whose matrix the dense head reuses (no second ``[V, H]``
+    tensor). A quantization method may still serve the head, from the embedding's checkpoint
+    tensor (``tied_to`` names it) but with weights of its own.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, quant_config: QuantizationConfig | None = None,
+                 prefix: str = "lm_head", tied: VocabParallelEmbedding | None = None,
+                 params_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.prefix = num_embeddings, embedding_dim, prefix
+        self.input_size = embedding_dim
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.shard = VocabShard(num_embeddings, self.tp_rank, self.tp_size)
+        self.tied_to: str | None = tied.prefix if tied is not None else None
+        method: LinearMethod | None = quant_config.get_linear_method(self, prefix) if quant_config else None
+        self.quant_method: LinearMethod = method or UnquantizedLinearMethod()
+        if method is None and tied is not None:
+            self.weight = tied.weight  # the same Parameter: loaded (and listed) once, as the embedding's
+        else:
+            self.quant_method.create_weights(self, embedding_dim, [self.shard.rows], embedding_dim, num_embeddings,
+                                             params_dtype or torch.get_default_dtype(), self.weight_loader)
+
+    def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+        if getattr(param, "output_dim", None) != 0:  # a per-tensor value: the same on every rank
+            default_weight_loader(param, loaded_weight)
+            return
+        self.shard.load(param, loaded_weight)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
+        logits = self.quant_method.apply(self, hidden, None)  # [N, V / ranks]
+        if self.tp_size == 1:
+            return logits
+        return all_gather_last_dim(logits)[..., :self.num_embeddings]
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, rows={self.shard.start}:{self.shard.end}, "
+                f"tied_to={self.tied_to}, method={type(self.quant_method).__name__}")

@@ -1,0 +1,127 @@
+"""The contract of a linear-layer quantization method, and of the per-model config that picks it.
+
+A quantizer plugin's ``QuantizerSpec.load()`` returns a :class:`QuantizationConfig` subclass.
+The loader instantiates it for the checkpoint, the device and the dtype *before* the model is
+built, and every linear layer asks it, while it is constructed, which :class:`LinearMethod`
+serves it (``get_linear_method(layer, prefix)``, prefix being the layer's dotted name in the
+model, e.g. ``model.layers.3.self_attn.qkv_proj``). A method then owns the layer's weights over
+their whole life:
+
+1. ``create_weights``: register the parameters the checkpoint holds for this layer (a dense
+   ``weight``; or packed ``qweight`` / ``scales`` / ``qzeros``...), each with the layer's
+   ``weight_loader`` and the attributes that tell it how to shard (see ``loom.layers.linear``);
+2. the model's ``load_weights`` streams checkpoint tensors into those parameters;
+3. ``process_weights_after_loading``: repack for a kernel, drop what the kernel does not read;
+4. ``apply``: the layer's forward, ``x @ W^T + bias`` in whatever form W is kept.
+
+Layers for which the config returns None stay dense (:class:`UnquantizedLinearMethod`).
+
+``--quantize``: ``auto`` applies a quantizer whose format the checkpoint itself carries (a GGUF
+file's blocks on the CPU), when it can run here, and otherwise keeps the dense weights; ``none``
+keeps them always; a name applies that quantizer or fails saying why it cannot.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# weight_loader(param, loaded_weight, shard_id=None): copy a checkpoint tensor (the whole
+# unsharded tensor, or one part of a fused one: shard_id "q"/"k"/"v" or 0, 1, ...) into this
+# rank's slice of ``param``.
+WeightLoader = Callable[..., None]
+
+
+class QuantizationError(Exception):
+    """A quantizer cannot serve this model here; the message says why."""
+
+
+def set_weight_attrs(param: torch.Tensor, **attrs: Any) -> None:
+    """Attach loading hints to a parameter: ``weight_loader``; ``output_dim`` / ``input_dim``
+    (the dimension that is split across ranks for column- / row-parallel layers, None: not
+    split); ``packed_dim`` and ``packed_factor`` (that dimension holds ``packed_factor`` logical
+    values per element, e.g. 8 int4 in an int32, so shard sizes along it are divided by it)."""
+    for key, value in attrs.items():
+        if hasattr(param, key) and getattr(param, key) is not value:
+            raise AttributeError(f"parameter already has attribute {key!r}")
+        setattr(param, key, value)
+
+
+class LinearMethod(ABC):
+    """How one linear layer keeps and multiplies its weight. One instance may serve many layers:
+    everything per layer lives on the layer."""
+
+    @abstractmethod
+    def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype,
+                       weight_loader: WeightLoader) -> None:
+        """Register the layer's parameters. ``output_partition_sizes``: this rank's rows of each
+        fused part (one entry for an unfused layer); ``input_size`` / ``output_size``: the whole
+        layer's, before sharding."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:  # noqa: B027 - optional hook
+        """Called once every checkpoint tensor is in: repack for the kernel (default: nothing)."""
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [..., in] -> [..., out]``: this rank's part of ``x @ W^T (+ bias)``."""
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    """The dense path: one ``weight [out, in]`` in the model's dtype, ``F.linear``."""
+
+    def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype,
+                       weight_loader: WeightLoader) -> None:
+        weight = nn.Parameter(torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype),
+                              requires_grad=False)
+        set_weight_attrs(weight, input_dim=1, output_dim=0, weight_loader=weight_loader)
+        layer.register_parameter("weight", weight)
+
+    def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+
+class QuantizationConfig(ABC):
+    """One checkpoint's quantization: which method serves each linear layer.
+
+    Subclasses are what ``QuantizerSpec.load()`` returns. The loader sets
+    ``packed_modules_mapping`` from the model class before building it (fused module -> the
+    checkpoint modules it holds, e.g. ``qkv_proj -> [q_proj, k_proj, v_proj]``), so a config that
+    reads per-tensor metadata can find a fused layer's parts.
+    """
+
+    packed_modules_mapping: dict[str, list[str]]
+
+    @classmethod
+    @abstractmethod
+    def for_checkpoint(cls, model_dir: Path) -> bool:
+        """True when the checkpoint carries weights in this quantizer's own format."""
+
+    def __init__(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> None:
+        """Raises QuantizationError when it cannot serve this model on ``device`` in ``dtype``."""
+        self.packed_modules_mapping = {}
+
+    @abstractmethod
+    def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
+        """The method for the layer being built at ``prefix``; None: the dense path serves it."""
+
+    def checkpoint_parts(self, prefix: str) -> list[str]:
+        """The checkpoint modules whose rows make up the layer at ``prefix``, in row order."""
+        parent, _, leaf = prefix.rpartition(".")
+        return [f"{parent}.{part}" if parent else part for part in self.packed_modules_mapping.get(leaf, [leaf])]
+
+    def skips_checkpoint_tensor(self, name: str) -> bool:
+        """True for a checkpoint tensor the model must not load because a method of this config
+        gets that layer's weights elsewhere (see ``extra_checkpoint_weights``)."""
+        return False
+
+    def extra_checkpoint_weights(self, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+        """Tensors to load beside the checkpoint's own, under the names the model loads."""
+        return iter(())
