@@ -32,10 +32,10 @@ ROOT = Path(__file__).resolve().parents[1]
 GOLDEN_DIR = ROOT / "tests" / "golden"
 sys.path.insert(0, str(ROOT / "tests"))
 from helpers.source_tree import make_importable  # noqa: E402
+from helpers.tiny_models import save_tiny_llama_with_vocab_of  # noqa: E402
 
 make_importable()
 
-import torch  # noqa: E402
 
 from loom.config import EngineConfig  # noqa: E402
 from loom.engine.llm_engine import LLMEngine  # noqa: E402
@@ -43,8 +43,6 @@ from loom.engine.types import EngineOutput, EngineRequest, SamplingParams, Stopp
 from loom.frontend.completion import TextOptions, TokenInfo  # noqa: E402
 from loom.frontend.generation import GenerationPlan, collect_completions, generate_chunks  # noqa: E402
 from loom.frontend.tokenizer import Tokenizer  # noqa: E402
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
 class InProcessEngine:
@@ -220,20 +218,8 @@ def record(model_dir: Path) -> dict[str, Any]:
 
 
 def tiny_llama_dir(default_dir: Path, path: Path) -> Path:
-    """A random-weight 2-layer Llama with SmolLM2's vocabulary and tokenizer files (seeded: the
-    same weights on every run with the same torch)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    vocab = Tokenizer.from_model_dir(default_dir).vocab_size
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=2048,
-                         initializer_range=0.2, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        if (default_dir / name).exists():
-            shutil.copy(default_dir / name, path / name)
-    return path
+    """A random-weight 2-layer Llama with SmolLM2's vocabulary and tokenizer files."""
+    return save_tiny_llama_with_vocab_of(default_dir, path, max_position_embeddings=2048)
 
 
 def main(argv: list[str] | None = None) -> int:

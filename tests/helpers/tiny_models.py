@@ -95,3 +95,28 @@ def load_hf_reference(path: Path) -> Any:
 def hf_logits(model: Any, token_ids: list[int]) -> torch.Tensor:  # -> [T, V] float32
     with torch.no_grad():
         return model(torch.tensor([token_ids])).logits[0].float()
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+
+
+def save_tiny_llama_with_vocab_of(model_dir: Path, path: Path, max_position_embeddings: int = 4096) -> Path:
+    """A random-weight 2-layer Llama with ``model_dir``'s vocabulary and tokenizer files (seeded:
+    the same weights on every run with the same torch). Used by the e2e servers and the golden
+    outputs script."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from loom.frontend.tokenizer import Tokenizer
+
+    vocab = Tokenizer.from_model_dir(model_dir).vocab_size
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=max_position_embeddings,
+                         initializer_range=0.2, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        if (model_dir / name).exists():
+            shutil.copy(model_dir / name, path / name)
+    return path
