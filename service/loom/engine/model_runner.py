@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from loom.layers.attention import AttentionBackend, AttentionMetadata, ForwardContext, forward_context
+from loom.sample.batch import build_sampling_batch
+from loom.sample.sampler import Sampler, prompt_logprobs
 
-from .sampler import Sampler, build_sampling_batch, prompt_logprobs
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
 from .staging import DeviceToHost, Stager
