@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-ENGINE_SIDE = ["service/loom/engine", "service/loom/layers", "service/loom/model_loader", "service/loom/distributed",
+ENGINE_SIDE = ["service/loom/engine", "service/loom/sample", "service/loom/layers", "service/loom/model_loader",
+               "service/loom/distributed",
                "service/loom/plugin_api", "plugins"]
 FORBIDDEN = ("grpc", "grpc_health", "grpc_reflection", "grpc_status", "loom.server", "loom.frontend",
              "loom_client", "google.rpc")

@@ -7,7 +7,9 @@ from collections.abc import Callable
 
 import pytest
 
+from loom.engine.fault_injection import FaultInjectingRunner
 from loom.engine.llm_engine import LLMEngine
+from loom.engine.model_runner import ModelRunner
 from loom.engine.types import EngineOutput, EngineRequest, FinishReason, SamplingParams, StoppingParams
 
 
@@ -154,6 +156,17 @@ def test_a_failing_request_fails_alone(make_engine: Callable[..., LLMEngine]) ->
     assert outs["inject-fault-1"][-1].error and "injected failure" in outs["inject-fault-1"][-1].error
     assert outs["inject-nan-1"][-1].error and "non-finite" in outs["inject-nan-1"][-1].error
     assert not engine.requests
+
+
+def test_fault_injection_is_a_runner_installed_only_with_the_flag(make_engine: Callable[..., LLMEngine]) -> None:
+    """Without --fault-injection the engine runs the plain runner, and requests named like the
+    injected faults run as any other."""
+    engine = make_engine(max_batch_total_tokens=1024)
+    assert type(engine.runner) is ModelRunner
+    assert isinstance(make_engine(max_batch_total_tokens=1024, fault_injection=True).runner, FaultInjectingRunner)
+    tokens, outs = drive(engine, [req("inject-fault-2", [9, 9, 9], 4), req("inject-nan-2", [8, 8, 8], 4)])
+    for rid in ("inject-fault-2", "inject-nan-2"):
+        assert not any(o.error for o in outs[rid]) and outs[rid][-1].finish_reason is not None and tokens[rid]
 
 
 @pytest.mark.parametrize("async_scheduling", ["off", "on"])

@@ -13,9 +13,12 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
-from loom.engine.sampler import Sampler, apply_penalties, apply_warpers, build_sampling_batch, counter_uniform
 from loom.engine.sequence import Sequence
 from loom.engine.types import EngineRequest, SamplingParams, StoppingParams
+from loom.sample.batch import SamplingBatch, build_sampling_batch
+from loom.sample.noise import counter_uniform
+from loom.sample.processors import Suppression, apply_processors
+from loom.sample.sampler import Sampler
 
 V = 64
 
@@ -51,7 +54,7 @@ def test_warpers_match_transformers_in_one_heterogeneous_batch() -> None:
     logits = torch.randn(len(CASES), V) * 3
     seqs = [seq(sp) for sp, _ in CASES]
     b = build_sampling_batch(seqs, V, torch.device("cpu"))
-    ours = apply_warpers(apply_penalties(logits, b), b)
+    ours = apply_processors(apply_processors(logits, b.processors), b.filters)
     ours = torch.where(b.do_sample[:, None], ours, logits).log_softmax(-1)
     for i, (_, procs) in enumerate(CASES):
         ref = hf_logprobs(logits[i], *procs)
@@ -103,7 +106,7 @@ def test_repetition_penalty_matches_transformers() -> None:
     prompt, out = (3, 4, 5), (9, 3)
     seqs = [seq(SamplingParams(repetition_penalty=1.3), prompt, out), seq(SamplingParams(), prompt, out)]
     b = build_sampling_batch(seqs, V, torch.device("cpu"))
-    ours = apply_penalties(logits, b)
+    ours = apply_processors(logits, b.processors)
     ids = torch.tensor([list(prompt + out)])
     ref = RepetitionPenaltyLogitsProcessor(1.3)(ids, logits[:1].clone())
     assert torch.allclose(ours[0], ref[0])
@@ -114,7 +117,7 @@ def test_frequency_and_presence_penalties_count_output_tokens() -> None:
     logits = torch.zeros(1, V)
     s = seq(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), (7, 7), (9, 9, 9, 11))
     b = build_sampling_batch([s], V, torch.device("cpu"))
-    out = apply_penalties(logits, b)[0]
+    out = apply_processors(logits, b.processors)[0]
     assert out[9].item() == pytest.approx(-(0.5 * 3 + 0.25))
     assert out[11].item() == pytest.approx(-(0.5 + 0.25))
     assert out[7].item() == 0.0  # prompt tokens are not penalised by these two
@@ -127,7 +130,7 @@ def test_min_new_tokens_suppresses_eos() -> None:
     b = build_sampling_batch([s], V, torch.device("cpu"), eos_token_ids=(2,))
     out = Sampler()(logits, b)
     assert out.token_ids.item() != 2
-    assert torch.isinf(apply_penalties(logits, b)[0, 5])
+    assert torch.isinf(apply_processors(logits, b.processors)[0, 5])
 
 
 def test_greedy_rows_take_argmax_and_report_logprob() -> None:
@@ -230,3 +233,67 @@ def test_a_row_of_minus_infinity_except_one_token_is_finite() -> None:
     logits[0, 9] = 0.0
     out = Sampler()(logits, build_sampling_batch([seq(SamplingParams())], V, torch.device("cpu")))
     assert out.finite.tolist() == [True] and out.token_ids.tolist() == [9] and out.logprobs.tolist() == [0.0]
+
+
+def penalised(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    return apply_processors(logits, b.processors)
+
+
+def test_only_the_processors_some_row_needs_are_built() -> None:
+    greedy = build_sampling_batch([seq(SamplingParams()) for _ in range(2)], V, torch.device("cpu"))
+    assert greedy.processors == [] and greedy.filters == []
+    mixed = build_sampling_batch([seq(SamplingParams()), seq(SamplingParams(do_sample=True, top_p=0.9))], V,
+                                 torch.device("cpu"))
+    assert [type(p).__name__ for p in mixed.processors] == ["Temperature"]
+    assert [type(p).__name__ for p in mixed.filters] == ["TopP"]
+
+
+def test_suppression_bans_each_young_rows_own_ids_and_no_other() -> None:
+    """EOS / stop ids before min_new_tokens, as device indices: row 0 is young with stop id 5,
+    row 1 is young with stop id 7, row 2 has produced its min_new_tokens already."""
+    logits = torch.randn(3, V)
+    seqs = [seq(SamplingParams(), stopping=StoppingParams(min_new_tokens=2, stop_token_ids=(5,))),
+            seq(SamplingParams(), stopping=StoppingParams(min_new_tokens=1, stop_token_ids=(7, V + 3))),
+            seq(SamplingParams(), (1, 2), (4,), stopping=StoppingParams(min_new_tokens=1, stop_token_ids=(5,)))]
+    b = build_sampling_batch(seqs, V, torch.device("cpu"), eos_token_ids=(2,))
+    (sup,) = b.processors
+    assert isinstance(sup, Suppression) and sup.flat_ids.shape == (4,)  # indices, not an [N, V] mask
+    out = penalised(logits, b)
+    banned = torch.zeros(3, V, dtype=torch.bool)
+    banned[0, [2, 5]] = banned[1, [2, 7]] = True
+    assert torch.isneginf(out[banned]).all()
+    assert torch.equal(out[~banned], logits[~banned])
+
+
+class BanTokens:
+    """A toy processor, as a grammar's token bitmask would be: -inf where ``allowed`` is False."""
+
+    def __init__(self, allowed: torch.Tensor) -> None:
+        self.allowed = allowed  # [N, V] bool
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits.masked_fill(~self.allowed, float("-inf"))
+
+
+def test_a_processor_appended_to_the_list_shapes_draws_and_logprobs() -> None:
+    """A new processor needs no change to the sampler: append it to the batch's list."""
+    torch.manual_seed(7)
+    logits = torch.randn(3, V) * 3
+    params = [SamplingParams(top_n_tokens=3), SamplingParams(do_sample=True, seed=3, temperature=0.8, top_k=10),
+              SamplingParams(do_sample=True, seed=4)]
+    allowed = torch.zeros(3, V, dtype=torch.bool)
+    allowed[0, [3, 9, 11]] = allowed[1, 20:40] = True
+    allowed[2] = True  # row 2 is not constrained
+    plain = Sampler()(logits.clone(), build_sampling_batch([seq(p) for p in params], V, torch.device("cpu")))
+    b = build_sampling_batch([seq(p) for p in params], V, torch.device("cpu"))
+    b.processors.append(BanTokens(allowed))
+    out = Sampler()(logits.clone(), b)
+    masked = logits.masked_fill(~allowed, float("-inf"))
+    assert out.token_ids[0].item() == masked[0].argmax().item()
+    assert out.logprobs[0].item() == pytest.approx(masked[0].log_softmax(-1).max().item(), abs=1e-6)
+    assert out.top_ids is not None and out.top_logprobs is not None
+    assert sorted(out.top_ids[0].tolist()) == [3, 9, 11]
+    assert 20 <= out.token_ids[1].item() < 40
+    reported = (masked[1] / 0.8).log_softmax(-1)  # after the processors, before top_k
+    assert out.logprobs[1].item() == pytest.approx(reported[out.token_ids[1]].item(), abs=1e-5)
+    assert out.token_ids[2] == plain.token_ids[2] and out.logprobs[2] == plain.logprobs[2]

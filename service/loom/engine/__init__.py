@@ -1,1 +1,1 @@
-"""The engine core: sequences, KV block manager, scheduler, model runner, sampler, step loop."""
+"""The engine core: sequences, KV block manager, scheduler, model runner, step loop (sampling: loom.sample)."""

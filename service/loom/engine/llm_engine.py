@@ -24,6 +24,7 @@ from loom.process_tuning import keep_freed_memory
 
 from .block_manager import BlockManager
 from .cuda_graphs import maybe_capture_cuda_graphs
+from .fault_injection import FaultInjectingRunner
 from .kv_pool_sizing import KvPoolSize, available_memory_bytes, kv_bytes_per_token, size_cpu_kv_pool
 from .model_runner import CausalLM, LaunchedStep, ModelRunner, StepResult
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -195,8 +196,10 @@ class LLMEngine:
             ),
             self.block_manager,
         )
-        self.runner = ModelRunner(self.model, self.backend, kv_caches, bs, self.vocab_size, self.device,
-                                  self.eos_token_ids, fault_injection=config.fault_injection)
+        # Tests only (--fault-injection): a runner that fails chosen requests on purpose.
+        runner_cls = FaultInjectingRunner if config.fault_injection else ModelRunner
+        self.runner = runner_cls(self.model, self.backend, kv_caches, bs, self.vocab_size, self.device,
+                                 self.eos_token_ids)
 
     def _drop_pool(self) -> None:
         self.__dict__.pop("runner", None)

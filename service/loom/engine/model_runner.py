@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from loom.layers.attention import AttentionBackend, AttentionMetadata, ForwardContext, forward_context
+from loom.sample.batch import build_sampling_batch
+from loom.sample.sampler import Sampler, prompt_logprobs
 
-from .sampler import Sampler, build_sampling_batch, prompt_logprobs
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
 from .staging import DeviceToHost, Stager
@@ -72,7 +73,7 @@ class StepResult:
 class ModelRunner:
     def __init__(self, model: CausalLM, backend: AttentionBackend, kv_caches: list[torch.Tensor],
                  block_size: int, vocab_size: int, device: torch.device,
-                 eos_token_ids: tuple[int, ...] = (), fault_injection: bool = False,
+                 eos_token_ids: tuple[int, ...] = (),
                  cuda_graphs: CudaGraphRunner | None = None) -> None:
         self.model = model
         self.cuda_graphs = cuda_graphs  # replays steps of a captured size and query length
@@ -82,7 +83,6 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.device = device
         self.eos_token_ids = eos_token_ids
-        self.fault_injection = fault_injection  # tests only: see _inject_faults
         self.sampler = Sampler()
         self.stager = Stager(device)
         # The last launched step's sampled ids [N] (device): inputs for rows whose token the
@@ -181,19 +181,8 @@ class ModelRunner:
         (except for prompt logprobs, which are read back at once)."""
         inputs = self.prepare(sched)
         self.copy_blocks(sched.blocks_to_copy)  # queued after prepare's copies, before the forward
-        if self.fault_injection:
-            _inject_faults(inputs)
-        hidden = self.cuda_graphs.try_run(inputs) if self.cuda_graphs is not None else None
-        if hidden is None:
-            plan = self.backend.prepare(inputs.meta)  # once per step; every layer reads it
-            with forward_context(ForwardContext(self.backend, self.kv_caches, inputs.meta, plan)):
-                hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
-        rows = self.stager.to_device(inputs.sample_rows, torch.int64)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))  # [N, V] fp32
-        if self.fault_injection:
-            for i, seq in enumerate(inputs.sample_seqs):
-                if seq.request_id.startswith("inject-nan"):
-                    logits[i] = float("nan")
+        hidden = self.forward(inputs)  # [T, hidden]
+        logits = self.sample_logits(hidden, inputs)  # [N, V] fp32
         batch = build_sampling_batch(inputs.sample_seqs, self.vocab_size, self.device, self.eos_token_ids,
                                      self.stager)
         out = self.sampler(logits, batch)
@@ -205,6 +194,21 @@ class ModelRunner:
         host = transfer.fetch(results)
         self.last_sampled = out.token_ids
         return LaunchedStep(inputs.sample_seqs, out.token_ids, host, transfer)
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """The model over the step's flat rows: [T] ids -> [T, hidden] (a captured CUDA graph
+        when one fits)."""
+        hidden = self.cuda_graphs.try_run(inputs) if self.cuda_graphs is not None else None
+        if hidden is None:
+            plan = self.backend.prepare(inputs.meta)  # once per step; every layer reads it
+            with forward_context(ForwardContext(self.backend, self.kv_caches, inputs.meta, plan)):
+                hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
+        return hidden
+
+    def sample_logits(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
+        """Logits of the rows that choose a token: [T, hidden] -> [N, V] fp32."""
+        rows = self.stager.to_device(inputs.sample_rows, torch.int64)
+        return self.model.compute_logits(hidden.index_select(0, rows))
 
     def finish(self, step: LaunchedStep) -> StepResult:
         """Wait for a launched step and read its sampled tokens back."""
@@ -253,13 +257,3 @@ def _block_tables(seqs: list[Sequence], width: int) -> torch.Tensor:
         table = seq.block_table
         flat[i * width : i * width + len(table)] = array.array("i", table)
     return torch.frombuffer(flat, dtype=torch.int32).view(len(seqs), width)
-
-
-class InjectedFault(RuntimeError):
-    """Raised on purpose (``--fault-injection``) to test failure isolation."""
-
-
-def _inject_faults(inputs: StepInputs) -> None:
-    for seq in inputs.sample_seqs:
-        if seq.request_id.startswith("inject-fault"):
-            raise InjectedFault(f"injected failure while running request {seq.request_id!r}")

@@ -1,0 +1,124 @@
+"""Logits processors: one small object per transformation of the step's [N, V] float32 logits.
+
+Each is built for a step only when some row needs it, from that step's per-row tensors, and
+leaves the rows that do not use it bit-identical. Two lists run, in order (see
+:mod:`loom.sample.sampler`): the *processors* shape the distribution that is reported (EOS / stop
+suppression, repetition, frequency and presence penalties, temperature; a grammar's token
+bitmask belongs here too), the *filters* then narrow what sampled rows draw from (top_k, top_p,
+typical_p, min_p). A new processor is a new class appended to a list; the sampler stays as it is.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class LogitsProcessor(Protocol):
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor: ...  # [N, V] float32 -> [N, V] float32
+
+
+def apply_processors(logits: torch.Tensor, processors: list[LogitsProcessor]) -> torch.Tensor:
+    for p in processors:
+        logits = p(logits)
+    return logits
+
+
+class Suppression:
+    """Bans tokens (EOS and stop ids of rows before their min_new_tokens): -inf at flat indices
+    row * V + token, scattered on the device; no dense [N, V] mask is built."""
+
+    def __init__(self, flat_ids: torch.Tensor) -> None:
+        self.flat_ids = flat_ids  # [K] int64
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits.reshape(-1).index_fill(0, self.flat_ids, float("-inf")).view_as(logits)
+
+
+class RepetitionPenalty:
+    """Tokens seen in the prompt or output: negative logits multiplied, positive ones divided."""
+
+    def __init__(self, penalty: torch.Tensor, seen: torch.Tensor) -> None:
+        self.penalty = penalty  # [N, 1], 1.0 when off
+        self.seen = seen  # [N, V] bool
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        pen = self.penalty
+        return torch.where(self.seen, torch.where(logits < 0, logits * pen, logits / pen), logits)
+
+
+class FrequencyPresencePenalty:
+    """Minus frequency * count and presence * (count > 0), counting output tokens only."""
+
+    def __init__(self, frequency: torch.Tensor, presence: torch.Tensor, counts: torch.Tensor) -> None:
+        self.frequency = frequency  # [N, 1], 0.0 when off
+        self.presence = presence  # [N, 1], 0.0 when off
+        self.counts = counts  # [N, V] float32
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        logits = logits - self.frequency * self.counts
+        return logits - self.presence * (self.counts > 0).to(logits.dtype)
+
+
+class Temperature:
+    """Each row divided by its temperature (greedy rows by 1.0, which is exact)."""
+
+    def __init__(self, temperature: torch.Tensor) -> None:
+        self.temperature = temperature  # [N, 1]
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits / self.temperature
+
+
+# The filters: a removed token's logit becomes the dtype's lowest finite value (never -inf, so
+# the finite check before them still holds after them).
+
+
+class TopK:
+    def __init__(self, top_k: torch.Tensor) -> None:
+        self.top_k = top_k  # [N, 1] int64, vocab size when off
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        kth = torch.sort(logits, dim=-1, descending=True).values.gather(1, (self.top_k - 1).clamp(min=0))
+        return logits.masked_fill(logits < kth, torch.finfo(logits.dtype).min)
+
+
+class TopP:
+    def __init__(self, top_p: torch.Tensor) -> None:
+        self.top_p = top_p  # [N, 1], 1.0 when off
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        sorted_logits, sorted_idx = torch.sort(logits, dim=-1)  # ascending
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        remove = cum <= (1 - self.top_p)
+        remove[:, -1] = False  # always keep the most likely token
+        remove &= self.top_p < 1.0
+        return logits.masked_fill(remove.scatter(1, sorted_idx, remove), torch.finfo(logits.dtype).min)
+
+
+class TypicalP:
+    def __init__(self, typical_p: torch.Tensor) -> None:
+        self.typical_p = typical_p  # [N, 1], 1.0 when off
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        logp = logits.log_softmax(-1)
+        ent = -(logp * logp.exp()).nansum(-1, keepdim=True)
+        shifted = (-logp - ent).abs()
+        sorted_scores, sorted_idx = torch.sort(shifted, dim=-1)
+        cum = logits.gather(-1, sorted_idx).softmax(-1).cumsum(-1)
+        last = (cum < self.typical_p).sum(dim=1, keepdim=True).clamp(max=logits.shape[-1] - 1)
+        remove = sorted_scores > sorted_scores.gather(1, last)
+        remove[:, 0] = False
+        remove &= self.typical_p < 1.0
+        return logits.masked_fill(remove.scatter(1, sorted_idx, remove), torch.finfo(logits.dtype).min)
+
+
+class MinP:
+    def __init__(self, min_p: torch.Tensor) -> None:
+        self.min_p = min_p  # [N, 1], 0.0 when off
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        probs = logits.softmax(-1)
+        remove = probs < self.min_p * probs.max(dim=-1, keepdim=True).values
+        return logits.masked_fill(remove, torch.finfo(logits.dtype).min)
