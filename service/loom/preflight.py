@@ -12,6 +12,7 @@ import torch
 
 from loom.config import ConfigError, EngineConfig
 from loom.plugin_api import AttentionBackendSpec, PluginError, PluginRegistry, default_registry
+from loom.plugin_api.specs import AnySpec, PluginKind
 
 
 def check_engine_config(config: EngineConfig, registry: PluginRegistry | None = None) -> None:
@@ -51,15 +52,8 @@ def _check_attention_backend(config: EngineConfig, registry: PluginRegistry, dev
         except PluginError as exc:
             raise ConfigError(f"--attention-backend unset: {exc}") from None
         return
-    try:
-        info = registry.get("attention", name)
-    except PluginError as exc:
-        raise ConfigError(f"--attention-backend: {exc}") from None
-    spec = info.spec
+    spec = _available_plugin(registry, "attention", name, "--attention-backend")
     assert isinstance(spec, AttentionBackendSpec)
-    reason = info.unavailable_reason
-    if reason is not None:
-        raise ConfigError(f"--attention-backend {spec.name} cannot run here: {reason}")
     if device_type not in spec.devices:
         raise ConfigError(f"--attention-backend {spec.name} runs on {' or '.join(spec.devices)}, "
                           f"not on the {device_type} device this server uses (--device {config.device})")
@@ -71,10 +65,16 @@ def _check_attention_backend(config: EngineConfig, registry: PluginRegistry, dev
 def _check_quantizer(quantize: str, registry: PluginRegistry) -> None:
     if quantize in ("auto", "none"):
         return
+    _available_plugin(registry, "quantizer", quantize, "--quantize", also=" (or auto, none)")
+
+
+def _available_plugin(registry: PluginRegistry, kind: PluginKind, name: str, flag: str, also: str = "") -> AnySpec:
+    """The spec ``flag`` names, or ConfigError: unknown (listing the valid names) or unable to run here."""
     try:
-        info = registry.get("quantizer", quantize)
+        info = registry.get(kind, name)
     except PluginError as exc:
-        raise ConfigError(f"--quantize: {exc} (or auto, none)") from None
+        raise ConfigError(f"{flag}: {exc}{also}") from None
     reason = info.unavailable_reason
     if reason is not None:
-        raise ConfigError(f"--quantize {info.spec.name} cannot run here: {reason}")
+        raise ConfigError(f"{flag} {info.spec.name} cannot run here: {reason}")
+    return info.spec
