@@ -231,8 +231,8 @@ def _limit_line(entry: dict[str, Any]) -> str:
 
 def _run_model_workloads(args: argparse.Namespace, names: list[str], device: torch.device,
                          result: dict[str, Any]) -> None:
-    from loom.engine.llm_engine import _DTYPES
     from loom.model_loader import resolve_model_dir
+    from loom.worker.worker import _DTYPES
 
     from .limits import measure_hardware, model_cost, w1_limit, w2_limit
 
@@ -319,7 +319,7 @@ def _run_prefix_cache(args: argparse.Namespace, device: torch.device, result: di
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from loom.engine.llm_engine import resolve_device
+    from loom.worker.worker import resolve_device
 
     torch.set_num_threads(args.threads)
     names = [n.strip().upper() for n in args.workloads.split(",") if n.strip()]

@@ -1,8 +1,11 @@
-"""The in-process engine: load the model, size the KV pool, and run the step loop.
+"""The engine core: requests, scheduling, the step loop, output processing, failure isolation.
 
-``LLMEngine`` is synchronous and single-threaded: ``add_request`` / ``abort`` / ``step``.
-The server never calls it directly; :mod:`loom.engine.core_process` runs it in its own process
-so the step loop never shares an interpreter lock with request handling.
+``LLMEngine`` is synchronous and single-threaded: ``add_request`` / ``abort`` / ``step``. A step
+goes one way: the scheduler picks the sequences and their tokens, the planner turns them into a
+picklable step plan, the worker (device, model, KV pool, runner, CUDA graphs) runs it and returns
+the sampled tokens, and the output processor applies them to the sequences and checks stops.
+The server never calls the engine directly; :mod:`loom.engine.core_process` runs it in its own
+process so the step loop never shares an interpreter lock with request handling.
 """
 
 from __future__ import annotations
@@ -10,25 +13,24 @@ from __future__ import annotations
 import json
 import os
 import random
-import threading
 import time
 from dataclasses import dataclass
-from typing import TextIO, cast
+from typing import TextIO
 
 import structlog
 import torch
 
 from loom.config import ConfigError, EngineConfig
 from loom.plugin_api import PluginRegistry, default_registry
-from loom.process_tuning import keep_freed_memory
+from loom.worker.model_runner import LaunchedStep, ModelRunner
+from loom.worker.worker import Worker
 
 from .block_manager import BlockManager
-from .cuda_graphs import maybe_capture_cuda_graphs
-from .fault_injection import FaultInjectingRunner
 from .kv_pool_sizing import KvPoolSize, available_memory_bytes, kv_bytes_per_token, size_cpu_kv_pool
-from .model_runner import CausalLM, LaunchedStep, ModelRunner, StepResult
+from .output_processor import OutputProcessor
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from .step_planner import PlannedStep, plan_step
 from .types import (
     EngineInfo,
     EngineOutput,
@@ -40,25 +42,6 @@ from .types import (
 )
 
 log = structlog.get_logger(__name__)
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
-    """fp32 on CPU; on GPU the checkpoint's half type (bf16 when it says fp32 or nothing)."""
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32
-    if checkpoint_dtype in (torch.float16, torch.bfloat16):
-        return checkpoint_dtype
-    return torch.bfloat16
 
 
 def _needs_host_tokens(seq: Sequence) -> bool:
@@ -72,54 +55,20 @@ def _needs_host_tokens(seq: Sequence) -> bool:
 @dataclass
 class _Launched:
     sched: SchedulerOutput
+    planned: PlannedStep
     step: LaunchedStep
-    positions: list[int]  # where each sampled token goes in its sequence's token_ids
+    positions: list[int]  # where each sampled sequence's first new token goes in its token_ids
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, registry: PluginRegistry | None = None) -> None:
-        from loom.model_loader import eos_token_ids, load_hf_config, load_model, model_dims, resolve_model_dir
-
         self.config = config
         started = time.monotonic()
-        registry = registry or default_registry()
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        self.device = resolve_device(config.device)
-        if self.device.type == "cpu":
-            # The fused-ops kernel is compiled (first start on a machine, ~20 s) while the model
-            # loads and the plugins build theirs; its first user waits for it if need be.
-            from loom.layers import cpu_fused
-
-            threading.Thread(target=cpu_fused.available, name="build-cpu-fused-ops", daemon=True).start()
-        model_dir = resolve_model_dir(config.model_id)
-        log.info("loading the model", model_dir=str(model_dir), device=str(self.device))
-        hf_config = load_hf_config(model_dir)
-        ckpt_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-        if isinstance(ckpt_dtype, str):
-            ckpt_dtype = _DTYPES.get(ckpt_dtype)
-        self.dtype = resolve_dtype(config.dtype, self.device, ckpt_dtype)
-        loaded = load_model(model_dir, self.dtype, self.device, registry, config.quantize)
-        if self.device.type == "cpu":
-            keep_freed_memory()  # CPU forwards allocate big activations each step: no page-fault storm
-        if self.device.type == "cuda" and not config.num_threads:
-            # The host only schedules and launches: intra-op threads would just spin after each
-            # small CPU copy and take cores from this thread and the front end.
-            torch.set_num_threads(1)
-        shape = model_dims(loaded.hf_config)
-        if config.attention_backend:
-            backend_spec = registry.attention_backend(config.attention_backend)
-        else:
-            backend_spec = registry.default_attention_backend(self.device.type, config.block_size)
-        backend = backend_spec.load()(shape.num_heads, shape.num_kv_heads, shape.head_dim, self.dtype, self.device)
-
-        self.model = cast(CausalLM, loaded.model)
-        self.backend = backend
-        self.shape = shape
-        self.eos_token_ids = eos_token_ids(model_dir)
-        self.vocab_size = shape.vocab_size
+        self.worker = Worker(config, registry or default_registry())
+        model = self.worker.info
+        self.eos_token_ids = model.eos_token_ids
+        self.vocab_size = model.vocab_size
         self.requests: dict[str, list[Sequence]] = {}
-        self.runner: ModelRunner
         self._rng = random.Random(config.seed)  # None: seeded from the OS
         self.num_steps = 0
         self._inflight: _Launched | None = None  # a launched step whose results are not read yet
@@ -129,11 +78,11 @@ class LLMEngine:
         self._async = config.async_scheduling == "on" or (
             config.async_scheduling == "auto" and self.device.type == "cuda")
         bs = config.block_size
-        self.max_model_len = config.max_total_tokens or min(shape.max_position_embeddings, 4096)
-        if self.max_model_len > shape.max_position_embeddings:
+        self.max_model_len = config.max_total_tokens or min(model.max_position_embeddings, 4096)
+        if self.max_model_len > model.max_position_embeddings:
             raise ConfigError(
                 f"--max-total-tokens {self.max_model_len} exceeds the model's "
-                f"max_position_embeddings ({shape.max_position_embeddings})"
+                f"max_position_embeddings ({model.max_position_embeddings})"
             )
         self.kv_pool: KvPoolSize | None = None  # the CPU pool's size and why (None on the GPU)
         if self.device.type == "cpu":
@@ -155,35 +104,56 @@ class LLMEngine:
         if config.warmup:
             self.warmup(self._warmup_tokens())
             self._build(num_blocks)  # a clean pool: no warm-up blocks in the prefix cache
-        # Decode graphs point at this pool: captured last, after any rebuild.
-        self.runner.cuda_graphs = maybe_capture_cuda_graphs(
-            config.cuda_graphs, self.model, self.backend, self.runner.kv_caches, bs, self.max_model_len,
-            self.device, config.max_batch_size)
+        # Graphs point at this pool: captured last, after any rebuild. Every step shape the engine
+        # makes whose sequences all have one query length: 1 (decode) today; a proposer of k
+        # drafts adds k + 1.
+        self.worker.capture_cuda_graphs(self.max_model_len, self.graph_query_lens)
         pool_tokens = num_blocks * bs
         self.info = EngineInfo(
             model_id=config.model_id or "SmolLM2-135M-Instruct (embedded default)",
-            architecture=loaded.hf_architecture,
+            architecture=model.hf_architecture,
             dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device),
-            attention_backend=backend_spec.name,
+            attention_backend=model.attention_backend,
             block_size=bs,
             num_blocks=num_blocks,
             max_batch_total_tokens=pool_tokens,
             max_model_len=self.max_model_len,
-            vocab_size=shape.vocab_size,
+            vocab_size=model.vocab_size,
             eos_token_ids=self.eos_token_ids,
-            plugins=(f"quantizer:{loaded.quantization}",) if loaded.quantization else (),
+            plugins=(f"quantizer:{model.quantization}",) if model.quantization else (),
         )
-        log.info("engine ready", model_dir=str(model_dir), architecture=loaded.hf_architecture, model=loaded.architecture,
-                 dtype=self.info.dtype, device=self.info.device, attention_backend=backend_spec.name,
+        log.info("engine ready", model_dir=str(model.model_dir), architecture=model.hf_architecture,
+                 model=model.architecture, dtype=self.info.dtype, device=self.info.device,
+                 attention_backend=model.attention_backend,
                  kv_blocks=num_blocks, block_size=bs, max_batch_total_tokens=pool_tokens,
                  max_total_tokens=self.max_model_len, duration_s=round(time.monotonic() - started, 1))
 
+    # -- what the worker holds ---------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.worker.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.worker.dtype
+
+    @property
+    def runner(self) -> ModelRunner:
+        runner = self.worker.runner
+        assert runner is not None, "the worker has no KV pool yet"
+        return runner
+
+    @property
+    def graph_query_lens(self) -> tuple[int, ...]:
+        """The query lengths of the uniform steps this engine makes (CUDA graphs are captured for
+        them): decode only, until a speculative proposer is configured."""
+        return (1,)
+
     def _build(self, num_blocks: int) -> None:
-        """(Re)create the KV pool, block manager, scheduler and runner for ``num_blocks`` blocks."""
+        """(Re)create the KV pool, block manager, scheduler and output processor for ``num_blocks``."""
         config, bs = self.config, self.config.block_size
-        self._drop_pool()  # free the old pool before allocating anew
-        kv_caches = self.backend.allocate_kv_cache(self.shape.num_layers, num_blocks, bs)
+        self.worker.init_kv_cache(num_blocks)
         self.block_manager = BlockManager(num_blocks, bs, enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -196,15 +166,8 @@ class LLMEngine:
             ),
             self.block_manager,
         )
-        # Tests only (--fault-injection): a runner that fails chosen requests on purpose.
-        runner_cls = FaultInjectingRunner if config.fault_injection else ModelRunner
-        self.runner = runner_cls(self.model, self.backend, kv_caches, bs, self.vocab_size, self.device,
-                                 self.eos_token_ids)
-
-    def _drop_pool(self) -> None:
-        self.__dict__.pop("runner", None)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        self.outputs = OutputProcessor(self.scheduler, self.block_manager, self.requests, self.eos_token_ids,
+                                       self.max_model_len)
 
     def _warmup_tokens(self) -> int:
         """GPU: the largest prefill the budgets allow (it sets the activation peak); CPU: a short
@@ -232,8 +195,9 @@ class LLMEngine:
     def _size_pool_on_cpu(self) -> KvPoolSize:
         """From the limits, within a share of the memory left after the weights (logged once)."""
         config = self.config
-        per_token = kv_bytes_per_token(self.shape.num_layers, self.shape.num_kv_heads, self.shape.head_dim,
-                                       torch.empty((), dtype=self.dtype).element_size())
+        model = self.worker.info
+        per_token = kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim,
+                                       self.worker.kv_element_size)
         available = available_memory_bytes()
         pool = size_cpu_kv_pool(block_size=config.block_size, max_model_len=self.max_model_len,
                                 bytes_per_token=per_token, explicit_tokens=config.max_batch_total_tokens,
@@ -250,20 +214,13 @@ class LLMEngine:
     def _size_pool_on_gpu(self) -> int:
         """Size the KV pool from what is left after the weights and a warm-up's activation peak."""
         bs = self.config.block_size
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        per_block = 2 * self.shape.num_layers * bs * self.shape.num_kv_heads * self.shape.head_dim * elem
+        model = self.worker.info
+        per_block = bs * kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim,
+                                            self.worker.kv_element_size)
         warm = self._warmup_tokens()
         trial_blocks = -(-(warm + 8) // bs) + 1
         self._build(trial_blocks)
-        torch.cuda.synchronize(self.device)
-        base = torch.cuda.memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self.warmup(warm)
-        torch.cuda.synchronize(self.device)
-        activations = torch.cuda.max_memory_allocated(self.device) - base
-        self._drop_pool()
-        weights_and_state = torch.cuda.memory_allocated(self.device)
-        _, total = torch.cuda.mem_get_info(self.device)
+        activations, weights_and_state, total = self.worker.profile_gpu_memory(lambda: self.warmup(warm))
         budget = int(total * self.config.cuda_memory_fraction) - weights_and_state - activations
         num_blocks = budget // per_block
         log.info("kv cache sized at warm-up", warmup_prefill_tokens=warm, activation_peak_mib=activations >> 20,
@@ -396,8 +353,8 @@ class LLMEngine:
             return False
         if self.config.async_scheduling == "on":
             return True
-        graphs = self.runner.cuda_graphs
-        return graphs is not None and len(self.scheduler.running) <= graphs.sizes[-1]
+        largest = self.worker.max_graph_batch_size
+        return largest is not None and len(self.scheduler.running) <= largest
 
     def _needs_sync(self) -> bool:
         """Whether some live sequence needs all its tokens on the host before its next step."""
@@ -405,9 +362,10 @@ class LLMEngine:
             _needs_host_tokens(s) for s in self.scheduler.waiting)
 
     def _launch(self, sched: SchedulerOutput) -> _Launched:
-        """Launch ``sched`` on the device and advance its sequences: computed tokens, and a
-        placeholder for each token being sampled."""
-        step = self.runner.launch(sched)
+        """Plan ``sched``, launch it on the worker, and commit it on the sequences: computed
+        tokens, and a placeholder for each token being sampled."""
+        planned = plan_step(sched, self.config.block_size, self.vocab_size, self.eos_token_ids)
+        step = self.worker.execute(planned.plan)
         self.block_manager.commit_pending()
         for seq, n in zip(sched.seqs, sched.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
@@ -416,31 +374,17 @@ class LLMEngine:
             child.num_computed_tokens = parent.num_computed_tokens
             child.first_scheduled_time = parent.first_scheduled_time
         positions = []
-        for row, seq in enumerate(step.sample_seqs):
+        for row, seq in enumerate(planned.sample_seqs):
             positions.append(seq.num_tokens)
             seq.token_ids.append(PENDING_TOKEN)
             seq.num_pending_tokens += 1
             seq.pending_row = row
-        return _Launched(sched, step, positions)
+        return _Launched(sched, planned, step, positions)
 
     def _complete(self, launched: _Launched) -> list[EngineOutput]:
-        """Wait for a launched step, put its tokens in place, and turn them into outputs."""
-        result = self.runner.finish(launched.step)
-        outputs = []
-        for i, seq in enumerate(result.seqs):
-            if seq.is_finished:
-                continue  # finished or aborted while the step ran, or failed earlier in it
-            pos = launched.positions[i]
-            seq.token_ids[pos] = result.token_ids[i]
-            seq.num_pending_tokens -= 1
-            if seq.seq_id in result.failed:
-                outputs += self.fail_request(seq.request_id, result.failed[seq.seq_id])
-                continue
-            outputs.append(self._token_output(seq, pos, result, i))
-        for seq in launched.sched.seqs:
-            if not seq.is_finished:  # blocks that filled while their last token was on the device
-                self.block_manager.register_full_blocks(seq)
-        return outputs
+        """Wait for a launched step and apply its tokens (the output processor)."""
+        result = self.worker.finish(launched.step)
+        return self.outputs.process(launched.planned, launched.positions, result, launched.sched.seqs)
 
     def _isolate(self, sched: SchedulerOutput, outputs: list[EngineOutput]) -> None:
         """Run each sequence of a failed step alone; a sequence that fails alone fails its request.
@@ -470,59 +414,4 @@ class LLMEngine:
 
     def fail_request(self, request_id: str, message: str) -> list[EngineOutput]:
         """End every completion of ``request_id`` with an error; its blocks are freed."""
-        outs = []
-        for seq in self.requests.pop(request_id, []):
-            if not seq.is_finished:
-                outs.append(EngineOutput(seq.request_id, seq.index, [], [], finish_reason=FinishReason.ERROR,
-                                         error=message, seed=seq.seed, num_prompt_tokens=seq.num_prompt_tokens))
-                seq.finish_reason = FinishReason.ERROR
-                self.scheduler.remove(seq)
-        return outs
-
-    def _token_output(self, seq: Sequence, pos: int, result: StepResult, i: int) -> EngineOutput:
-        """The output for ``seq``'s token at ``pos`` (row ``i`` of ``result``); finishes it when done."""
-        token = result.token_ids[i]
-        lp = result.logprobs[i]
-        seq.cumulative_logprob += lp
-        reason = self._finish_reason(seq, token, pos)
-        out = EngineOutput(
-            request_id=seq.request_id,
-            index=seq.index,
-            token_ids=[token],
-            logprobs=[lp],
-            top_tokens=[result.top_tokens[i]] if result.top_tokens is not None else None,
-            finish_reason=reason,
-            seed=seq.seed,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_cached_tokens=seq.num_cached_tokens,
-            first_scheduled_time=seq.first_scheduled_time,
-        )
-        if seq.sampling.prompt_logprobs and not seq.prompt_logprobs_sent:
-            out.prompt_logprobs = seq.prompt_logprobs
-            seq.prompt_logprobs_sent = True
-        if reason is not None:
-            # a token sampled after this one (the step in flight) is not part of the output
-            del seq.token_ids[pos + 1 :]
-            seq.num_pending_tokens = 0
-            self._finish(seq, reason)
-        return out
-
-    def _finish_reason(self, seq: Sequence, token: int, pos: int) -> FinishReason | None:
-        """Why ``seq`` ends with ``token`` at position ``pos`` (None: it goes on)."""
-        st = seq.stopping
-        num_output = pos + 1 - seq.num_prompt_tokens
-        past_min = num_output >= st.min_new_tokens
-        if past_min and not st.ignore_eos and token in self.eos_token_ids:
-            return FinishReason.EOS_TOKEN
-        if past_min and token in st.stop_token_ids:
-            return FinishReason.STOP_SEQUENCE
-        if num_output >= st.max_new_tokens or pos + 1 >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
-
-    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
-        seq.finish_reason = reason
-        self.scheduler.remove(seq)
-        seqs = self.requests.get(seq.request_id, [])
-        if all(s.status is SequenceStatus.FINISHED for s in seqs):
-            self.requests.pop(seq.request_id, None)
+        return self.outputs.fail_request(request_id, message)
