@@ -23,6 +23,8 @@ def check_engine_config(config: EngineConfig, registry: PluginRegistry | None = 
     device_type = _check_device(config.device)
     _check_attention_backend(config, registry, device_type)
     _check_quantizer(config.quantize, registry)
+    if config.speculate:
+        _check_speculator(config, registry)
     try:
         check_model_id(config.model_id)
     except ModelLoadError as exc:
@@ -66,6 +68,15 @@ def _check_quantizer(quantize: str, registry: PluginRegistry) -> None:
     if quantize in ("auto", "none"):
         return
     _available_plugin(registry, "quantizer", quantize, "--quantize", also=" (or auto, none)")
+
+
+def _check_speculator(config: EngineConfig, registry: PluginRegistry) -> None:
+    """The plugin exists, runs here, and takes the options given."""
+    spec = _available_plugin(registry, "speculative", config.speculator, "--speculator")
+    try:
+        spec.load().check_options(dict(config.speculator_options))
+    except ValueError as exc:
+        raise ConfigError(f"--speculator {spec.name}: {exc}") from None
 
 
 def _available_plugin(registry: PluginRegistry, kind: PluginKind, name: str, flag: str, also: str = "") -> AnySpec:

@@ -38,13 +38,15 @@ CPU_WORKLOADS = ("C0", "C1", "C2")
 MODEL_WORKLOADS = ("W1", "W2")
 SERVING_WORKLOADS = ("W3",)
 PREFIX_WORKLOADS = ("W4",)
+SPECULATION_WORKLOADS = ("C3",)
 
 
 def add_bench_command(sub: Any) -> None:
     p = sub.add_parser("bench", help="run benchmark workloads (C0-C2 on CPU, W1-W3) against a peer")
     p.add_argument("--workloads", default="C0,C1,C2",
                    help="comma-separated: C0,C1,C2 (CPU, SmolLM2), W1,W2 (decode latency, offline "
-                        "throughput), W3 (serving through gRPC)")
+                        "throughput), W3 (serving through gRPC), W4 (prefix cache), C3 (speculation on copy-heavy "
+                        "chat requests, SmolLM2; --device cuda --dtype bfloat16 makes it W5 a)")
     p.add_argument("--peer", choices=["none", "hf"], default="none", help="also run this peer in the same run")
     p.add_argument("--model-id", default=None,
                    help="model dir, .gguf or random:NAME (random:llama-8b, random:llama-1b, ...); "
@@ -81,6 +83,7 @@ def add_bench_command(sub: Any) -> None:
     g.add_argument("--request-rate", type=float, default=math.inf,
                    help="W3 Poisson arrival rate in requests/s; inf (default): all at once")
     g.add_argument("--seed", type=int, default=0, help="W3 arrival seed")
+    g.add_argument("--speculate", type=int, default=4, help="C3: draft tokens per step of the speculating run")
     g.add_argument("--w3-repeats", type=int, default=1,
                    help="W3: run the gRPC / in-process pair this many times in alternating order "
                         "and compare the means (use >= 2 on a noisy machine)")
@@ -318,12 +321,36 @@ def _run_prefix_cache(args: argparse.Namespace, device: torch.device, result: di
           f"{off['out_tok_s']:.1f}", flush=True)
 
 
+def _run_speculation(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """C3 (CPU) / W5 (a) (with --device cuda --dtype bfloat16): the same copy-heavy requests
+    with and without --speculate, batch 1 and all at once (loom/bench/speculation.py)."""
+    from loom.worker.worker import resolve_device
+
+    from .speculation import run_c3
+
+    device = resolve_device(args.device)
+    if device.type == "cuda":
+        result["machine"].update(software_info(device))
+    base = EngineConfig(model_id=args.model_id, device=str(device), dtype=args.dtype, quantize=args.quantize,
+                        max_total_tokens=1024, max_batch_total_tokens=16 * 1024 if device.type == "cpu" else None,
+                        num_threads=args.threads if device.type == "cpu" else None)
+    entry = run_c3(base, args.speculate, quick=args.quick)
+    result["workloads"]["C3"] = entry
+    for batch in (1, 16):
+        e = entry[f"batch_{batch}"]
+        spec = e["speculate"]
+        print(f"C3 batch {batch}: plain {e['plain']['out_tok_s']:.1f} out tok/s, --speculate {args.speculate} "
+              f"{spec['out_tok_s']:.1f} ({e['speedup']:.2f}x), acceptance {spec.get('acceptance', 0):.2f}, "
+              f"{spec.get('tokens_per_verification', 0):.2f} tokens per verifying step, "
+              f"identical outputs: {e['identical_outputs']}", file=sys.stderr)
+
+
 def run_bench(args: argparse.Namespace) -> int:
     from loom.worker.worker import resolve_device
 
     torch.set_num_threads(args.threads)
     names = [n.strip().upper() for n in args.workloads.split(",") if n.strip()]
-    known = CPU_WORKLOADS + MODEL_WORKLOADS + SERVING_WORKLOADS + PREFIX_WORKLOADS
+    known = CPU_WORKLOADS + MODEL_WORKLOADS + SERVING_WORKLOADS + PREFIX_WORKLOADS + SPECULATION_WORKLOADS
     unknown = [n for n in names if n not in known]
     if unknown:
         print(f"loom bench: unknown workload(s) {', '.join(unknown)}; choose from {', '.join(known)}",
@@ -353,6 +380,8 @@ def run_bench(args: argparse.Namespace) -> int:
                 _run_serving(args, device, result)
             if "W4" in names:
                 _run_prefix_cache(args, device, result)
+        if "C3" in names:
+            _run_speculation(args, result)
     except ConfigError as exc:
         print(f"loom bench: {exc}", file=sys.stderr)
         return 2

@@ -21,7 +21,8 @@ import structlog
 import torch
 
 from loom.config import ConfigError, EngineConfig
-from loom.plugin_api import PluginRegistry, default_registry
+from loom.plugin_api import PluginRegistry, ProposerContext, default_registry
+from loom.spec.speculator import Speculator
 from loom.worker.model_runner import LaunchedStep, ModelRunner
 from loom.worker.worker import Worker
 
@@ -64,7 +65,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, registry: PluginRegistry | None = None) -> None:
         self.config = config
         started = time.monotonic()
-        self.worker = Worker(config, registry or default_registry())
+        registry = registry or default_registry()
+        self.worker = Worker(config, registry)
         model = self.worker.info
         self.eos_token_ids = model.eos_token_ids
         self.vocab_size = model.vocab_size
@@ -84,6 +86,7 @@ class LLMEngine:
                 f"--max-total-tokens {self.max_model_len} exceeds the model's "
                 f"max_position_embeddings ({model.max_position_embeddings})"
             )
+        self.speculator: Speculator | None = None  # made once the pool is sized, after the warm-up
         self.kv_pool: KvPoolSize | None = None  # the CPU pool's size and why (None on the GPU)
         if self.device.type == "cpu":
             self.kv_pool = self._size_pool_on_cpu()
@@ -104,6 +107,8 @@ class LLMEngine:
         if config.warmup:
             self.warmup(self._warmup_tokens())
             self._build(num_blocks)  # a clean pool: no warm-up blocks in the prefix cache
+        if config.speculate:
+            self.speculator = self._make_speculator(registry)
         # Graphs point at this pool: captured last, after any rebuild. Every step shape the engine
         # makes whose sequences all have one query length: 1 (decode) today; a proposer of k
         # drafts adds k + 1.
@@ -147,8 +152,27 @@ class LLMEngine:
     @property
     def graph_query_lens(self) -> tuple[int, ...]:
         """The query lengths of the uniform steps this engine makes (CUDA graphs are captured for
-        them): decode only, until a speculative proposer is configured."""
+        them): decode, and with speculation k + 1 (drafts are padded to k on CUDA)."""
+        if self.speculator is not None and self.speculator.pad_to_k:
+            return (1, self.speculator.k + 1)
         return (1,)
+
+    def _make_speculator(self, registry: PluginRegistry) -> Speculator:
+        config = self.config
+        proposer_cls = registry.speculative_decoder(config.speculator).load()
+        context = ProposerContext(num_speculative_tokens=config.speculate, vocab_size=self.vocab_size,
+                                  device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
+                                  options=dict(config.speculator_options))
+        try:
+            proposer = proposer_cls(context)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"--speculator {config.speculator}: {exc}") from exc
+        if self._async:
+            log.info("asynchronous scheduling is off in steps that may speculate (batches up to "
+                     "--speculate-max-batch-size): drafts are proposed from tokens on the host",
+                     speculate_max_batch_size=config.speculate_max_batch_size)
+        return Speculator(proposer, config.speculate, config.speculate_max_batch_size, self.vocab_size,
+                          self.max_model_len, pad_to_k=self.device.type == "cuda")
 
     def _build(self, num_blocks: int) -> None:
         """(Re)create the KV pool, block manager, scheduler and output processor for ``num_blocks``."""
@@ -305,6 +329,9 @@ class LLMEngine:
             if prev is not None:
                 outputs += self._complete(prev)
             return outputs
+        drafts: dict[int, list[int]] = {}
+        if self.speculator is not None and prev is None:
+            drafts = self.speculator.add_drafts(sched, self.block_manager, len(self.scheduler.running))
         self.num_steps += 1
         started = time.monotonic()
         if self._trace is not None:
@@ -313,20 +340,20 @@ class LLMEngine:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = started
         try:
-            launched = self._launch(sched)
+            launched = self._launch(sched, drafts)
         except Exception as exc:  # one request's fault must not fail the others
             log.warning("step failed; re-running its sequences one by one", error=repr(exc))
             if prev is not None:
                 outputs += self._complete(prev)  # every input token is on the host again
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            self._isolate(sched, outputs)
+            self._isolate(sched, outputs, drafts)
             return outputs
         if prev is not None:
             outputs += self._complete(prev)
         # Admissions may have grown the batch past the largest graph: check that again. (Penalties
         # and prompt logprobs were checked over every live sequence before scheduling.)
-        if overlap and self._overlap_helps():
+        if overlap and not drafts and self._overlap_helps():
             self._inflight = launched
             self.num_async_steps += 1
         else:
@@ -357,14 +384,18 @@ class LLMEngine:
         return largest is not None and len(self.scheduler.running) <= largest
 
     def _needs_sync(self) -> bool:
-        """Whether some live sequence needs all its tokens on the host before its next step."""
+        """Whether some live sequence needs all its tokens on the host before its next step
+        (drafts are proposed from the tokens on the host, too)."""
+        if self.speculator is not None and len(self.scheduler.running) <= self.speculator.max_batch_size:
+            return True
         return any(_needs_host_tokens(s) for s in self.scheduler.running) or any(
             _needs_host_tokens(s) for s in self.scheduler.waiting)
 
-    def _launch(self, sched: SchedulerOutput) -> _Launched:
+    def _launch(self, sched: SchedulerOutput, drafts: dict[int, list[int]] | None = None) -> _Launched:
         """Plan ``sched``, launch it on the worker, and commit it on the sequences: computed
-        tokens, and a placeholder for each token being sampled."""
-        planned = plan_step(sched, self.config.block_size, self.vocab_size, self.eos_token_ids)
+        tokens, and a placeholder for each token being sampled (the output processor corrects
+        the computed count of a sequence that verified drafts)."""
+        planned = plan_step(sched, self.config.block_size, self.vocab_size, self.eos_token_ids, drafts)
         step = self.worker.execute(planned.plan)
         self.block_manager.commit_pending()
         for seq, n in zip(sched.seqs, sched.num_new_tokens, strict=True):
@@ -384,9 +415,16 @@ class LLMEngine:
     def _complete(self, launched: _Launched) -> list[EngineOutput]:
         """Wait for a launched step and apply its tokens (the output processor)."""
         result = self.worker.finish(launched.step)
-        return self.outputs.process(launched.planned, launched.positions, result, launched.sched.seqs)
+        outputs = self.outputs.process(launched.planned, launched.positions, result, launched.sched.seqs)
+        num_drafts = launched.planned.plan.num_drafts
+        if self.speculator is not None and num_drafts is not None:
+            for seq, m, tokens in zip(launched.planned.sample_seqs, num_drafts, result.token_ids, strict=True):
+                if m and seq.seq_id not in result.failed:
+                    self.speculator.observe(seq, m, len(tokens) - 1)
+        return outputs
 
-    def _isolate(self, sched: SchedulerOutput, outputs: list[EngineOutput]) -> None:
+    def _isolate(self, sched: SchedulerOutput, outputs: list[EngineOutput],
+                 drafts: dict[int, list[int]] | None = None) -> None:
         """Run each sequence of a failed step alone; a sequence that fails alone fails its request.
 
         Prefix blocks this step was to fill are forgotten, and sequences that had started on
@@ -407,7 +445,8 @@ class LLMEngine:
                                    blocks_to_copy=copies)
             copies = []
             try:
-                outputs += self._complete(self._launch(part))
+                own = {seq.seq_id: drafts[seq.seq_id]} if drafts and seq.seq_id in drafts else None
+                outputs += self._complete(self._launch(part, own))
             except Exception as exc:
                 log.error("request failed in the model step", request_id=seq.request_id, error=repr(exc))
                 outputs += self.fail_request(seq.request_id, f"model step failed: {type(exc).__name__}: {exc}")

@@ -43,7 +43,16 @@ class OutputProcessor:
                 outputs += self.fail_request(seq.request_id, error)
                 continue
             top = result.top_tokens[i] if result.top_tokens is not None else None
-            outputs.append(self._accept(seq, positions[i], result.token_ids[i], result.logprobs[i], top))
+            out = self._accept(seq, positions[i], result.token_ids[i], result.logprobs[i], top)
+            drafts = planned.plan.num_drafts[i] if planned.plan.num_drafts is not None else 0
+            if drafts:
+                # The step computed the last token and the drafts; the KV of those accepted is
+                # valid, that of the rest is stale and is overwritten by later steps.
+                accepted = len(result.token_ids[i]) - 1
+                out.num_draft_tokens, out.num_accepted_draft_tokens = drafts, accepted
+                if not seq.is_finished:
+                    seq.num_computed_tokens = positions[i] + accepted
+            outputs.append(out)
         for seq in scheduled:
             if not seq.is_finished:  # blocks that filled while their last token was on the device
                 self.block_manager.register_full_blocks(seq)

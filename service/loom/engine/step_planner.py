@@ -36,9 +36,12 @@ class PlannedStep:
     prompt_seqs: list[Sequence]  # the sequences of plan.prompt_logprobs, in order
 
 
-def plan_step(sched: SchedulerOutput, block_size: int, vocab_size: int,
-              eos_token_ids: tuple[int, ...]) -> PlannedStep:
+def plan_step(sched: SchedulerOutput, block_size: int, vocab_size: int, eos_token_ids: tuple[int, ...],
+              drafts: dict[int, list[int]] | None = None) -> PlannedStep:
+    """``drafts``: seq_id -> draft tokens to verify after its last token (the scheduler gave such
+    a sequence 1 + len(drafts) rows: its last token, then the drafts as inputs)."""
     bs = block_size
+    drafts = drafts or {}
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -55,6 +58,18 @@ def plan_step(sched: SchedulerOutput, block_size: int, vocab_size: int,
         start = seq.num_computed_tokens
         end = start + n
         table = seq.block_table
+        guess = drafts.get(seq.seq_id) if drafts else None
+        if guess is not None:  # verification: the last token, then the drafts, all as inputs
+            assert n == 1 + len(guess) and start == seq.num_tokens - 1, seq
+            ids.append(seq.token_ids[start])
+            ids.extend(guess)
+            positions.extend(range(start, end))
+            slots.extend([table[p // bs] * bs + p % bs for p in range(start, end)])
+            num_rows += n
+            seq_lens.append(end)
+            sample_seqs.append(seq)
+            sample_rows.extend(range(num_rows - n, num_rows))  # row j scores the token after input j
+            continue
         if n == 1:  # decode: the hot path at large batch, kept free of per-row work
             if start >= seq.num_known_tokens:
                 assert start == seq.num_tokens - 1 and seq.pending_row >= 0, seq
@@ -86,6 +101,7 @@ def plan_step(sched: SchedulerOutput, block_size: int, vocab_size: int,
     for child, parent in sched.forks:
         sample_seqs.append(child)
         sample_rows.append(row_of[parent.seq_id])
+    seq_drafts = [drafts.get(s.seq_id, []) for s in sample_seqs] if drafts else None
     plan = StepPlan(
         input_ids=ids,
         positions=positions,
@@ -98,15 +114,22 @@ def plan_step(sched: SchedulerOutput, block_size: int, vocab_size: int,
         sample_rows=sample_rows,
         sample_seq_ids=[s.seq_id for s in sample_seqs],
         sample_request_ids=[s.request_id for s in sample_seqs],
-        sampling=sampling_plan(sample_seqs, vocab_size, eos_token_ids),
+        sampling=sampling_plan(sample_seqs, vocab_size, eos_token_ids, seq_drafts),
         prompt_logprobs=prompt_rows,
         blocks_to_copy=list(sched.blocks_to_copy),
+        num_drafts=[len(d) for d in seq_drafts] if seq_drafts is not None else None,
+        draft_token_ids=[t for d in seq_drafts for t in d] if seq_drafts is not None else [],
     )
     return PlannedStep(plan, sample_seqs, prompt_seqs)
 
 
-def sampling_plan(seqs: list[Sequence], vocab_size: int, eos_token_ids: tuple[int, ...] = ()) -> SamplingPlan:
-    """The sampling rows of ``seqs``, in order."""
+def sampling_plan(seqs: list[Sequence], vocab_size: int, eos_token_ids: tuple[int, ...] = (),
+                  drafts: list[list[int]] | None = None) -> SamplingPlan:
+    """The sampling rows of ``seqs``, in order. A sequence verifying drafts ``d`` has 1 + len(d)
+    rows: row j samples its output position num_output + j as if d[:j] were already its output
+    (its seed, step, min_new_tokens and penalty history are those of that position)."""
+    if drafts is not None and any(drafts):
+        return _sampling_plan_with_drafts(seqs, vocab_size, eos_token_ids, drafts)
     rows = [_row_params(s, vocab_size) for s in seqs]
     flags = 0
     for r in rows:
@@ -123,6 +146,37 @@ def sampling_plan(seqs: list[Sequence], vocab_size: int, eos_token_ids: tuple[in
         seen_token_ids=[s.token_ids for s in seqs] if flags & REPETITION else None,
         output_token_ids=[s.output_token_ids for s in seqs] if flags & FREQUENCY else None,
     )
+
+
+def _sampling_plan_with_drafts(seqs: list[Sequence], vocab_size: int, eos_token_ids: tuple[int, ...],
+                               drafts: list[list[int]]) -> SamplingPlan:
+    floats: list[tuple[float, ...]] = []
+    ints: list[tuple[int, int, int]] = []
+    banned: list[int] = []
+    top_n: list[int] = []
+    seen: list[list[int]] = []
+    outputs: list[list[int]] = []
+    flags = 0
+    for seq, guess in zip(seqs, drafts, strict=True):
+        row = _row_params(seq, vocab_size)
+        flags |= row[2]
+        stop = (*eos_token_ids, *seq.stopping.stop_token_ids)
+        for j in range(1 + len(guess)):
+            step = seq.num_output_tokens + j
+            if step < seq.stopping.min_new_tokens:
+                banned += [len(floats) * vocab_size + t for t in stop if 0 <= t < vocab_size]
+            floats.append(row[0])
+            ints.append((*row[1], step))
+            top_n.append(seq.sampling.top_n_tokens)
+            if row[2] & (REPETITION | FREQUENCY):
+                seen.append(seq.token_ids + guess[:j])
+                outputs.append(seq.output_token_ids + guess[:j])
+            else:
+                seen.append([])
+                outputs.append([])
+    return SamplingPlan(floats=floats, ints=ints, flags=flags, banned=banned, top_n=top_n,
+                        seen_token_ids=seen if flags & REPETITION else None,
+                        output_token_ids=outputs if flags & FREQUENCY else None)
 
 
 def _row_params(seq: Sequence, vocab_size: int) -> _RowParams:

@@ -47,7 +47,15 @@ class Proposer(ABC):
     name: str = ""
 
     def __init__(self, context: ProposerContext) -> None:
+        self.check_options(context.options)
         self.context = context
+
+    @classmethod
+    def check_options(cls, options: dict[str, str]) -> None:
+        """Raise ValueError (one sentence naming the option) for options this proposer does not
+        take or values it cannot use; called before the model loads. Default: takes none."""
+        if options:
+            raise ValueError(f"takes no options, got {sorted(options)}")
 
     @abstractmethod
     def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:

@@ -211,7 +211,8 @@ def validate_generate(
     engine_request = EngineRequest(
         request_id=request_id,
         prompt_token_ids=tuple(ids),
-        sampling=replace(sampling, top_n_tokens=resp.top_n_tokens, prompt_logprobs=resp.prompt_logprobs),
+        sampling=replace(sampling, top_n_tokens=resp.top_n_tokens, prompt_logprobs=resp.prompt_logprobs,
+                         speculate=not p.HasField("speculation") or p.speculation),
         stopping=StoppingParams(max_new_tokens=max_new, min_new_tokens=st.min_new_tokens,
                                 stop_token_ids=tuple(st.stop_token_ids), ignore_eos=st.ignore_eos),
         priority=p.priority,

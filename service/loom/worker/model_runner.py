@@ -19,6 +19,7 @@ from loom.layers.attention import AttentionBackend, AttentionMetadata, ForwardCo
 from loom.plugin_api.model import CausalLM
 from loom.sample.batch import build_sampling_batch
 from loom.sample.sampler import Sampler, prompt_logprobs
+from loom.sample.verify import accepted_prefix
 
 from .staging import DeviceToHost, Stager
 from .step_plan import StepOutput, StepPlan
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
 
 _PROMPT_LOGPROB_ROWS = 512
 _NO_TOKEN = float("-inf")  # the sampler's top-n logprob of a slot that holds no kept token
+_NON_FINITE = ("non-finite logits (NaN or inf) for this request, from the model or after its penalties and "
+               "temperature")
 
 
 @dataclass
@@ -150,27 +153,42 @@ class ModelRunner:
         return self.model.compute_logits(hidden.index_select(0, rows))
 
     def finish(self, step: LaunchedStep) -> StepOutput:
-        """Wait for a launched step and read its sampled tokens back: one token per sampled
-        sequence (a list of one; verification of drafts will accept several)."""
+        """Wait for a launched step and read its sampled tokens back: per sampled sequence a list
+        of one token, or, for a sequence verifying drafts, the drafts the model agreed with and
+        the token it chose after them (:func:`loom.sample.verify.accepted_prefix`)."""
         step.transfer.wait()
-        token_ids, logprobs, finite = step.host[:3]
         plan = step.plan
-        top: list[list[list[tuple[int, float]]]] | None = None
+        token_ids, logprobs = step.host[0].tolist(), step.host[1].tolist()
+        finite = step.host[2].tolist()
+        top_rows: list[list[tuple[int, float]]] | None = None
         if len(step.host) == 5:
             ids_l, lps_l = step.host[3].tolist(), step.host[4].tolist()
             # A -inf logprob marks a slot that holds no token the filters kept: fewer
             # alternatives than asked for come back, never a filtered-out one.
-            top = [
-                [[(t, lp) for t, lp in zip(i[:n], lps[:n], strict=True) if lp != _NO_TOKEN]]
-                for n, i, lps in zip(plan.sampling.top_n, ids_l, lps_l, strict=True)
-            ]
-        failed = {
-            seq_id: ("non-finite logits (NaN or inf) for this request, from the model or after its "
-                     "penalties and temperature")
-            for seq_id, ok in zip(plan.sample_seq_ids, finite.tolist(), strict=True) if not ok
-        }
-        return StepOutput(plan.sample_seq_ids, [[t] for t in token_ids.tolist()], [[lp] for lp in logprobs.tolist()],
-                          top, failed, step.prompt_logprobs)
+            top_rows = [[(t, lp) for t, lp in zip(i[:n], lps[:n], strict=True) if lp != _NO_TOKEN]
+                        for n, i, lps in zip(plan.sampling.top_n, ids_l, lps_l, strict=True)]
+        if plan.num_drafts is None:  # one row per sequence
+            top = [[t] for t in top_rows] if top_rows is not None else None
+            failed = {seq_id: _NON_FINITE for seq_id, ok in zip(plan.sample_seq_ids, finite, strict=True) if not ok}
+            return StepOutput(plan.sample_seq_ids, [[t] for t in token_ids], [[lp] for lp in logprobs], top,
+                              failed, step.prompt_logprobs)
+        out_ids: list[list[int]] = []
+        out_lps: list[list[float]] = []
+        out_top: list[list[list[tuple[int, float]]]] | None = [] if top_rows is not None else None
+        failed = {}
+        row = draft = 0
+        for seq_id, m in zip(plan.sample_seq_ids, plan.num_drafts, strict=True):
+            chosen = token_ids[row : row + m + 1]
+            keep = accepted_prefix(chosen, plan.draft_token_ids[draft : draft + m]) + 1
+            out_ids.append(chosen[:keep])
+            out_lps.append(logprobs[row : row + keep])
+            if out_top is not None and top_rows is not None:
+                out_top.append(top_rows[row : row + keep])
+            if not all(finite[row : row + keep]):
+                failed[seq_id] = _NON_FINITE
+            row += m + 1
+            draft += m
+        return StepOutput(plan.sample_seq_ids, out_ids, out_lps, out_top, failed, step.prompt_logprobs)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, plan: StepPlan) -> dict[int, list[float]]:
         """Logprobs of the prompt tokens this step's rows predict, per sequence (read back now)."""

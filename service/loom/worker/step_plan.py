@@ -5,7 +5,7 @@ The engine core (scheduler, block manager, sequences) turns a scheduled step int
 survives pickling and a worker in another process (one per tensor-parallel rank) can run it. The
 worker stages the plan on its device, runs the forward and the sampler, and answers with a
 :class:`StepOutput`: for every sequence that chose tokens, the list of tokens it chose (one per
-step today; several when drafts are verified) with their logprobs. Only the engine core's output
+step, or up to m + 1 when m drafts are verified) with their logprobs. Only the engine core's output
 processor changes sequences with them.
 
 Shapes below: ``T`` tokens in the step (all rows, prefill and decode), ``B`` scheduled
@@ -44,12 +44,16 @@ class StepPlan:
     block_tables: list[list[int]]  # [B] each sequence's KV blocks
     pending_rows: list[int]  # flat rows whose input is a token the previous step sampled ...
     pending_src: list[int]  # ... at this index of that step's sampled ids
-    sample_rows: list[int]  # [N] the row whose logits choose each sampled sequence's next token
+    # [R] rows whose logits choose a token: one per sampled sequence, or 1 + m consecutive rows
+    # for a sequence verifying m drafts (R = N + sum of num_drafts)
+    sample_rows: list[int]
     sample_seq_ids: list[int]  # [N]
     sample_request_ids: list[str]  # [N] for logs (and the test-only fault injector)
-    sampling: SamplingPlan  # [N] rows of sampling parameters
+    sampling: SamplingPlan  # [R] rows of sampling parameters
     prompt_logprobs: list[PromptLogprobRows] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+    num_drafts: list[int] | None = None  # [N] drafts each sampled sequence verifies (None: none)
+    draft_token_ids: list[int] = field(default_factory=list)  # [sum of num_drafts] in order
 
     @property
     def num_tokens(self) -> int:
