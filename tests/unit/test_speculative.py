@@ -6,68 +6,18 @@ all come back; and the n-gram proposer finds what it should."""
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.oracle_proposer import LIES, REFERENCE, registry
 
 from loom.config import ConfigError, EngineConfig
 from loom.engine.llm_engine import LLMEngine
 from loom.engine.types import EngineOutput, EngineRequest, FinishReason, SamplingParams, StoppingParams
-from loom.plugin_api import (
-    DraftRequest,
-    PluginRegistry,
-    Proposer,
-    ProposerContext,
-    SpeculativeDecoderSpec,
-    hookimpl,
-)
+from loom.plugin_api import DraftRequest, ProposerContext
 from loom_plugins.speculative.ngram import NgramProposer
-
-# -- a proposer that knows the answer (and lies on purpose) ---------------------------------------
-REFERENCE: dict[tuple[int, ...], list[int]] = {}  # prompt -> the tokens a run without drafts made
-LIES = {"rate": 0.0}
-
-
-class OracleProposer(Proposer):
-    """Drafts the reference continuation, each token replaced by a wrong one with probability
-    ``LIES['rate']`` (deterministic per position), and sometimes fewer than asked."""
-
-    name = "oracle"
-
-    def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
-        out = []
-        for r in requests:
-            tokens = tuple(r.token_ids)
-            guess: list[int] = []
-            for prompt, ref in REFERENCE.items():
-                if tokens[: len(prompt)] == prompt:
-                    done = len(tokens) - len(prompt)
-                    rng = random.Random(hash((prompt, done)))
-                    guess = list(ref[done : done + rng.randint(1, r.max_drafts)])
-                    guess = [t if rng.random() >= LIES["rate"] else (t + 1) % 200 for t in guess]
-            out.append(guess)
-        return out
-
-
-class _OraclePlugin:
-    @hookimpl
-    def loom_speculative_decoders(self) -> list[SpeculativeDecoderSpec]:
-        return [SpeculativeDecoderSpec(name="oracle", summary="test", load=lambda: OracleProposer)]
-
-
-def _registry() -> PluginRegistry:
-    import loom_plugins.attention
-    import loom_plugins.models
-    import loom_plugins.speculative
-
-    registry = PluginRegistry()
-    registry.register(loom_plugins.models, "loom-models", "loom-server")
-    registry.register(loom_plugins.attention, "loom-attention", "loom-server")
-    registry.register(loom_plugins.speculative, "loom-speculative", "loom-server")
-    registry.register(_OraclePlugin(), "oracle", "tests")
-    return registry
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +35,7 @@ def engine_on(tiny_model_dir: Callable[[str], Path]) -> Callable[..., LLMEngine]
     path = tiny_model_dir("llama")
 
     def make(**kw: Any) -> LLMEngine:
-        return LLMEngine(EngineConfig(model_id=str(path), block_size=4, **kw), _registry())
+        return LLMEngine(EngineConfig(model_id=str(path), block_size=4, **kw), registry())
 
     return make
 
@@ -223,11 +173,11 @@ def test_unknown_speculator_and_bad_options_fail_at_start(engine_on: Callable[..
     from loom.preflight import check_engine_config
 
     with pytest.raises(ConfigError, match="--speculator"):
-        check_engine_config(EngineConfig(speculate=2, speculator="nope"), _registry())
+        check_engine_config(EngineConfig(speculate=2, speculator="nope"), registry())
     with pytest.raises(ConfigError, match="max_n"):
-        check_engine_config(EngineConfig(speculate=2, speculator_options=(("max_n", "0"),)), _registry())
+        check_engine_config(EngineConfig(speculate=2, speculator_options=(("max_n", "0"),)), registry())
     with pytest.raises(ConfigError, match="unknown option"):
-        check_engine_config(EngineConfig(speculate=2, speculator_options=(("window", "3"),)), _registry())
+        check_engine_config(EngineConfig(speculate=2, speculator_options=(("window", "3"),)), registry())
     with pytest.raises(ConfigError, match="--speculate"):
         EngineConfig(speculate=-1)
 
@@ -239,7 +189,7 @@ def _ngram(**options: str) -> NgramProposer:
 
 
 def test_ngram_proposes_what_followed_the_latest_longest_match() -> None:
-    p = _ngram(min_n=1, max_n=3)
+    p = _ngram(min_n="1", max_n="3")
     #          0  1  2  3  4  5  6  7  8  9 10
     tokens = [1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 1, 2, 3]
     # suffix (1,2,3) last occurred ending at 8 (followed by 4, 5, 1 ...)
@@ -253,7 +203,7 @@ def test_ngram_proposes_what_followed_the_latest_longest_match() -> None:
 
 
 def test_ngram_prefers_the_longest_match_over_a_later_short_one() -> None:
-    p = _ngram(min_n=1, max_n=2)
+    p = _ngram(min_n="1", max_n="2")
     tokens = [4, 5, 6, 8, 5, 7, 4, 5]
     # (4, 5) occurred at the start, followed by 6; the later (5,) alone would propose 7
     assert p.propose([DraftRequest(1, tokens, 2)]) == [[6, 8]]

@@ -83,7 +83,9 @@ def add_bench_command(sub: Any) -> None:
     g.add_argument("--request-rate", type=float, default=math.inf,
                    help="W3 Poisson arrival rate in requests/s; inf (default): all at once")
     g.add_argument("--seed", type=int, default=0, help="W3 arrival seed")
-    g.add_argument("--speculate", type=int, default=4, help="C3: draft tokens per step of the speculating run")
+    g.add_argument("--speculate", type=int, default=None,
+                   help="draft tokens per step (n-gram): C3's speculating run (default 4); W1/W2 with it set "
+                        "run the engine with --speculate (default: off)")
     g.add_argument("--w3-repeats", type=int, default=1,
                    help="W3: run the gRPC / in-process pair this many times in alternating order "
                         "and compare the means (use >= 2 on a noisy machine)")
@@ -210,6 +212,8 @@ def engine_config(args: argparse.Namespace, device: torch.device, workloads: lis
         kwargs["cuda_memory_fraction"] = args.cuda_memory_fraction
     if args.async_scheduling is not None:
         kwargs["async_scheduling"] = args.async_scheduling
+    if args.speculate:
+        kwargs["speculate"] = args.speculate
     fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
     if args.cuda_graphs is not None:
         # CUDA graphs may not exist in this engine yet: pass the setting only when it does.
@@ -334,12 +338,13 @@ def _run_speculation(args: argparse.Namespace, result: dict[str, Any]) -> None:
     base = EngineConfig(model_id=args.model_id, device=str(device), dtype=args.dtype, quantize=args.quantize,
                         max_total_tokens=1024, max_batch_total_tokens=16 * 1024 if device.type == "cpu" else None,
                         num_threads=args.threads if device.type == "cpu" else None)
-    entry = run_c3(base, args.speculate, quick=args.quick)
+    k = args.speculate or 4
+    entry = run_c3(base, k, quick=args.quick)
     result["workloads"]["C3"] = entry
     for batch in (1, 16):
         e = entry[f"batch_{batch}"]
         spec = e["speculate"]
-        print(f"C3 batch {batch}: plain {e['plain']['out_tok_s']:.1f} out tok/s, --speculate {args.speculate} "
+        print(f"C3 batch {batch}: plain {e['plain']['out_tok_s']:.1f} out tok/s, --speculate {k} "
               f"{spec['out_tok_s']:.1f} ({e['speedup']:.2f}x), acceptance {spec.get('acceptance', 0):.2f}, "
               f"{spec.get('tokens_per_verification', 0):.2f} tokens per verifying step, "
               f"identical outputs: {e['identical_outputs']}", file=sys.stderr)

@@ -14,6 +14,7 @@ import json
 import os
 import random
 import time
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import TextIO
 
@@ -21,7 +22,7 @@ import structlog
 import torch
 
 from loom.config import ConfigError, EngineConfig
-from loom.plugin_api import PluginRegistry, ProposerContext, default_registry
+from loom.plugin_api import DraftRequest, PluginRegistry, Proposer, ProposerContext, default_registry
 from loom.spec.speculator import Speculator
 from loom.worker.model_runner import LaunchedStep, ModelRunner
 from loom.worker.worker import Worker
@@ -51,6 +52,17 @@ def _needs_host_tokens(seq: Sequence) -> bool:
     sp = seq.sampling
     return (sp.repetition_penalty != 1.0 or sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0
             or (sp.prompt_logprobs and not seq.prompt_logprobs_sent))
+
+
+class _RepeatLastToken(Proposer):
+    """Warm-up drafts: the last token, as many times as allowed."""
+
+    @classmethod
+    def check_options(cls, options: dict[str, str]) -> None:
+        """It runs with the real proposer's context, whatever options that one takes."""
+
+    def propose(self, requests: Seq[DraftRequest]) -> list[list[int]]:
+        return [[r.token_ids[-1]] * r.max_drafts for r in requests]
 
 
 @dataclass
@@ -109,6 +121,8 @@ class LLMEngine:
             self._build(num_blocks)  # a clean pool: no warm-up blocks in the prefix cache
         if config.speculate:
             self.speculator = self._make_speculator(registry)
+            if config.warmup:
+                self._warmup_speculation()
         # Graphs point at this pool: captured last, after any rebuild. Every step shape the engine
         # makes whose sequences all have one query length: 1 (decode) today; a proposer of k
         # drafts adds k + 1.
@@ -214,6 +228,29 @@ class LLMEngine:
                                        StoppingParams(max_new_tokens=2, min_new_tokens=1, ignore_eos=True)))
         while self.has_unfinished():
             self.step()
+        self.num_steps = 0
+
+    def _warmup_speculation(self) -> None:
+        """Verification steps through every shape family before serving: a sequence verifying k
+        drafts alone, beside a plain decode row, and beside a prefill chunk. On CUDA their
+        attention kernels compile here (a second or more each), not in the middle of serving."""
+        assert self.speculator is not None
+        real, k = self.speculator.proposer, self.speculator.k
+        self.speculator.proposer = _RepeatLastToken(real.context)
+        try:
+            stop = StoppingParams(max_new_tokens=3 * (k + 1), ignore_eos=True)
+            self.add_request(EngineRequest("__loom_warmup_spec_a__", (3, 4, 5), SamplingParams(), stop))
+            self.add_request(EngineRequest("__loom_warmup_spec_b__", (3, 4, 6), SamplingParams(speculate=False),
+                                           stop))
+            for _ in range(3):
+                self.step()
+            self.add_request(EngineRequest("__loom_warmup_spec_c__", tuple(range(3, 40)), SamplingParams(), stop))
+            while self.has_unfinished():
+                self.step()
+        finally:
+            self.speculator.proposer = real
+            self.speculator.reset()
+        self._build(self.block_manager.num_blocks)  # a clean pool: no warm-up blocks in the prefix cache
         self.num_steps = 0
 
     def _size_pool_on_cpu(self) -> KvPoolSize:

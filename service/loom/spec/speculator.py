@@ -103,6 +103,14 @@ class Speculator:
             self.counters.steps += 1
         return drafts
 
+    def reset(self) -> None:
+        """Forget every sequence and count (after the warm-up)."""
+        for sid in list(self._live):
+            self.proposer.release(sid)
+        self._live.clear()
+        self._stats.clear()
+        self.counters = SpeculationCounters()
+
     def observe(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         """Record a verification's outcome (and tell the proposer)."""
         c = self.counters
