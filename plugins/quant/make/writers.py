@@ -27,7 +27,7 @@ def gptq_tensors(stem: str, ql: QuantizedLinear) -> dict[str, torch.Tensor]:
         f"{stem}.qweight": pack_rows(ql.codes.t(), ql.bits),  # [in / f, out]
         f"{stem}.qzeros": pack_cols((ql.zeros.t() - 1) & mask, ql.bits),  # [G, out / f]
         f"{stem}.scales": ql.scales.t().contiguous().half(),  # [G, out]
-        f"{stem}.g_idx": ql.g_idx.to(torch.int32),  # [in]
+        f"{stem}.g_idx": ql.g_idx.to(torch.int32).clone(),  # [in] (a fused group shares one: saved apart)
     }
 
 

@@ -172,7 +172,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             vocab_size=shape.vocab_size,
             eos_token_ids=self.eos_token_ids,
-            plugins=(f"quantizer:{loaded.quantization}",) if loaded.quantization else (),
+            plugins=loaded.plugin_entries(),
         )
         log.info("engine ready", model_dir=str(model_dir), architecture=loaded.hf_architecture, model=loaded.architecture,
                  dtype=self.info.dtype, device=self.info.device, attention_backend=backend_spec.name,

@@ -39,6 +39,15 @@ class LoadedModel:
     quantization_settings: dict[str, str] = field(default_factory=dict)
     hf_architecture: str = ""  # the config.json `architectures` entry it serves, e.g. "LlamaForCausalLM"
 
+    def plugin_entries(self) -> tuple[str, ...]:
+        """EngineInfo.plugins' entries for the quantizer: "quantizer:NAME?key=value&..."."""
+        if not self.quantization:
+            return ()
+        from urllib.parse import urlencode
+
+        query = urlencode(self.quantization_settings)
+        return (f"quantizer:{self.quantization}" + (f"?{query}" if query else ""),)
+
 
 @contextlib.contextmanager
 def default_dtype(dtype: torch.dtype) -> Iterator[None]:
