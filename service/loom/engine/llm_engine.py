@@ -140,7 +140,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             vocab_size=model.vocab_size,
             eos_token_ids=self.eos_token_ids,
-            plugins=(f"quantizer:{model.quantization}",) if model.quantization else (),
+            plugins=model.plugins,
         )
         log.info("engine ready", model_dir=str(model.model_dir), architecture=model.hf_architecture,
                  model=model.architecture, dtype=self.info.dtype, device=self.info.device,

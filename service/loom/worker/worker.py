@@ -64,6 +64,7 @@ class LoadedModelInfo:
     vocab_size: int
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
+    plugins: tuple[str, ...]  # EngineInfo.plugins' entries (the quantizer and its settings)
 
 
 class Worker:
@@ -109,7 +110,8 @@ class Worker:
             model_dir=model_dir, hf_architecture=loaded.hf_architecture, architecture=loaded.architecture,
             quantization=loaded.quantization, attention_backend=backend_spec.name, num_layers=shape.num_layers,
             num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, vocab_size=shape.vocab_size,
-            max_position_embeddings=shape.max_position_embeddings, eos_token_ids=eos_token_ids(model_dir))
+            max_position_embeddings=shape.max_position_embeddings, eos_token_ids=eos_token_ids(model_dir),
+            plugins=loaded.plugin_entries())
         self.runner: ModelRunner | None = None
 
     # -- the KV pool ---------------------------------------------------------------------------------

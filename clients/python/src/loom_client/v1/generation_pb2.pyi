@@ -1228,10 +1228,31 @@ class PluginInUse(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class SettingsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     KIND_FIELD_NUMBER: _builtins.int
     NAME_FIELD_NUMBER: _builtins.int
     DISTRIBUTION_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
+    SETTINGS_FIELD_NUMBER: _builtins.int
     kind: _builtins.str
     """What it provides: "attention", "model", "quantizer" or "speculative"."""
     name: _builtins.str
@@ -1240,6 +1261,12 @@ class PluginInUse(_message.Message):
     """The Python distribution that registered it ("loom-server" for built-in plugins)."""
     version: _builtins.str
     """That distribution's version."""
+    @_builtins.property
+    def settings(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """What the plugin reports about how it runs; for a quantizer its format and settings, e.g.
+        {"format": "gptq", "bits": "4", "group_size": "128", "sym": "true", "desc_act": "false"}.
+        """
+
     def __init__(
         self,
         *,
@@ -1247,10 +1274,11 @@ class PluginInUse(_message.Message):
         name: _builtins.str = ...,
         distribution: _builtins.str = ...,
         version: _builtins.str = ...,
+        settings: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["distribution", b"distribution", "kind", b"kind", "name", b"name", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["distribution", b"distribution", "kind", b"kind", "name", b"name", "settings", b"settings", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
