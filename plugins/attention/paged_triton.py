@@ -77,7 +77,7 @@ def _ids_on(ids: list[int], device: torch.device) -> torch.Tensor:
 
 class PagedAttentionBackend(AttentionBackend[PagedPlan]):
     """Triton paged attention: decode with GQA-grouped tiles and split-K, varlen prefill over
-    cached context, sliding windows, soft-capped scores; bf16/fp16 (fp32 works, with tf32 dots)."""
+    cached context, sliding windows, soft-capped scores; bf16/fp16 (fp32 works, with IEEE dots)."""
 
     name = "paged"
     supports_logits_soft_cap = True

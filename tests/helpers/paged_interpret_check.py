@@ -47,6 +47,7 @@ SOFT_CAP_CASES: list[tuple[list[tuple[int, int]], int, int, int, str, int | None
     ([(3, 1), (0, 30), (17, 1), (30, 20)], 4, 2, 32, "float32", 7, None, 16, 2.0),  # with a window
     ([(40, 1), (70, 1)], 4, 2, 32, "float32", 9, 2, 16, 1.5),  # split-K decode
     ([(10, 3), (0, 3), (37, 3)], 8, 2, 32, "float16", None, None, 16, 3.0),  # uniform q = 3, fp16
+    ([(5, 1), (0, 40), (33, 9)], 4, 2, 256, "float32", 6, None, 16, 5.0),  # Gemma 2's heads of 256
 ]
 
 
