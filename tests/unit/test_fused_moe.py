@@ -24,8 +24,7 @@ from loom.distributed.parallel_state import tensor_parallel_as
 from loom.layers.fused_moe import FusedMoE, fused_experts_torch, select_experts, sort_rows_by_expert
 from loom.layers.fused_moe_triton import num_blocks_bound
 from loom.model_loader import ModelLoadError, iter_weights, load_model
-from loom.plugin_api import PluginRegistry, QuantizerSpec, hookimpl
-from loom.plugin_api.moe import FusedMoEMethod
+from loom.plugin_api import FusedMoEMethod, PluginRegistry, QuantizerSpec, hookimpl
 from loom.plugin_api.quantization import LinearMethod, QuantizationConfig, WeightLoader, set_weight_attrs
 
 ROOT = Path(__file__).resolve().parents[2]
