@@ -23,11 +23,12 @@ from loom.config import EngineConfig
 from loom.engine.llm_engine import LLMEngine
 from loom.engine.types import EngineOutput, EngineRequest, SamplingParams, StoppingParams
 
-# tiny model -> (the architecture it names, its sliding window or None)
+# tiny model -> (the architecture it names, its sliding window or None); qwen3-moe-norm-topk differs
+# from qwen3-moe only by the renormalised routing, checked in test_fused_moe.py and
+# test_models_parity.py.
 ARCHS: dict[str, tuple[str, int | None]] = {
     "mixtral": ("MixtralForCausalLM", 6),
     "qwen3-moe": ("Qwen3MoeForCausalLM", None),
-    "qwen3-moe-norm-topk": ("Qwen3MoeForCausalLM", None),
     "gemma2": ("Gemma2ForCausalLM", 5),
     "gemma3": ("Gemma3ForCausalLM", 5),
     "phi3": ("Phi3ForCausalLM", 7),
