@@ -96,6 +96,21 @@ def test_triton_kernels_match_the_torch_path_in_the_interpreter() -> None:
     assert "FAIL" not in proc.stdout and proc.stdout.count("ok  ") == 5, proc.stdout
 
 
+def test_the_layer_imports_and_runs_without_triton() -> None:
+    """A CPU install has no triton: the kernels module still imports and the torch path serves."""
+    code = ("import sys; sys.modules['triton'] = None; sys.modules['triton.language'] = None\n"
+            "import torch\n"
+            "from loom.layers import fused_moe, fused_moe_triton\n"
+            "assert not fused_moe_triton.HAS_TRITON\n"
+            "block = fused_moe.SparseMoeBlock(4, 2, 8, 6, renormalize=True)\n"
+            "print(tuple(block(torch.randn(3, 8)).shape), fused_moe.triton_experts_supported(torch.randn(1)))")
+    env = {**os.environ, "LOOM_CPU_KERNELS": "0",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "service"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "(3, 8) False"
+
+
 # -- loading ------------------------------------------------------------------------------------------------
 
 
