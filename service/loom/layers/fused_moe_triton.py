@@ -49,9 +49,15 @@ except ImportError:
     HAS_TRITON = False
 
 
-def _jit(fn: Callable[..., Any]) -> Any:
-    """``triton.jit``; without triton the kernels stay plain functions, never launched."""
-    return triton.jit(fn) if HAS_TRITON else fn
+def _jit(*unspecialized: str) -> Callable[[Callable[..., Any]], Any]:
+    """``triton.jit``, not specializing on the named integer arguments (the row count changes
+    with every batch: one compiled variant serves them all, so a new batch size never compiles
+    mid-serving); without triton the kernels stay plain functions, never launched."""
+
+    def wrap(fn: Callable[..., Any]) -> Any:
+        return triton.jit(fn, do_not_specialize=list(unspecialized)) if HAS_TRITON else fn
+
+    return wrap
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -106,7 +112,7 @@ def block_config(num_rows: int, num_experts: int, dtype: torch.dtype) -> MoeBloc
 # ------------------------------------------------------------------------------------------------
 
 
-@_jit
+@_jit("N")
 def _count_kernel(ids_ptr, counts_ptr, N, BLOCK: tl.constexpr):
     # Program e counts the rows routed to expert e (ids: [N] flat expert ids).
     e = tl.program_id(0)
@@ -118,7 +124,7 @@ def _count_kernel(ids_ptr, counts_ptr, N, BLOCK: tl.constexpr):
     tl.store(counts_ptr + e, tl.sum(total, axis=0))
 
 
-@_jit
+@_jit("N")
 def _place_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, N, E,
                   BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr):
     # Program e writes its expert's rows and padding into sorted_ids and its blocks' expert id.
@@ -162,7 +168,7 @@ def align_rows_by_expert(topk_ids: torch.Tensor, num_experts: int,
     block_expert = torch.empty(nb, dtype=torch.int32, device=dev)
     num_padded = torch.empty(1, dtype=torch.int32, device=dev)
     counts = torch.empty(num_experts, dtype=torch.int32, device=dev)
-    block = min(1024, max(16, _next_pow2(n)))
+    block = 1024  # one compiled variant for every batch (a decode step's few rows leave it mostly masked)
     _count_kernel[(num_experts,)](ids, counts, n, BLOCK=block)
     _place_kernel[(num_experts,)](ids, counts, sorted_ids, block_expert, num_padded, n, num_experts,
                                   BLOCK=block, BLOCK_E=max(16, _next_pow2(num_experts)), BLOCK_M=block_m)
@@ -174,7 +180,7 @@ def align_rows_by_expert(topk_ids: torch.Tensor, num_experts: int,
 # ------------------------------------------------------------------------------------------------
 
 
-@_jit
+@_jit("N")
 def _gate_up_kernel(
     x_ptr,  # [T, H]
     w_ptr,  # [E, 2I, H]: gate rows 0..I-1, up rows I..2I-1
@@ -222,7 +228,7 @@ def _gate_up_kernel(
                  mask=row_ok[:, None] & n_ok[None, :])
 
 
-@_jit
+@_jit("N")
 def _down_kernel(
     a_ptr,  # [N, I]
     w_ptr,  # [E, H, I]
@@ -257,7 +263,7 @@ def _down_kernel(
                  mask=row_ok[:, None] & n_ok[None, :])
 
 
-@_jit
+@_jit()
 def _combine_kernel(y_ptr, w_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
     # out[t, cols] = sum_j w[t, j] * y[t * k + j, cols]; in float32, j in order.
     t = tl.program_id(0).to(tl.int64)
