@@ -2,8 +2,9 @@
 
 ``loom serve`` and ``loom bench`` run them before anything loads, so a mistake (an unknown
 ``--quantize`` or ``--attention-backend``, ``--device cuda`` without CUDA, a ``--model-id`` that is
-not there) costs a second and one line naming the flag, not an engine start-up and a traceback.
-What only the model can tell (its positions, its architecture) is checked when it loads.
+not there, a model directory whose architecture no plugin serves) costs a second and one line
+naming the flag, not an engine start-up and a traceback. What only the model can tell (its
+positions) is checked when it loads.
 """
 
 from __future__ import annotations
