@@ -89,6 +89,8 @@ def test_sliding_window(mode: str) -> None:
     _check(step, 8, 2, 128, torch.bfloat16, window=100)
 
 
+@pytest.mark.xfail(strict=True, reason="the paged kernel's soft cap gives wrong scores on the H200 (2026-12-02: "
+                   "12% of elements off by up to 0.18 in bf16); the backend does not declare it, Gemma 2 runs on torch")
 @pytest.mark.parametrize("mode", ["decode", "prefill", "cached", "verify", "mixed"])
 @pytest.mark.parametrize("window", [None, 100])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
