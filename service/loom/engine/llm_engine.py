@@ -12,8 +12,8 @@ import os
 import random
 import threading
 import time
-from dataclasses import dataclass
-from typing import TextIO, cast
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, TextIO, cast
 
 import structlog
 import torch
@@ -35,9 +35,13 @@ from .types import (
     EngineRequest,
     EngineStats,
     FinishReason,
+    Rejection,
     SamplingParams,
     StoppingParams,
 )
+
+if TYPE_CHECKING:
+    from loom.structured.driver import StructuredOutput
 
 log = structlog.get_logger(__name__)
 
@@ -62,11 +66,12 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: torch.dtype
 
 
 def _needs_host_tokens(seq: Sequence) -> bool:
-    """Penalties read the output so far, and prompt logprobs are read back at once: such a
-    sequence's next step cannot be prepared while its last token is still on the device."""
+    """Penalties read the output so far, prompt logprobs are read back at once, and a grammar's
+    matcher must see the last token before it fills the next mask: such a sequence's next step
+    cannot be prepared while its last token is still on the device."""
     sp = seq.sampling
     return (sp.repetition_penalty != 1.0 or sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0
-            or (sp.prompt_logprobs and not seq.prompt_logprobs_sent))
+            or (sp.prompt_logprobs and not seq.prompt_logprobs_sent) or sp.constraint is not None)
 
 
 @dataclass
@@ -93,6 +98,9 @@ class LLMEngine:
 
             threading.Thread(target=cpu_fused.available, name="build-cpu-fused-ops", daemon=True).start()
         model_dir = resolve_model_dir(config.model_id)
+        self.model_dir = model_dir
+        # Structured output, made on the first constrained request (see _structured_output).
+        self._structured: StructuredOutput | None = None
         log.info("loading the model", model_dir=str(model_dir), device=str(self.device))
         hf_config = load_hf_config(model_dir)
         ckpt_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
@@ -200,6 +208,7 @@ class LLMEngine:
         runner_cls = FaultInjectingRunner if config.fault_injection else ModelRunner
         self.runner = runner_cls(self.model, self.backend, kv_caches, bs, self.vocab_size, self.device,
                                  self.eos_token_ids)
+        self.runner.token_bitmasks = self._structured
 
     def _drop_pool(self) -> None:
         self.__dict__.pop("runner", None)
@@ -292,6 +301,10 @@ class LLMEngine:
         for seq in seqs:
             seq.max_model_len = self.max_model_len
         self.requests[request.request_id] = seqs
+        if request.sampling.constraint is not None:
+            # Not schedulable until its grammar compiles (off this loop): see _admit_constrained.
+            self._structured_output().hold(request.request_id, request.sampling.constraint, seqs)
+            return
         self.scheduler.add(seqs[0], seqs[1:])
 
     def abort(self, request_id: str) -> None:
@@ -311,10 +324,14 @@ class LLMEngine:
             self.requests.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
+        return self.has_schedulable() or (self._structured is not None and self._structured.num_held > 0)
+
+    def has_schedulable(self) -> bool:
+        """Whether a step has work: False while the only requests wait for their grammars."""
         return self._inflight is not None or self.scheduler.has_unfinished()
 
     def stats(self) -> EngineStats:
-        return EngineStats(
+        stats = EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_free_blocks=self.block_manager.num_free_blocks,
@@ -325,6 +342,45 @@ class LLMEngine:
             prefix_cache_queries=self.block_manager.stats.queries,
             prefix_cache_hits=self.block_manager.stats.hits,
         )
+        return self._with_grammar_stats(stats)
+
+    # -- structured output (loom.structured) ----------------------------------------------------------
+    def _structured_output(self) -> StructuredOutput:
+        """The structured-output driver, made on first use: its workers describe the vocabulary
+        and compile grammars on their own threads."""
+        if self._structured is None:
+            from loom.structured.compiler_pool import GrammarCompilerPool
+            from loom.structured.driver import StructuredOutput
+            from loom.structured.vocabulary import vocabulary_from_model_dir
+
+            model_dir, vocab, eos = self.model_dir, self.vocab_size, self.eos_token_ids
+            threads = max(1, min(8, (os.cpu_count() or 2) // 2))
+            pool = GrammarCompilerPool(lambda: vocabulary_from_model_dir(model_dir, vocab, eos), workers=2,
+                                       cache_bytes=self.config.grammar_cache_mib << 20, compiler_threads=threads)
+            self._structured = StructuredOutput(pool, vocab, eos, self.config.grammar_compile_timeout)
+            self.runner.token_bitmasks = self._structured
+        return self._structured
+
+    def _admit_constrained(self) -> list[EngineOutput]:
+        """Requests whose grammar compiled join the scheduler; refused ones fail (at step start)."""
+        if self._structured is None or not self._structured.num_held:
+            return []
+        ready, refused = self._structured.take_ready()
+        for seqs in ready:
+            self.scheduler.add(seqs[0], seqs[1:])
+        outputs: list[EngineOutput] = []
+        for r in refused:
+            log.info("constrained request refused", request_id=r.request_id, reason=r.rejection.reason, error=r.message)
+            outputs += self.fail_request(r.request_id, r.message, r.rejection)
+        return outputs
+
+    def _with_grammar_stats(self, stats: EngineStats) -> EngineStats:
+        if self._structured is None:
+            return stats
+        s = self._structured.pool.snapshot()
+        return replace(stats, grammar_cache_queries=s.queries, grammar_cache_hits=s.hits,
+                       grammar_compile_timeouts=s.timeouts, grammar_compile_buckets=tuple(s.buckets),
+                       grammar_compile_seconds=s.seconds_sum)
 
     # -- the step -----------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
@@ -335,9 +391,10 @@ class LLMEngine:
         step N+1 while the device computes step N, and step N+1 takes N's sampled tokens as
         input straight from the device. A sequence that step N finishes (EOS, stop token) has
         computed one row too many in step N+1, which is dropped. Steps that need every token on
-        the host (penalties, prompt logprobs) run synchronously.
+        the host (penalties, prompt logprobs, grammars) run synchronously. Constrained requests
+        whose grammar has compiled join the scheduler first (:meth:`_admit_constrained`).
         """
-        outputs: list[EngineOutput] = []
+        outputs: list[EngineOutput] = self._admit_constrained()
         prev, self._inflight = self._inflight, None
         overlap = self._overlap_helps() and not self._needs_sync()
         if prev is not None and not overlap:
@@ -436,6 +493,10 @@ class LLMEngine:
             if seq.seq_id in result.failed:
                 outputs += self.fail_request(seq.request_id, result.failed[seq.seq_id])
                 continue
+            refused = self._structured.accept(seq, result.token_ids[i]) if self._structured is not None else None
+            if refused is not None:  # its grammar's matcher could not follow
+                outputs += self.fail_request(seq.request_id, refused.message, refused.rejection)
+                continue
             outputs.append(self._token_output(seq, pos, result, i))
         for seq in launched.sched.seqs:
             if not seq.is_finished:  # blocks that filled while their last token was on the device
@@ -468,13 +529,15 @@ class LLMEngine:
                 log.error("request failed in the model step", request_id=seq.request_id, error=repr(exc))
                 outputs += self.fail_request(seq.request_id, f"model step failed: {type(exc).__name__}: {exc}")
 
-    def fail_request(self, request_id: str, message: str) -> list[EngineOutput]:
-        """End every completion of ``request_id`` with an error; its blocks are freed."""
+    def fail_request(self, request_id: str, message: str, rejection: Rejection | None = None) -> list[EngineOutput]:
+        """End every completion of ``request_id`` with an error (a ``rejection`` when the request
+        is refused rather than failed); its blocks are freed."""
         outs = []
         for seq in self.requests.pop(request_id, []):
             if not seq.is_finished:
                 outs.append(EngineOutput(seq.request_id, seq.index, [], [], finish_reason=FinishReason.ERROR,
-                                         error=message, seed=seq.seed, num_prompt_tokens=seq.num_prompt_tokens))
+                                         error=message, rejection=rejection, seed=seq.seed,
+                                         num_prompt_tokens=seq.num_prompt_tokens))
                 seq.finish_reason = FinishReason.ERROR
                 self.scheduler.remove(seq)
         return outs
@@ -510,6 +573,8 @@ class LLMEngine:
     def _finish_reason(self, seq: Sequence, token: int, pos: int) -> FinishReason | None:
         """Why ``seq`` ends with ``token`` at position ``pos`` (None: it goes on)."""
         st = seq.stopping
+        if self._structured is not None and self._structured.terminated(seq):
+            return FinishReason.EOS_TOKEN  # its grammar matched a whole sentence, then EOS
         num_output = pos + 1 - seq.num_prompt_tokens
         past_min = num_output >= st.min_new_tokens
         if past_min and not st.ignore_eos and token in self.eos_token_ids:

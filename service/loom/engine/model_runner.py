@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from loom.layers.attention import AttentionBackend, AttentionMetadata, ForwardContext, forward_context
-from loom.sample.batch import build_sampling_batch
+from loom.sample.batch import TokenBitmaskSource, build_sampling_batch
 from loom.sample.sampler import Sampler, prompt_logprobs
 
 from .scheduler import SchedulerOutput
@@ -88,6 +88,9 @@ class ModelRunner:
         # The last launched step's sampled ids [N] (device): inputs for rows whose token the
         # host has not read back yet (Sequence.pending_row indexes it).
         self.last_sampled: torch.Tensor | None = None
+        # Structured output: the grammar bitmask rows of a step's sampled sequences (set by the
+        # engine once some request has a grammar).
+        self.token_bitmasks: TokenBitmaskSource | None = None
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         bs = self.block_size
@@ -183,8 +186,10 @@ class ModelRunner:
         self.copy_blocks(sched.blocks_to_copy)  # queued after prepare's copies, before the forward
         hidden = self.forward(inputs)  # [T, hidden]
         logits = self.sample_logits(hidden, inputs)  # [N, V] fp32
+        bitmask = (self.token_bitmasks.token_bitmask(inputs.sample_seqs, self.stager)
+                   if self.token_bitmasks is not None else None)
         batch = build_sampling_batch(inputs.sample_seqs, self.vocab_size, self.device, self.eos_token_ids,
-                                     self.stager)
+                                     self.stager, token_bitmask=bitmask)
         out = self.sampler(logits, batch)
         self._prompt_logprobs(hidden, inputs)
         results = [out.token_ids, out.logprobs, out.finite]  # a NaN row fails only its request

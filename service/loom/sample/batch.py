@@ -3,7 +3,9 @@ some row of the step needs (see :mod:`loom.sample.processors`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -18,6 +20,7 @@ from .processors import (
     RepetitionPenalty,
     Suppression,
     Temperature,
+    TokenBitmask,
     TopK,
     TopP,
     TypicalP,
@@ -37,6 +40,12 @@ class SamplingBatch:
     processors: list[LogitsProcessor] = field(default_factory=list)
     # Narrow what sampled rows draw from (top_k, top_p, typical_p, min_p), in order.
     filters: list[LogitsProcessor] = field(default_factory=list)
+
+
+class TokenBitmaskSource(Protocol):
+    """Where a step's grammar bitmask comes from (loom.structured.driver.StructuredOutput)."""
+
+    def token_bitmask(self, seqs: Seq[Sequence], stager: Stager) -> TokenBitmask | None: ...
 
 
 _SAMPLE, _TOP_K, _TOP_P, _TYPICAL, _MIN_P, _REP, _FREQ = (1 << i for i in range(7))
@@ -65,10 +74,12 @@ def _row_params(seq: Sequence, vocab_size: int) -> tuple[tuple[float, ...], tupl
 
 
 def build_sampling_batch(seqs: list[Sequence], vocab_size: int, device: torch.device,
-                         eos_token_ids: tuple[int, ...] = (), stager: Stager | None = None) -> SamplingBatch:
+                         eos_token_ids: tuple[int, ...] = (), stager: Stager | None = None,
+                         token_bitmask: TokenBitmask | None = None) -> SamplingBatch:
     """Per-row parameters on ``device`` and the processors some row enables. With a ``stager``
     the small per-row arrays go through pinned buffers without making the host wait (see
-    :mod:`loom.engine.staging`)."""
+    :mod:`loom.engine.staging`). ``token_bitmask``: the grammar rows of this step (structured
+    output), first of the processors; those rows' min_new_tokens is already in their mask."""
     stage = stager or Stager(device)
     rows = [_row_params(s, vocab_size) for s in seqs]
     flags = 0
@@ -79,9 +90,10 @@ def build_sampling_batch(seqs: list[Sequence], vocab_size: int, device: torch.de
     floats = stage.to_device([r[0] for r in rows], torch.float32).view(n, 8)
     ints = stage.to_device([(*r[1], s.num_output_tokens) for r, s in zip(rows, seqs, strict=True)],
                            torch.int64).view(n, 3)
-    processors: list[LogitsProcessor] = []
+    processors: list[LogitsProcessor] = [token_bitmask] if token_bitmask is not None else []
     # EOS / stop ids of rows before their min_new_tokens, as flat indices row * V + token.
-    banned = [i * vocab_size + t for i, s in enumerate(seqs) if s.num_output_tokens < s.stopping.min_new_tokens
+    banned = [i * vocab_size + t for i, s in enumerate(seqs)
+              if s.num_output_tokens < s.stopping.min_new_tokens and s.sampling.constraint is None
               for t in (*eos_token_ids, *s.stopping.stop_token_ids) if 0 <= t < vocab_size]
     if banned:
         processors.append(Suppression(stage.to_device(banned, torch.int64)))

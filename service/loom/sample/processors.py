@@ -2,14 +2,15 @@
 
 Each is built for a step only when some row needs it, from that step's per-row tensors, and
 leaves the rows that do not use it bit-identical. Two lists run, in order (see
-:mod:`loom.sample.sampler`): the *processors* shape the distribution that is reported (EOS / stop
-suppression, repetition, frequency and presence penalties, temperature; a grammar's token
-bitmask belongs here too), the *filters* then narrow what sampled rows draw from (top_k, top_p,
-typical_p, min_p). A new processor is a new class appended to a list; the sampler stays as it is.
+:mod:`loom.sample.sampler`): the *processors* shape the distribution that is reported (a
+grammar's token bitmask, EOS / stop suppression, repetition, frequency and presence penalties,
+temperature), the *filters* then narrow what sampled rows draw from (top_k, top_p, typical_p,
+min_p). A new processor is a new class appended to a list; the sampler stays as it is.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -59,6 +60,72 @@ class FrequencyPresencePenalty:
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         logits = logits - self.frequency * self.counts
         return logits - self.presence * (self.counts > 0).to(logits.dtype)
+
+
+class TokenBitmask:
+    """A grammar's allowed tokens (structured output): in logits rows ``rows``, every token whose
+    bit is 0 in its ``bitmask`` row gets -inf; other rows are untouched and cost nothing.
+
+    Bit j of int32 word w of a row stands for token 32w + j (xgrammar's layout). The masked rows
+    are gathered, masked in place by xgrammar's kernel for the device (C++ on the CPU, Triton on
+    CUDA; plain torch where neither runs) and scattered back; ``covers_all`` (every row masked,
+    in order) skips the scatter. Masking commutes with the penalties and temperature, so its
+    place in the list does not matter; it runs first, and the reported logprobs are those of
+    the constrained distribution.
+    """
+
+    def __init__(self, bitmask: torch.Tensor, rows: torch.Tensor, covers_all: bool = False) -> None:
+        self.bitmask = bitmask  # [G, ceil(V / 32)] int32, on the logits' device
+        self.rows = rows  # [G] int64: the logits row of each bitmask row, ascending
+        self.covers_all = covers_all  # G == N: rows are 0..N-1
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        masked = logits.clone() if self.covers_all else logits.index_select(0, self.rows)  # [G, V]
+        apply_bitmask_inplace(masked, self.bitmask)
+        return masked if self.covers_all else logits.index_copy(0, self.rows, masked)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[G, ceil(V / 32)] int32 -> [G, V] bool: True where the token is allowed."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [G, W, 32]; >> is arithmetic, & 1 keeps bit j
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def _torch_apply(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    logits.masked_fill_(~unpack_bitmask(bitmask, logits.shape[-1]), float("-inf"))
+
+
+_KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor], None]] = {}
+
+
+def bitmask_kernel(device_type: str) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """In-place masking of [G, V] float32 logits by a [G, W] bitmask on ``device_type``: xgrammar's
+    kernel when it loads (imported on first use), else :func:`unpack_bitmask` in torch."""
+    kernel = _KERNELS.get(device_type)
+    if kernel is not None:
+        return kernel
+    kernel = _torch_apply
+    try:
+        if device_type == "cpu":
+            from xgrammar.kernels.apply_token_bitmask_inplace_cpu import apply_token_bitmask_inplace_cpu
+
+            def kernel(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+                apply_token_bitmask_inplace_cpu(logits, bitmask, logits.shape[-1], None)
+        elif device_type == "cuda":
+            from xgrammar.kernels.apply_token_bitmask_inplace_triton import apply_token_bitmask_inplace_triton
+
+            def kernel(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+                apply_token_bitmask_inplace_triton(logits, bitmask, logits.shape[-1], None)
+    except ImportError:
+        kernel = _torch_apply
+    _KERNELS[device_type] = kernel
+    return kernel
+
+
+def apply_bitmask_inplace(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """-inf where the bit is 0: [G, V] float32 logits, [G, ceil(V / 32)] int32 bitmask, one device."""
+    bitmask_kernel(logits.device.type)(logits, bitmask)
 
 
 class Temperature:

@@ -27,6 +27,9 @@ _ENGINE_FLAGS: list[tuple[str, Any, str]] = [
     ("--cuda-memory-fraction", float, "share of free GPU memory the KV cache may take"),
     ("--num-threads", int, "torch intra-op threads on CPU; unset: torch's default"),
     ("--seed", int, "seeds the seeds drawn for sampled requests that give none; unset: random at each start"),
+    ("--grammar-compile-timeout", float,
+     "seconds a constrained request's grammar may take to compile; then it fails with INVALID_ARGUMENT"),
+    ("--grammar-cache-mib", int, "compiled grammars kept for reuse, in MiB (least recently used dropped first)"),
 ]
 _SERVER_FLAGS: list[tuple[str, Any, str]] = [
     ("--host", str, "address to listen on"),
