@@ -167,7 +167,7 @@ class GrammarCompilerPool:
                 continue
             started = time.perf_counter()
             try:
-                compiled = self._compiler.compile_grammar(to_grammar(spec))
+                compiled = self._compile(self._compiler, spec)
             except GrammarError as exc:
                 self._finished(spec, time.perf_counter() - started, failed=True)
                 future.set_exception(exc)
@@ -177,6 +177,10 @@ class GrammarCompilerPool:
             else:
                 self._finished(spec, time.perf_counter() - started, size=compiled.memory_size_bytes)
                 future.set_result(compiled)
+
+    def _compile(self, compiler: xgrammar.GrammarCompiler, spec: GrammarSpec) -> xgrammar.CompiledGrammar:
+        """One compile, on a worker thread (the interpreter lock is released inside xgrammar)."""
+        return compiler.compile_grammar(to_grammar(spec))
 
     def _finished(self, spec: GrammarSpec, seconds: float, size: int = 0, failed: bool = False) -> None:
         with self._lock:

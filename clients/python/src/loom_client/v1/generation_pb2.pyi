@@ -524,14 +524,17 @@ class Constraint(_message.Message):
     CHOICE_FIELD_NUMBER: _builtins.int
     json_schema: _builtins.str
     """A JSON Schema (draft 2020-12), as a JSON text. The output is one line of JSON with the
-    separators ", " and ": ". Properties not listed in the schema are not generated unless
-    additionalProperties allows them. Keywords the server cannot enforce are refused rather than
-    ignored: a string pattern together with minLength or maxLength, multipleOf on a number that
-    is not an integer, uniqueItems, contains, minContains, maxContains, dependentRequired,
-    dependentSchemas, not, if/then/else, allOf with more than one schema, a $ref outside the
-    schema, and string formats other than date-time, date, time, duration, email, hostname,
-    ipv4, ipv6, uri, uri-reference, uri-template, uuid, json-pointer and
-    relative-json-pointer.
+    separators ", " and ": ", properties in the schema's order; properties the schema does not
+    list are generated only where additionalProperties allows them. Keywords the server cannot
+    enforce are refused (INVALID_ARGUMENT naming each and where it is) rather than ignored:
+    uniqueItems, contains, minContains, maxContains, not, if/then/else, dependentRequired,
+    dependentSchemas; allOf with more than one schema; a $ref outside the schema; any
+    constraint beside $ref, const, enum, anyOf, oneOf or allOf (a schema with one of these is
+    that keyword alone); number and string keywords without a type; pattern together with
+    minLength or maxLength; multipleOf other than an integer step on an integer; and string
+    formats other than date-time, date, time, duration, email, hostname, ipv4, ipv6, uri,
+    uri-reference, uri-template, uuid, json-pointer and relative-json-pointer. oneOf is
+    generated as anyOf (an output may match more than one of its schemas).
     """
     regex: _builtins.str
     """A regular expression the whole output must match (no anchors needed)."""
