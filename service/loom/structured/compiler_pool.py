@@ -67,6 +67,7 @@ class CompileStats:
 class _Entry:
     future: Future[xgrammar.CompiledGrammar]
     size: int = 0  # compiled bytes, once done
+    finished: bool = False  # its compile ended (its future is resolved right after)
 
 
 class GrammarCompilerPool:
@@ -191,6 +192,7 @@ class GrammarCompilerPool:
             entry = self._cache.get(spec.key)
             if entry is not None:
                 entry.size = size
+                entry.finished = True
                 self._cached_bytes += size
             self._evict()
 
@@ -200,6 +202,6 @@ class GrammarCompilerPool:
             if self._cached_bytes <= self.cache_bytes:
                 return
             entry = self._cache[key]
-            if entry.future.done():
+            if entry.finished:
                 del self._cache[key]
                 self._cached_bytes -= entry.size

@@ -81,6 +81,7 @@ class StructuredOutput:
         self.compile_timeout_s = compile_timeout_s
         self.clock = clock
         self._held: dict[str, _Held] = {}
+        self._ready_since: float | None = None  # when the pool was first seen ready (self.clock)
         self._matchers: dict[int, _Matched] = {}  # seq_id -> its matcher
         self._dead_ends: dict[int, str] = {}  # seq_id -> why no token could follow
         self._bitmask = torch.empty(0, self.words, dtype=torch.int32)  # host rows, grown on demand
@@ -124,10 +125,11 @@ class StructuredOutput:
     def _past_time_limit(self, held: _Held) -> bool:
         if self.pool.timed_out(held.spec):
             return True  # the same text already ran past the limit and is still compiling
-        ready_at = self.pool.ready_at
-        if ready_at is None:
-            return False  # the one-time vocabulary description is not counted
-        return self.clock() - max(held.arrived, ready_at) > self.compile_timeout_s
+        if self._ready_since is None:
+            if self.pool.ready_at is None:
+                return False  # the one-time vocabulary description is not counted
+            self._ready_since = self.clock()  # (seen at the first look after it: within a step)
+        return self.clock() - max(held.arrived, self._ready_since) > self.compile_timeout_s
 
     @staticmethod
     def _refusal(request_id: str, spec: GrammarSpec, error: BaseException) -> Refusal:
