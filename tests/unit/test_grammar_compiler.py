@@ -158,14 +158,14 @@ def test_driver_holds_a_request_until_compiled_then_one_matcher_per_completion()
     assert got == [seqs] and refused == [] and driver.num_held == 0
     plain = seqs_of("p", None)[0]
     mask = driver.token_bitmask([seqs[0], plain, seqs[1]], Stager(torch.device("cpu")))
-    assert mask is not None and mask.rows.tolist() == [0, 2] and not mask.covers_all
+    assert mask is not None and mask.rows.tolist() == mask.row_list == [0, 2]
     assert allowed(mask, 0) == allowed(mask, 1) == {"y", "n", "yes", "no"}
     assert driver.token_bitmask([plain], Stager(torch.device("cpu"))) is None  # no grammar: no processor
     # each completion follows its own tokens
     assert driver.accept(seqs[0], tok("yes")) is None and driver.accept(seqs[1], tok("n")) is None
     seqs[1].token_ids.append(tok("n"))
     mask = driver.token_bitmask(seqs, Stager(torch.device("cpu")))
-    assert mask is not None and mask.covers_all
+    assert mask is not None and mask.row_list == [0, 1]
     assert allowed(mask, 0) == {"</s>"} and allowed(mask, 1) == {"o"}
     assert not driver.terminated(seqs[0])
     assert driver.accept(seqs[0], EOS) is None and driver.terminated(seqs[0])

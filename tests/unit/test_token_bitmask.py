@@ -1,6 +1,7 @@
 """The grammar bitmask as a logits processor: equal to a bit-by-bit reference on random rows, for
-xgrammar's CPU kernel and the torch fallback; other rows untouched; and through the sampler, a
-masked token is never drawn, never listed, and the reported logprobs are the constrained ones."""
+xgrammar's CPU kernel and the torch fallback; other rows untouched (it masks in place); and
+through the sampler, a masked token is never drawn, never listed, and the reported logprobs are
+the constrained ones."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from loom.sample import processors as P
 from loom.sample.batch import SamplingBatch
-from loom.sample.processors import TokenBitmask, apply_bitmask_inplace, unpack_bitmask
+from loom.sample.processors import TokenBitmask, bitmask_inplace, unpack_bitmask
 from loom.sample.sampler import Sampler
 
 
@@ -44,15 +45,15 @@ def random_case(seed: int, n: int, vocab: int, rows: list[int]) -> tuple[torch.T
 def test_processor_equals_the_reference_on_random_rows(backend: str, n: int, vocab: int, rows: list[int],
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     if backend == "torch":
-        monkeypatch.setitem(P._KERNELS, "cpu", P._torch_apply)
+        monkeypatch.setitem(P._KERNELS, "cpu", P._torch_kernel)
     else:
-        assert P.bitmask_kernel("cpu") is not P._torch_apply, "xgrammar's CPU kernel did not load"
+        assert P.bitmask_kernel("cpu") is not P._torch_kernel, "xgrammar's CPU kernel did not load"
     for seed in range(3):
         logits, bitmask = random_case(seed, n, vocab, rows)
         before = logits.clone()
-        out = TokenBitmask(bitmask, torch.tensor(rows), covers_all=rows == list(range(n)))(logits)
+        out = TokenBitmask(bitmask, torch.tensor(rows), rows)(logits)
+        assert out is logits  # in place: no copy of the step's logits
         assert torch.equal(out, reference_mask(before, bitmask, rows))
-        assert torch.equal(logits, before)  # a new tensor: the input is left as it was
         untouched = [r for r in range(n) if r not in rows]
         assert torch.equal(out[untouched], before[untouched])  # rows without a grammar: bit-identical
 
@@ -63,11 +64,11 @@ def test_unpack_matches_bits_including_the_sign_bit() -> None:
     assert allowed.nonzero().flatten().tolist() == [31, 32, *range(64, 96)]
 
 
-def test_in_place_kernel_and_fallback_agree_with_minus_infinity_only_where_masked() -> None:
+def test_kernel_and_fallback_agree_with_minus_infinity_only_where_masked() -> None:
     logits, bitmask = random_case(7, 2, 200, [0, 1])
     a, b = logits.clone(), logits.clone()
-    apply_bitmask_inplace(a, bitmask)
-    P._torch_apply(b, bitmask)
+    bitmask_inplace(a, bitmask)
+    P._torch_kernel(b, bitmask, None, None)
     assert torch.equal(a, b)
     kept = unpack_bitmask(bitmask, 200)
     assert torch.equal(torch.isinf(a), ~kept) and torch.equal(a[kept], logits[kept])
@@ -90,8 +91,8 @@ def test_sampler_draws_reports_and_lists_only_allowed_tokens(do_sample: bool) ->
     for g_row, tokens in ((0, allowed[0]), (1, allowed[2])):
         for t in tokens:
             bitmask[g_row, t // 32] |= 1 << (t % 32)
-    mask = TokenBitmask(bitmask, torch.tensor([0, 2]))
-    out = Sampler()(logits, _batch([11, 12, 13], do_sample, 5, [mask]))
+    mask = TokenBitmask(bitmask, torch.tensor([0, 2]), [0, 2])
+    out = Sampler()(logits.clone(), _batch([11, 12, 13], do_sample, 5, [mask]))
     ids = out.token_ids.tolist()
     assert ids[0] in allowed[0] and ids[2] == 49
     plain = Sampler()(logits[1:2], _batch([12], do_sample, 5, []))

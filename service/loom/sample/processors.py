@@ -66,23 +66,30 @@ class TokenBitmask:
     """A grammar's allowed tokens (structured output): in logits rows ``rows``, every token whose
     bit is 0 in its ``bitmask`` row gets -inf; other rows are untouched and cost nothing.
 
-    Bit j of int32 word w of a row stands for token 32w + j (xgrammar's layout). The masked rows
-    are gathered, masked in place by xgrammar's kernel for the device (C++ on the CPU, Triton on
-    CUDA; plain torch where neither runs) and scattered back; ``covers_all`` (every row masked,
-    in order) skips the scatter. Masking commutes with the penalties and temperature, so its
-    place in the list does not matter; it runs first, and the reported logprobs are those of
-    the constrained distribution.
+    Bit j of int32 word w of a row stands for token 32w + j (xgrammar's layout). Masks in place,
+    with xgrammar's kernel for the device (C++ on the CPU, Triton on CUDA; plain torch where
+    neither runs): one pass over the masked rows and no copy of the logits (a copy cost as much as
+    the masking itself on the CPU). It is the first processor, so what it masks is the step's own
+    logits tensor, which nothing else reads. Masking commutes with the penalties and temperature,
+    and the reported logprobs are those of the constrained distribution.
     """
 
-    def __init__(self, bitmask: torch.Tensor, rows: torch.Tensor, covers_all: bool = False) -> None:
+    def __init__(self, bitmask: torch.Tensor, rows: torch.Tensor, row_list: list[int]) -> None:
         self.bitmask = bitmask  # [G, ceil(V / 32)] int32, on the logits' device
-        self.rows = rows  # [G] int64: the logits row of each bitmask row, ascending
-        self.covers_all = covers_all  # G == N: rows are 0..N-1
+        self.rows = rows  # [G] int64 on the device: the logits row of each bitmask row, ascending
+        self.row_list = row_list  # the same on the host
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        masked = logits.clone() if self.covers_all else logits.index_select(0, self.rows)  # [G, V]
-        apply_bitmask_inplace(masked, self.bitmask)
-        return masked if self.covers_all else logits.index_copy(0, self.rows, masked)
+        n, words = logits.shape[0], self.bitmask.shape[1]
+        if len(self.row_list) == n:  # every row: rows are 0..N-1 in order
+            bitmask_inplace(logits, self.bitmask, None, None)
+            return logits
+        # xgrammar's kernels read the bitmask row of each logits row they mask: spread the G rows
+        # into an [N, W] bitmask (N x W int32: small next to the logits).
+        full = torch.full((n, words), -1, dtype=torch.int32, device=logits.device)
+        full.index_copy_(0, self.rows, self.bitmask)
+        bitmask_inplace(logits, full, self.rows, self.row_list)
+        return logits
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -92,40 +99,54 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
-def _torch_apply(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    logits.masked_fill_(~unpack_bitmask(bitmask, logits.shape[-1]), float("-inf"))
+_Kernel = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", "list[int] | None"], None]
 
 
-_KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor], None]] = {}
+def _torch_kernel(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None,
+                  row_list: list[int] | None) -> None:
+    vocab = logits.shape[-1]
+    if rows is None:
+        logits.masked_fill_(~unpack_bitmask(bitmask, vocab), float("-inf"))
+    else:
+        sub = logits.index_select(0, rows).masked_fill_(~unpack_bitmask(bitmask.index_select(0, rows), vocab),
+                                                        float("-inf"))
+        logits.index_copy_(0, rows, sub)
 
 
-def bitmask_kernel(device_type: str) -> Callable[[torch.Tensor, torch.Tensor], None]:
-    """In-place masking of [G, V] float32 logits by a [G, W] bitmask on ``device_type``: xgrammar's
-    kernel when it loads (imported on first use), else :func:`unpack_bitmask` in torch."""
+_KERNELS: dict[str, _Kernel] = {}
+
+
+def bitmask_kernel(device_type: str) -> _Kernel:
+    """In-place masking of [N, V] float32 logits by an [N, W] bitmask on ``device_type``, of the
+    rows given (all when None): xgrammar's kernel when it loads (imported on first use), else torch."""
     kernel = _KERNELS.get(device_type)
     if kernel is not None:
         return kernel
-    kernel = _torch_apply
+    kernel = _torch_kernel
     try:
         if device_type == "cpu":
             from xgrammar.kernels.apply_token_bitmask_inplace_cpu import apply_token_bitmask_inplace_cpu
 
-            def kernel(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-                apply_token_bitmask_inplace_cpu(logits, bitmask, logits.shape[-1], None)
+            def kernel(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None,
+                       row_list: list[int] | None) -> None:
+                apply_token_bitmask_inplace_cpu(logits, bitmask, logits.shape[-1], row_list)
         elif device_type == "cuda":
             from xgrammar.kernels.apply_token_bitmask_inplace_triton import apply_token_bitmask_inplace_triton
 
-            def kernel(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-                apply_token_bitmask_inplace_triton(logits, bitmask, logits.shape[-1], None)
+            def kernel(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None,
+                       row_list: list[int] | None) -> None:
+                apply_token_bitmask_inplace_triton(logits, bitmask, logits.shape[-1], rows)
     except ImportError:
-        kernel = _torch_apply
+        kernel = _torch_kernel
     _KERNELS[device_type] = kernel
     return kernel
 
 
-def apply_bitmask_inplace(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """-inf where the bit is 0: [G, V] float32 logits, [G, ceil(V / 32)] int32 bitmask, one device."""
-    bitmask_kernel(logits.device.type)(logits, bitmask)
+def bitmask_inplace(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None,
+                    row_list: list[int] | None = None) -> None:
+    """-inf where the bit is 0, in place: [N, V] float32 logits, an [N, ceil(V / 32)] int32 bitmask
+    on the same device; only ``rows`` (device tensor and host list alike) when given."""
+    bitmask_kernel(logits.device.type)(logits, bitmask, rows, row_list)
 
 
 class Temperature:

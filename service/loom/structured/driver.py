@@ -180,8 +180,7 @@ class StructuredOutput:
                     f"no token of the model's vocabulary continues the constraint after "
                     f"{seq.num_output_tokens} generated tokens")
                 bitmask[j].fill_(-1)  # sample anything: the token is refused in accept()
-        return TokenBitmask(stager.to_device(bitmask, torch.int32), stager.to_device(rows, torch.int64),
-                            covers_all=len(rows) == len(seqs))
+        return TokenBitmask(stager.to_device(bitmask, torch.int32), stager.to_device(rows, torch.int64), rows)
 
     def _hold_back_stops(self, row: torch.Tensor, seq: Sequence) -> None:
         """Clear EOS and stop ids from ``row`` before min_new_tokens, unless nothing else is allowed."""
