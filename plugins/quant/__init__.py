@@ -1,9 +1,16 @@
-"""Built-in weight quantizers.
+"""Built-in weight quantizers, registered through the ``loom`` entry-point group like any third-party one.
 
-``gguf``: a GGUF file's Q4_0 / Q4_1 / Q4_K / Q8_0 weights computed in their blocks on the CPU (the
-default SmolLM2 ships as Q4_1). AWQ, GPTQ, FP8 and NF4 plug in the same way, here or from a
-third-party package, through the ``loom_quantizers`` hook and the contract in
-``loom.plugin_api.quantization`` (a config class that picks a linear method per layer).
+- ``gguf``: a GGUF file's Q4_0 / Q4_1 / Q4_K / Q8_0 weights computed in their blocks on the CPU
+  (the default SmolLM2 ships as Q4_1);
+- ``gptq``: GPTQ checkpoints (v1 "gptq" and ``gptq_v2``; 2/4/8 bits, any group size that tiles
+  the input, act-order);
+- ``awq``: AWQ GEMM checkpoints (4-bit with zero points);
+- ``fp8``: FP8 e4m3 checkpoints (vLLM / compressed-tensors), or ``--quantize fp8`` while loading;
+- ``nf4``: bitsandbytes NF4 checkpoints (with or without double quantization), or ``--quantize
+  nf4`` while loading.
+
+Each is a config class that picks a linear method per layer (``loom.plugin_api.quantization``).
+``loom quantize`` (``make/``) writes GPTQ, AWQ, RTN (GPTQ format), FP8 and NF4 checkpoints.
 """
 
 from __future__ import annotations
@@ -25,12 +32,66 @@ def _check_gguf() -> str | None:
     return cpu_unsupported_reason()
 
 
+def _load_gptq() -> type:
+    from .gptq import GPTQConfig
+
+    return GPTQConfig
+
+
+def _load_awq() -> type:
+    from .awq import AWQConfig
+
+    return AWQConfig
+
+
+def _load_fp8() -> type:
+    from .fp8 import FP8Config
+
+    return FP8Config
+
+
+def _check_fp8() -> str | None:
+    from .fp8 import unsupported_reason
+
+    return unsupported_reason()
+
+
+def _load_nf4() -> type:
+    from .nf4 import NF4Config
+
+    return NF4Config
+
+
 QUANTIZERS: list[QuantizerSpec] = [
     QuantizerSpec(
         name="gguf",
         summary="GGUF Q4_0/Q4_1/Q4_K/Q8_0 weights kept in their blocks, exact fp32 dequant in a CPU kernel (AVX2)",
         load=_load_gguf,
         check=_check_gguf,
+    ),
+    QuantizerSpec(
+        name="gptq",
+        summary="GPTQ checkpoints (gptq v1 and gptq_v2, 2/4/8-bit, groups or per channel, act-order); "
+                "dequantized per layer (no fused GPU kernel yet)",
+        load=_load_gptq,
+    ),
+    QuantizerSpec(
+        name="awq",
+        summary="AWQ GEMM checkpoints (4-bit, zero points); dequantized per layer (no fused GPU kernel yet)",
+        load=_load_awq,
+    ),
+    QuantizerSpec(
+        name="fp8",
+        summary="FP8 e4m3 checkpoints (vLLM fp8, compressed-tensors; per-tensor or per-channel scales, static or "
+                "dynamic activations) or --quantize fp8 while loading; W8A8 emulated per layer",
+        load=_load_fp8,
+        check=_check_fp8,
+    ),
+    QuantizerSpec(
+        name="nf4",
+        summary="bitsandbytes NF4 checkpoints (double quant or not) or --quantize nf4 while loading; dequantized "
+                "per layer (bitsandbytes not needed)",
+        load=_load_nf4,
     ),
 ]
 

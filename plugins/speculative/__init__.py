@@ -1,16 +1,31 @@
-"""Built-in speculative decoders.
+"""Built-in speculative decoders, registered through the ``loom`` entry-point group exactly as a
+third-party package registers its own (``loom_speculative_decoders``).
 
-None ships yet: the ``loom_speculative_decoders`` hook is in place so an n-gram (prompt lookup)
-or draft-model proposer can be added here or by a third-party package.
+- ``ngram``: prompt lookup, drafts copied from the sequence's own context (``ngram.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from loom.plugin_api import SpeculativeDecoderSpec, hookimpl
 
-SPECULATIVE_DECODERS: list[SpeculativeDecoderSpec] = []
+
+def _load_ngram() -> Any:
+    from .ngram import NgramProposer
+
+    return NgramProposer
+
+
+SPECULATIVE_DECODERS: list[SpeculativeDecoderSpec] = [
+    SpeculativeDecoderSpec(
+        name="ngram",
+        summary="prompt lookup: drafts what followed the latest earlier occurrence of the last n tokens "
+        "(options min_n, max_n)",
+        load=_load_ngram,
+    ),
+]
 
 
 @hookimpl

@@ -22,6 +22,7 @@ SUBCOMMANDS: list[str] = [
     "loom.server.serve_command:add_serve_command",
     "loom.plugin_api.command:add_plugins_command",
     "loom.bench.command:add_bench_command",
+    "loom_plugins.quant.make.command:add_quantize_command",
 ]
 
 _TRUE = {"1", "true", "yes", "on"}

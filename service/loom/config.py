@@ -60,6 +60,15 @@ class EngineConfig:
     # cached up to this many MiB.
     grammar_compile_timeout: float = 10.0
     grammar_cache_mib: int = 256
+    # Speculative decoding (loom/spec/): up to this many draft tokens per sequence and step
+    # (TGI's --speculate); 0 is off. The proposer is a speculative-decoder plugin by name.
+    speculate: int = 0
+    speculator: str = "ngram"
+    speculator_options: tuple[tuple[str, str], ...] = ()  # --speculator-option KEY=VALUE
+    # Above this many running sequences the engine decodes without drafts: a step of that many
+    # rows is compute-bound, so the extra verification rows cost more than the accepted tokens
+    # save (docs/speculative.md).
+    speculate_max_batch_size: int = 32
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -74,6 +83,10 @@ class EngineConfig:
             raise ConfigError(f"--dtype must be one of auto, float32, float16, bfloat16; got {self.dtype!r}")
         if self.async_scheduling not in ("auto", "on", "off"):
             raise ConfigError(f"--async-scheduling must be auto, on or off; got {self.async_scheduling!r}")
+        if not 0 <= self.speculate <= 16:
+            raise ConfigError(f"--speculate must be between 0 (off) and 16 draft tokens, got {self.speculate}")
+        if self.speculate_max_batch_size < 1:
+            raise ConfigError("--speculate-max-batch-size must be >= 1")
         if any(b <= 0 for b in self.cuda_graphs):
             raise ConfigError("--cuda-graphs sizes must be positive (use 0 alone to disable)")
         if self.max_batch_size is not None and self.max_batch_size <= 0:

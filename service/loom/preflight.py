@@ -23,8 +23,11 @@ def check_engine_config(config: EngineConfig, registry: PluginRegistry | None = 
     device_type = _check_device(config.device)
     _check_attention_backend(config, registry, device_type)
     _check_quantizer(config.quantize, registry)
+    if config.speculate:
+        _check_speculator(config, registry)
     try:
         check_model_id(config.model_id)
+        _check_checkpoint_quantization(config.model_id, config.quantize, registry)
     except ModelLoadError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -66,6 +69,35 @@ def _check_quantizer(quantize: str, registry: PluginRegistry) -> None:
     if quantize in ("auto", "none"):
         return
     _available_plugin(registry, "quantizer", quantize, "--quantize", also=" (or auto, none)")
+
+
+def _check_speculator(config: EngineConfig, registry: PluginRegistry) -> None:
+    """The plugin exists, runs here, and takes the options given."""
+    spec = _available_plugin(registry, "speculative", config.speculator, "--speculator")
+    try:
+        spec.load().check_options(dict(config.speculator_options))
+    except ValueError as exc:
+        raise ConfigError(f"--speculator {spec.name}: {exc}") from None
+
+
+def _check_checkpoint_quantization(model_id: str | None, quantize: str, registry: PluginRegistry) -> None:
+    """A model directory's config.json against ``--quantize``: an unsupported or conflicting
+    quantization_config (method, bits, group size, format...) fails here, before the model loads.
+    A random-weight model takes only quantizers that quantize while loading. (A .gguf file is
+    checked once converted, when it loads.)"""
+    from pathlib import Path
+
+    from loom.model_loader.quant_select import check_dense_quantize, checkpoint_quantizer
+    from loom.model_loader.random_model import is_random_model_id
+
+    if is_random_model_id(model_id):
+        check_dense_quantize(None, quantize, registry)
+        return
+    path = Path(model_id).expanduser() if model_id is not None else None
+    if path is None or not path.is_dir():
+        return
+    if checkpoint_quantizer(path, quantize, registry) is None:
+        check_dense_quantize(path, quantize, registry)
 
 
 def _available_plugin(registry: PluginRegistry, kind: PluginKind, name: str, flag: str, also: str = "") -> AnySpec:

@@ -60,10 +60,10 @@ def test_greedy_equals_transformers(tmp_path: Path) -> None:
     import loom_plugins.attention
     import loom_plugins.models
     from loom.config import EngineConfig
-    from loom.engine.cuda_graphs import maybe_capture_cuda_graphs
     from loom.engine.llm_engine import LLMEngine
     from loom.engine.types import EngineRequest, SamplingParams, StoppingParams
     from loom.plugin_api import PluginRegistry
+    from loom.worker.cuda_graphs import maybe_capture_cuda_graphs
 
     # The built-in plugins directly: where loom is not pip-installed there are no entry points.
     registry = PluginRegistry()

@@ -160,8 +160,8 @@ def test_cuda_graph_step_equals_eager(n: int, query_len: int) -> None:
 
 
 def _graph_vs_eager(n: int, q: int) -> None:
-    from loom.engine.cuda_graphs import CudaGraphRunner
-    from loom.engine.model_runner import StepInputs
+    from loom.worker.cuda_graphs import CudaGraphRunner
+    from loom.worker.model_runner import StepInputs
 
     page, max_blocks = 16, 24
     model = _tiny_llama()
@@ -194,7 +194,7 @@ def _graph_vs_eager(n: int, q: int) -> None:
     for c, b in zip(caches, before, strict=True):
         c.copy_(b)
 
-    hidden = graphs.try_run(StepInputs(step_ids, step_pos, _meta(tables, lens, [q] * n, page), [], []))
+    hidden = graphs.try_run(StepInputs(step_ids, step_pos, _meta(tables, lens, [q] * n, page)))
     assert hidden is not None and hidden.shape == eager.shape == (n * q, 512)
     torch.cuda.synchronize()
     assert graphs.num_replays == 1
@@ -207,13 +207,13 @@ def _graph_vs_eager(n: int, q: int) -> None:
 
     # A prefill step, a step of a query length without graphs, a step mixing query lengths, or
     # more sequences than the largest graph: not replayed.
-    assert graphs.try_run(StepInputs(ids, pos, _meta(tables, [0] * n, lens, page), [], [])) is None
+    assert graphs.try_run(StepInputs(ids, pos, _meta(tables, [0] * n, lens, page))) is None
     any_ids = torch.full((27,), 5, device=CUDA)  # token ids and positions of the right length
     two = _meta(tables, lens, [2] * n, page)
-    assert graphs.try_run(StepInputs(any_ids[: 2 * n], any_ids[: 2 * n], two, [], [])) is None
+    assert graphs.try_run(StepInputs(any_ids[: 2 * n], any_ids[: 2 * n], two)) is None
     if n > 1:
         mixed = _meta(tables, lens, [3] + [1] * (n - 1), page)
-        assert graphs.try_run(StepInputs(any_ids[: n + 2], any_ids[: n + 2], mixed, [], [])) is None
+        assert graphs.try_run(StepInputs(any_ids[: n + 2], any_ids[: n + 2], mixed)) is None
     many = _meta([tables[0]] * 9, [lens[0]] * 9, [q] * 9, page)
-    assert graphs.try_run(StepInputs(any_ids[: 9 * q], any_ids[: 9 * q], many, [], [])) is None
+    assert graphs.try_run(StepInputs(any_ids[: 9 * q], any_ids[: 9 * q], many)) is None
     assert graphs.num_replays == 1

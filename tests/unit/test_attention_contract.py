@@ -21,7 +21,7 @@ from loom_plugins.attention.torch_backend import TorchAttentionBackend
 def test_prepare_runs_once_per_step_and_its_plan_reaches_every_layer(
         make_engine: Callable[..., Any], monkeypatch: pytest.MonkeyPatch) -> None:
     engine = make_engine(max_batch_total_tokens=256)
-    backend, runner = engine.backend, engine.runner
+    backend, runner = engine.worker.backend, engine.runner
     num_layers = len(runner.kv_caches)
     events: list[tuple[str, Any]] = []
     prepare, forward, launch = backend.prepare, backend.forward, runner.launch

@@ -8,11 +8,12 @@ from __future__ import annotations
 import ast
 import pickle
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-ENGINE_SIDE = ["service/loom/engine", "service/loom/sample", "service/loom/layers", "service/loom/model_loader",
+ENGINE_SIDE = ["service/loom/engine", "service/loom/worker", "service/loom/sample", "service/loom/layers", "service/loom/model_loader",
                "service/loom/distributed", "service/loom/structured",
                "service/loom/plugin_api", "plugins"]
 FORBIDDEN = ("grpc", "grpc_health", "grpc_reflection", "grpc_status", "loom.server", "loom.frontend",
@@ -74,3 +75,69 @@ def test_pipe_messages_are_typed_and_survive_pickling(message: str) -> None:
     msg = examples[message]
     assert type(msg).__name__ == message
     assert pickle.loads(pickle.dumps(msg)) == msg
+
+
+WORKER_SIDE = ["service/loom/worker", "service/loom/sample", "service/loom/layers", "plugins"]
+
+
+def test_the_worker_side_never_imports_the_engine_core() -> None:
+    """The worker (one per rank, later in its own process) sees step plans, not the scheduler's
+    sequences: nothing under worker/, sample/, layers/ or the plugins imports loom.engine."""
+    files = sorted(p for d in WORKER_SIDE for p in (ROOT / d).rglob("*.py") if "fixtures" not in p.parts)
+    assert len(files) > 20
+    bad = [f"{p.relative_to(ROOT)}:{line} imports {name}" for p in files for line, name in _imports(p)
+           if name == "loom.engine" or name.startswith("loom.engine.")]
+    assert not bad, "\n".join(bad)
+
+
+def _holds_a_sequence(obj: object, seen: set[int]) -> bool:
+    from dataclasses import fields, is_dataclass
+
+    from loom.engine.sequence import Sequence
+
+    if id(obj) in seen:
+        return False
+    seen.add(id(obj))
+    if isinstance(obj, Sequence):
+        return True
+    if is_dataclass(obj) and not isinstance(obj, type):
+        return any(_holds_a_sequence(getattr(obj, f.name), seen) for f in fields(obj))
+    if isinstance(obj, (list, tuple, set)):
+        return any(_holds_a_sequence(x, seen) for x in obj)
+    if isinstance(obj, dict):
+        return any(_holds_a_sequence(k, seen) or _holds_a_sequence(v, seen) for k, v in obj.items())
+    return False
+
+
+def test_step_plans_hold_no_sequence_and_survive_pickling(make_engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every plan of a busy run (prefill chunks, prompt logprobs, penalties, n > 1 forks, decode)
+    is plain data: pickled and read back it equals itself, and so does the worker's answer."""
+    from loom.engine.types import EngineRequest, SamplingParams, StoppingParams
+
+    engine = make_engine(max_batch_prefill_tokens=8)
+    plans, results = [], []
+    execute, finish = engine.worker.execute, engine.worker.finish
+
+    def recording_execute(plan: Any) -> Any:
+        plans.append(plan)
+        return execute(plan)
+
+    def recording_finish(step: Any) -> Any:
+        out = finish(step)
+        results.append(out)
+        return out
+
+    monkeypatch.setattr(engine.worker, "execute", recording_execute)
+    monkeypatch.setattr(engine.worker, "finish", recording_finish)
+    engine.add_request(EngineRequest("long", tuple(range(5, 25)), SamplingParams(prompt_logprobs=True, top_n_tokens=2),
+                                     StoppingParams(max_new_tokens=3, ignore_eos=True)))
+    engine.add_request(EngineRequest("pen", (5, 6, 7), SamplingParams(do_sample=True, seed=1, repetition_penalty=1.3,
+                                                                      frequency_penalty=0.2, min_p=0.05),
+                                     StoppingParams(max_new_tokens=3, min_new_tokens=2, ignore_eos=True), n=2))
+    while engine.has_unfinished():
+        engine.step()
+    assert any(p.prompt_logprobs for p in plans) and any(p.sampling.seen_token_ids for p in plans)
+    assert any(len(p.sample_seq_ids) > len(p.query_lens) for p in plans)  # a fork samples from its parent's row
+    for obj in [*plans, *results]:
+        assert not _holds_a_sequence(obj, set())
+        assert pickle.loads(pickle.dumps(obj)) == obj

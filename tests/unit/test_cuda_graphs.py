@@ -14,9 +14,9 @@ import torch
 from helpers.reference_attention import ReferenceAttentionBackend
 from torch import nn
 
-from loom.engine.cuda_graphs import CudaGraphRunner, maybe_capture_cuda_graphs
-from loom.engine.model_runner import StepInputs
 from loom.layers.attention import AttentionBackend, AttentionMetadata, get_forward_context
+from loom.worker.cuda_graphs import CudaGraphRunner, maybe_capture_cuda_graphs
+from loom.worker.model_runner import StepInputs
 
 
 def test_size_for_picks_next_captured_size() -> None:
@@ -144,7 +144,7 @@ class _ReplayByRerun:
 @pytest.mark.parametrize("multi_token", [True, False])
 def test_capture_and_replay_go_through_the_backend_hooks(multi_token: bool,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    import loom.engine.cuda_graphs as cg
+    import loom.worker.cuda_graphs as cg
 
     def fake_capture(forward: Callable[[], torch.Tensor], pool: Any) -> tuple[Any, torch.Tensor]:
         out = forward().clone()
@@ -184,7 +184,7 @@ def test_capture_and_replay_go_through_the_backend_hooks(multi_token: bool,
     ids = torch.arange(100, 109)
     pos = torch.tensor([p for c in (2, 6, 1) for p in range(c, c + 3)])
     with torch.inference_mode():  # as ModelRunner.launch runs it
-        hidden = runner.try_run(StepInputs(ids, pos, step, [], []))
+        hidden = runner.try_run(StepInputs(ids, pos, step))
     if not multi_token:
         assert hidden is None and calls == []  # run eagerly
         return
@@ -193,5 +193,5 @@ def test_capture_and_replay_go_through_the_backend_hooks(multi_token: bool,
     assert hidden[:, 0].tolist() == (ids * 10 + pos).tolist()
     assert hidden[:, 1].tolist() == [5] * 3 + [9] * 3 + [4] * 3  # each row saw its sequence's length
     with torch.inference_mode():
-        decode = runner.try_run(StepInputs(torch.tensor([7]), torch.tensor([4]), _step([4], 1), [], []))
+        decode = runner.try_run(StepInputs(torch.tensor([7]), torch.tensor([4]), _step([4], 1)))
     assert decode is not None and decode.tolist() == [[74, 5]]

@@ -179,13 +179,9 @@ def test_step_trace_has_a_line_per_step(make_engine: Callable[..., LLMEngine], t
 
 
 def test_block_tables_are_zero_padded_rows() -> None:
-    from loom.engine.model_runner import _block_tables
-    from loom.engine.sequence import Sequence
+    from loom.worker.model_runner import _block_tables
 
-    seqs = [Sequence(req(str(i), [3], 1), 0, None) for i in range(3)]
-    for s, table in zip(seqs, ([4, 9], [], [7, 1, 8]), strict=True):
-        s.block_table = table
-    assert _block_tables(seqs, 4).tolist() == [[4, 9, 0, 0], [0, 0, 0, 0], [7, 1, 8, 0]]
+    assert _block_tables([[4, 9], [], [7, 1, 8]], 4).tolist() == [[4, 9, 0, 0], [0, 0, 0, 0], [7, 1, 8, 0]]
 
 
 def test_engine_seed_fixes_the_seeds_drawn_for_unseeded_requests(make_engine: Any) -> None:
@@ -221,7 +217,8 @@ def test_the_cpu_pool_is_sized_from_the_limits_and_logged(make_engine: Callable[
 
     monkeypatch.setattr(llm_engine, "log", Recorder())
     engine = make_engine(max_total_tokens=128)
-    per_token = kv_bytes_per_token(engine.shape.num_layers, engine.shape.num_kv_heads, engine.shape.head_dim, 4)
+    model = engine.worker.info
+    per_token = kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, 4)
     assert engine.kv_pool is not None and engine.kv_pool.bytes_per_token == per_token
     assert engine.info.max_batch_total_tokens == engine.kv_pool.tokens == 4 * 128  # 4 sequences at full length
     assert engine.info.num_blocks == engine.block_manager.num_blocks == 128  # 4-token blocks

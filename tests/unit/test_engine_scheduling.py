@@ -7,10 +7,10 @@ from collections.abc import Callable
 
 import pytest
 
-from loom.engine.fault_injection import FaultInjectingRunner
 from loom.engine.llm_engine import LLMEngine
-from loom.engine.model_runner import ModelRunner
 from loom.engine.types import EngineOutput, EngineRequest, FinishReason, SamplingParams, StoppingParams
+from loom.worker.fault_injection import FaultInjectingRunner
+from loom.worker.model_runner import ModelRunner
 
 
 def req(rid: str, prompt: list[int], new: int, **kw: object) -> EngineRequest:

@@ -10,10 +10,8 @@ from concurrent.futures import Future
 from typing import Any
 
 import pytest
-import torch
 
 from loom.engine.sequence import Sequence
-from loom.engine.staging import Stager
 from loom.engine.types import EngineRequest, SamplingParams, StoppingParams
 from loom.sample.processors import unpack_bitmask
 from loom.structured.compiler_pool import COMPILE_TIME_BUCKETS, GrammarCompilerPool
@@ -143,7 +141,7 @@ def ready(driver: StructuredOutput, timeout: float = 30) -> tuple[list[list[Sequ
 
 
 def allowed(mask: Any, row: int) -> set[str]:
-    bits = unpack_bitmask(mask.bitmask[row : row + 1], len(VOCAB))[0]
+    bits = unpack_bitmask(mask.tensor()[row : row + 1], len(VOCAB))[0]
     return {VOCAB[i] for i in bits.nonzero().flatten().tolist()}
 
 
@@ -157,15 +155,15 @@ def test_driver_holds_a_request_until_compiled_then_one_matcher_per_completion()
     got, refused = ready(driver)
     assert got == [seqs] and refused == [] and driver.num_held == 0
     plain = seqs_of("p", None)[0]
-    mask = driver.token_bitmask([seqs[0], plain, seqs[1]], Stager(torch.device("cpu")))
-    assert mask is not None and mask.rows.tolist() == mask.row_list == [0, 2]
+    mask = driver.bitmask_rows([seqs[0], plain, seqs[1]])
+    assert mask is not None and mask.rows == [0, 2]
     assert allowed(mask, 0) == allowed(mask, 1) == {"y", "n", "yes", "no"}
-    assert driver.token_bitmask([plain], Stager(torch.device("cpu"))) is None  # no grammar: no processor
+    assert driver.bitmask_rows([plain]) is None  # no grammar: no processor
     # each completion follows its own tokens
     assert driver.accept(seqs[0], tok("yes")) is None and driver.accept(seqs[1], tok("n")) is None
     seqs[1].token_ids.append(tok("n"))
-    mask = driver.token_bitmask(seqs, Stager(torch.device("cpu")))
-    assert mask is not None and mask.row_list == [0, 1]
+    mask = driver.bitmask_rows(seqs)
+    assert mask is not None and mask.rows == [0, 1]
     assert allowed(mask, 0) == {"</s>"} and allowed(mask, 1) == {"o"}
     assert not driver.terminated(seqs[0])
     assert driver.accept(seqs[0], EOS) is None and driver.terminated(seqs[0])
@@ -181,11 +179,10 @@ def test_min_new_tokens_holds_eos_back_unless_the_grammar_can_only_end() -> None
     assert ready(driver)[0] == [[seq]]
     driver.accept(seq, tok("a"))
     seq.token_ids.append(tok("a"))
-    stager = Stager(torch.device("cpu"))
-    mask = driver.token_bitmask([seq], stager)
+    mask = driver.bitmask_rows([seq])
     assert mask is not None and allowed(mask, 0) == {"a"}  # EOS would be allowed without min_new_tokens
     seq.token_ids += [tok("a")] * 2
-    mask = driver.token_bitmask([seq], stager)
+    mask = driver.bitmask_rows([seq])
     assert mask is not None and allowed(mask, 0) == {"a", "</s>"}
     choice = GrammarSpec("ebnf", 'root ::= "no"')
     seq2 = seqs_of("c", choice, min_new=5)[0]
@@ -193,7 +190,7 @@ def test_min_new_tokens_holds_eos_back_unless_the_grammar_can_only_end() -> None
     assert ready(driver)[0] == [[seq2]]
     driver.accept(seq2, tok("no"))
     seq2.token_ids.append(tok("no"))
-    mask = driver.token_bitmask([seq2], stager)
+    mask = driver.bitmask_rows([seq2])
     assert mask is not None and allowed(mask, 0) == {"</s>"}  # complete: the grammar wins
 
 
@@ -203,7 +200,7 @@ def test_a_grammar_the_vocabulary_cannot_spell_is_a_dead_end() -> None:
     seq = seqs_of("d", spec)[0]
     driver.hold("d", spec, [seq])
     assert ready(driver)[0] == [[seq]]
-    mask = driver.token_bitmask([seq], Stager(torch.device("cpu")))
+    mask = driver.bitmask_rows([seq])
     assert mask is not None and len(allowed(mask, 0)) == len(VOCAB)  # left unmasked: nothing to sample
     refusal = driver.accept(seq, tok("a"))
     assert refusal is not None and refusal.rejection.status == "FAILED_PRECONDITION"
@@ -253,3 +250,22 @@ def test_requests_aborted_while_held_are_dropped_and_finished_matchers_forgotten
     live[0].status = SequenceStatus.FINISHED
     driver.take_ready()
     assert not driver.has_matcher(live[0])
+
+
+def test_draft_rows_get_the_mask_after_the_drafts_and_the_matcher_rolls_back() -> None:
+    driver = StructuredOutput(GrammarCompilerPool(tiny_vocabulary), len(VOCAB), (EOS,), compile_timeout_s=30)
+    seqs = seqs_of("s", YES_NO, n=2)
+    driver.hold("s", YES_NO, seqs)
+    assert ready(driver)[0] == [seqs]
+    plain = seqs_of("p", None)[0]
+    # seq 0 verifies drafts "y", "e"; the plain sequence one draft; seq 1 a draft the grammar refuses
+    mask = driver.bitmask_rows([seqs[0], plain, seqs[1]], [[tok("y"), tok("e")], [tok("q")], [tok("x"), tok("e")]])
+    assert mask is not None and mask.rows == [0, 1, 2, 5, 6, 7]  # plain's rows 3 and 4 untouched
+    assert allowed(mask, 0) == {"y", "n", "yes", "no"}
+    assert allowed(mask, 1) == {"e"} and allowed(mask, 2) == {"s"}  # after "y", after "ye"
+    assert allowed(mask, 3) == {"y", "n", "yes", "no"}
+    assert len(allowed(mask, 4)) == len(allowed(mask, 5)) == len(VOCAB)  # past "x": verification stops there
+    again = driver.bitmask_rows([seqs[0]])  # the walk was rolled back
+    assert again is not None and allowed(again, 0) == {"y", "n", "yes", "no"}
+    assert driver.accept_tokens(seqs[0], [tok("y"), tok("e"), tok("s"), EOS, tok("x")]) is None
+    assert driver.terminated(seqs[0])  # stopped at the EOS that ended the grammar

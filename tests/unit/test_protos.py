@@ -110,7 +110,7 @@ def test_finish_reasons() -> None:
         ("SamplingParameters", {"temperature", "top_k", "top_p", "typical_p", "min_p", "seed"}),
         ("StoppingParameters", {"max_new_tokens", "time_limit_ms"}),
         ("PenaltyParameters", {"repetition_penalty", "frequency_penalty", "presence_penalty"}),
-        ("Parameters", {"truncate_input_tokens", "n", "best_of"}),
+        ("Parameters", {"truncate_input_tokens", "n", "best_of", "speculation"}),
     ],
 )
 def test_fields_whose_unset_differs_from_zero_have_presence(message: str, fields: set[str]) -> None:

@@ -14,8 +14,10 @@ from transformers.generation.logits_process import (
 )
 
 from loom.engine.sequence import Sequence
+from loom.engine.step_planner import sampling_plan
 from loom.engine.types import EngineRequest, SamplingParams, StoppingParams
-from loom.sample.batch import SamplingBatch, build_sampling_batch
+from loom.sample.batch import SamplingBatch
+from loom.sample.batch import build_sampling_batch as build_from_plan
 from loom.sample.noise import counter_uniform
 from loom.sample.processors import Suppression, apply_processors
 from loom.sample.sampler import Sampler
@@ -28,6 +30,12 @@ def seq(sp: SamplingParams, prompt: tuple[int, ...] = (1, 2, 3), out: tuple[int,
     s = Sequence(EngineRequest("r", prompt, sp, stopping or StoppingParams()), 0, sp.seed)
     s.token_ids.extend(out)
     return s
+
+
+def build_sampling_batch(seqs: list[Sequence], vocab: int, device: torch.device,
+                         eos_token_ids: tuple[int, ...] = ()) -> SamplingBatch:
+    """The engine's way: the core plans the rows from its sequences, the worker builds tensors."""
+    return build_from_plan(sampling_plan(seqs, vocab, eos_token_ids), vocab, device)
 
 
 def hf_logprobs(logits: torch.Tensor, *procs: object, ids: torch.Tensor | None = None) -> torch.Tensor:

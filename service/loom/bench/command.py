@@ -39,13 +39,15 @@ MODEL_WORKLOADS = ("W1", "W2")
 SERVING_WORKLOADS = ("W3",)
 PREFIX_WORKLOADS = ("W4",)
 STRUCTURED_WORKLOADS = ("S1",)
+SPECULATION_WORKLOADS = ("C3",)
 
 
 def add_bench_command(sub: Any) -> None:
     p = sub.add_parser("bench", help="run benchmark workloads (C0-C2 on CPU, W1-W3) against a peer")
     p.add_argument("--workloads", default="C0,C1,C2",
                    help="comma-separated: C0,C1,C2 (CPU, SmolLM2), W1,W2 (decode latency, offline "
-                        "throughput), W3 (serving through gRPC), W4 (shared prefix), S1 (structured output)")
+                        "throughput), W3 (serving through gRPC), W4 (prefix cache), C3 (speculation on copy-heavy "
+                        "chat requests, SmolLM2; --device cuda --dtype bfloat16 makes it W5 a), S1 (structured output)")
     p.add_argument("--peer", choices=["none", "hf"], default="none", help="also run this peer in the same run")
     p.add_argument("--model-id", default=None,
                    help="model dir, .gguf or random:NAME (random:llama-8b, random:llama-1b, ...); "
@@ -89,6 +91,9 @@ def add_bench_command(sub: Any) -> None:
                    help="S1 renamed copies of each schema compiled cold; unset: 8 (2 with --quick)")
     g.add_argument("--s1-repeats", type=int, default=1,
                    help="S1: run the with/without-grammar pair this many times and average the ratio")
+    g.add_argument("--speculate", type=int, default=None,
+                   help="draft tokens per step (n-gram): C3's speculating run (default 4); W1/W2 with it set "
+                        "run the engine with --speculate (default: off)")
     g.add_argument("--w3-repeats", type=int, default=1,
                    help="W3: run the gRPC / in-process pair this many times in alternating order "
                         "and compare the means (use >= 2 on a noisy machine)")
@@ -215,6 +220,8 @@ def engine_config(args: argparse.Namespace, device: torch.device, workloads: lis
         kwargs["cuda_memory_fraction"] = args.cuda_memory_fraction
     if args.async_scheduling is not None:
         kwargs["async_scheduling"] = args.async_scheduling
+    if args.speculate:
+        kwargs["speculate"] = args.speculate
     fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
     if args.cuda_graphs is not None:
         # CUDA graphs may not exist in this engine yet: pass the setting only when it does.
@@ -239,8 +246,8 @@ def _limit_line(entry: dict[str, Any]) -> str:
 
 def _run_model_workloads(args: argparse.Namespace, names: list[str], device: torch.device,
                          result: dict[str, Any]) -> None:
-    from loom.engine.llm_engine import _DTYPES
     from loom.model_loader import resolve_model_dir
+    from loom.worker.worker import _DTYPES
 
     from .limits import measure_hardware, model_cost, w1_limit, w2_limit
 
@@ -346,14 +353,38 @@ def _run_structured(args: argparse.Namespace, device: torch.device, result: dict
           f"{t['with_grammar_out_tok_s_mean']:.1f} vs without {t['without_out_tok_s_mean']:.1f} "
           f"({t['ratio_mean']:.3f}x); {v['valid_of_eos']}/{v['ended_by_eos']} outputs ended by EOS are valid",
           flush=True)
+def _run_speculation(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """C3 (CPU) / W5 (a) (with --device cuda --dtype bfloat16): the same copy-heavy requests
+    with and without --speculate, batch 1 and all at once (loom/bench/speculation.py)."""
+    from loom.worker.worker import resolve_device
+
+    from .speculation import run_c3
+
+    device = resolve_device(args.device)
+    if device.type == "cuda":
+        result["machine"].update(software_info(device))
+    base = EngineConfig(model_id=args.model_id, device=str(device), dtype=args.dtype, quantize=args.quantize,
+                        max_total_tokens=1024, max_batch_total_tokens=16 * 1024 if device.type == "cpu" else None,
+                        num_threads=args.threads if device.type == "cpu" else None)
+    k = args.speculate or 4
+    entry = run_c3(base, k, quick=args.quick)
+    result["workloads"]["C3"] = entry
+    for batch in (1, 16):
+        e = entry[f"batch_{batch}"]
+        spec = e["speculate"]
+        print(f"C3 batch {batch}: plain {e['plain']['out_tok_s']:.1f} out tok/s, --speculate {k} "
+              f"{spec['out_tok_s']:.1f} ({e['speedup']:.2f}x), acceptance {spec.get('acceptance', 0):.2f}, "
+              f"{spec.get('tokens_per_verification', 0):.2f} tokens per verifying step, "
+              f"identical outputs: {e['identical_outputs']}", file=sys.stderr)
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from loom.engine.llm_engine import resolve_device
+    from loom.worker.worker import resolve_device
 
     torch.set_num_threads(args.threads)
     names = [n.strip().upper() for n in args.workloads.split(",") if n.strip()]
-    known = CPU_WORKLOADS + MODEL_WORKLOADS + SERVING_WORKLOADS + PREFIX_WORKLOADS + STRUCTURED_WORKLOADS
+    known = (CPU_WORKLOADS + MODEL_WORKLOADS + SERVING_WORKLOADS + PREFIX_WORKLOADS + SPECULATION_WORKLOADS
+             + STRUCTURED_WORKLOADS)
     unknown = [n for n in names if n not in known]
     if unknown:
         print(f"loom bench: unknown workload(s) {', '.join(unknown)}; choose from {', '.join(known)}",
@@ -385,6 +416,8 @@ def run_bench(args: argparse.Namespace) -> int:
                 _run_prefix_cache(args, device, result)
             if "S1" in names:
                 _run_structured(args, device, result)
+        if "C3" in names:
+            _run_speculation(args, result)
     except ConfigError as exc:
         print(f"loom bench: {exc}", file=sys.stderr)
         return 2

@@ -252,9 +252,9 @@ def _validity(tokenizer: Any, names: list[str], results: list[_Result]) -> dict[
 
 
 def run_s1(cfg: EngineConfig, requests: int, new_tokens: int, variants: int, repeats: int) -> dict[str, Any]:
-    from loom.engine.llm_engine import resolve_device
     from loom.frontend.tokenizer import Tokenizer
     from loom.model_loader import eos_token_ids, load_hf_config, model_dims, resolve_model_dir
+    from loom.worker.worker import resolve_device
 
     model_dir = Path(resolve_model_dir(cfg.model_id))
     tokenizer = Tokenizer.from_model_dir(model_dir)

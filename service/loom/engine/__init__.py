@@ -1,1 +1,1 @@
-"""The engine core: sequences, KV block manager, scheduler, model runner, step loop (sampling: loom.sample)."""
+"""The engine core: sequences, KV block manager, scheduler, step planner, output processor, step loop (the device side: loom.worker; sampling: loom.sample)."""

@@ -1,8 +1,11 @@
-"""The in-process engine: load the model, size the KV pool, and run the step loop.
+"""The engine core: requests, scheduling, the step loop, output processing, failure isolation.
 
-``LLMEngine`` is synchronous and single-threaded: ``add_request`` / ``abort`` / ``step``.
-The server never calls it directly; :mod:`loom.engine.core_process` runs it in its own process
-so the step loop never shares an interpreter lock with request handling.
+``LLMEngine`` is synchronous and single-threaded: ``add_request`` / ``abort`` / ``step``. A step
+goes one way: the scheduler picks the sequences and their tokens, the planner turns them into a
+picklable step plan, the worker (device, model, KV pool, runner, CUDA graphs) runs it and returns
+the sampled tokens, and the output processor applies them to the sequences and checks stops.
+The server never calls the engine directly; :mod:`loom.engine.core_process` runs it in its own
+process so the step loop never shares an interpreter lock with request handling.
 """
 
 from __future__ import annotations
@@ -10,25 +13,26 @@ from __future__ import annotations
 import json
 import os
 import random
-import threading
 import time
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, TextIO, cast
+from typing import TYPE_CHECKING, TextIO
 
 import structlog
 import torch
 
 from loom.config import ConfigError, EngineConfig
-from loom.plugin_api import PluginRegistry, default_registry
-from loom.process_tuning import keep_freed_memory
+from loom.plugin_api import DraftRequest, PluginRegistry, Proposer, ProposerContext, default_registry
+from loom.spec.speculator import Speculator
+from loom.worker.model_runner import LaunchedStep, ModelRunner
+from loom.worker.worker import Worker
 
 from .block_manager import BlockManager
-from .cuda_graphs import maybe_capture_cuda_graphs
-from .fault_injection import FaultInjectingRunner
 from .kv_pool_sizing import KvPoolSize, available_memory_bytes, kv_bytes_per_token, size_cpu_kv_pool
-from .model_runner import CausalLM, LaunchedStep, ModelRunner, StepResult
+from .output_processor import OutputProcessor
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from .step_planner import PlannedStep, plan_step
 from .types import (
     EngineInfo,
     EngineOutput,
@@ -45,25 +49,6 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
-    """fp32 on CPU; on GPU the checkpoint's half type (bf16 when it says fp32 or nothing)."""
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32
-    if checkpoint_dtype in (torch.float16, torch.bfloat16):
-        return checkpoint_dtype
-    return torch.bfloat16
-
 
 def _needs_host_tokens(seq: Sequence) -> bool:
     """Penalties read the output so far, prompt logprobs are read back at once, and a grammar's
@@ -74,60 +59,37 @@ def _needs_host_tokens(seq: Sequence) -> bool:
             or (sp.prompt_logprobs and not seq.prompt_logprobs_sent) or sp.constraint is not None)
 
 
+class _RepeatLastToken(Proposer):
+    """Warm-up drafts: the last token, as many times as allowed."""
+
+    @classmethod
+    def check_options(cls, options: dict[str, str]) -> None:
+        """It runs with the real proposer's context, whatever options that one takes."""
+
+    def propose(self, requests: Seq[DraftRequest]) -> list[list[int]]:
+        return [[r.token_ids[-1]] * r.max_drafts for r in requests]
+
+
 @dataclass
 class _Launched:
     sched: SchedulerOutput
+    planned: PlannedStep
     step: LaunchedStep
-    positions: list[int]  # where each sampled token goes in its sequence's token_ids
+    positions: list[int]  # where each sampled sequence's first new token goes in its token_ids
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, registry: PluginRegistry | None = None) -> None:
-        from loom.model_loader import eos_token_ids, load_hf_config, load_model, model_dims, resolve_model_dir
-
         self.config = config
         started = time.monotonic()
         registry = registry or default_registry()
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        self.device = resolve_device(config.device)
-        if self.device.type == "cpu":
-            # The fused-ops kernel is compiled (first start on a machine, ~20 s) while the model
-            # loads and the plugins build theirs; its first user waits for it if need be.
-            from loom.layers import cpu_fused
-
-            threading.Thread(target=cpu_fused.available, name="build-cpu-fused-ops", daemon=True).start()
-        model_dir = resolve_model_dir(config.model_id)
-        self.model_dir = model_dir
+        self.worker = Worker(config, registry)
+        model = self.worker.info
+        self.eos_token_ids = model.eos_token_ids
+        self.vocab_size = model.vocab_size
+        self.requests: dict[str, list[Sequence]] = {}
         # Structured output, made on the first constrained request (see _structured_output).
         self._structured: StructuredOutput | None = None
-        log.info("loading the model", model_dir=str(model_dir), device=str(self.device))
-        hf_config = load_hf_config(model_dir)
-        ckpt_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-        if isinstance(ckpt_dtype, str):
-            ckpt_dtype = _DTYPES.get(ckpt_dtype)
-        self.dtype = resolve_dtype(config.dtype, self.device, ckpt_dtype)
-        loaded = load_model(model_dir, self.dtype, self.device, registry, config.quantize)
-        if self.device.type == "cpu":
-            keep_freed_memory()  # CPU forwards allocate big activations each step: no page-fault storm
-        if self.device.type == "cuda" and not config.num_threads:
-            # The host only schedules and launches: intra-op threads would just spin after each
-            # small CPU copy and take cores from this thread and the front end.
-            torch.set_num_threads(1)
-        shape = model_dims(loaded.hf_config)
-        if config.attention_backend:
-            backend_spec = registry.attention_backend(config.attention_backend)
-        else:
-            backend_spec = registry.default_attention_backend(self.device.type, config.block_size)
-        backend = backend_spec.load()(shape.num_heads, shape.num_kv_heads, shape.head_dim, self.dtype, self.device)
-
-        self.model = cast(CausalLM, loaded.model)
-        self.backend = backend
-        self.shape = shape
-        self.eos_token_ids = eos_token_ids(model_dir)
-        self.vocab_size = shape.vocab_size
-        self.requests: dict[str, list[Sequence]] = {}
-        self.runner: ModelRunner
         self._rng = random.Random(config.seed)  # None: seeded from the OS
         self.num_steps = 0
         self._inflight: _Launched | None = None  # a launched step whose results are not read yet
@@ -137,12 +99,13 @@ class LLMEngine:
         self._async = config.async_scheduling == "on" or (
             config.async_scheduling == "auto" and self.device.type == "cuda")
         bs = config.block_size
-        self.max_model_len = config.max_total_tokens or min(shape.max_position_embeddings, 4096)
-        if self.max_model_len > shape.max_position_embeddings:
+        self.max_model_len = config.max_total_tokens or min(model.max_position_embeddings, 4096)
+        if self.max_model_len > model.max_position_embeddings:
             raise ConfigError(
                 f"--max-total-tokens {self.max_model_len} exceeds the model's "
-                f"max_position_embeddings ({shape.max_position_embeddings})"
+                f"max_position_embeddings ({model.max_position_embeddings})"
             )
+        self.speculator: Speculator | None = None  # made once the pool is sized, after the warm-up
         self.kv_pool: KvPoolSize | None = None  # the CPU pool's size and why (None on the GPU)
         if self.device.type == "cpu":
             self.kv_pool = self._size_pool_on_cpu()
@@ -163,35 +126,79 @@ class LLMEngine:
         if config.warmup:
             self.warmup(self._warmup_tokens())
             self._build(num_blocks)  # a clean pool: no warm-up blocks in the prefix cache
-        # Decode graphs point at this pool: captured last, after any rebuild.
-        self.runner.cuda_graphs = maybe_capture_cuda_graphs(
-            config.cuda_graphs, self.model, self.backend, self.runner.kv_caches, bs, self.max_model_len,
-            self.device, config.max_batch_size)
+        if config.speculate:
+            self.speculator = self._make_speculator(registry)
+            if config.warmup:
+                self._warmup_speculation()
+        # Graphs point at this pool: captured last, after any rebuild. Every step shape the engine
+        # makes whose sequences all have one query length: 1 (decode) today; a proposer of k
+        # drafts adds k + 1.
+        self.worker.capture_cuda_graphs(self.max_model_len, self.graph_query_lens)
         pool_tokens = num_blocks * bs
         self.info = EngineInfo(
             model_id=config.model_id or "SmolLM2-135M-Instruct (embedded default)",
-            architecture=loaded.hf_architecture,
+            architecture=model.hf_architecture,
             dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device),
-            attention_backend=backend_spec.name,
+            attention_backend=model.attention_backend,
             block_size=bs,
             num_blocks=num_blocks,
             max_batch_total_tokens=pool_tokens,
             max_model_len=self.max_model_len,
-            vocab_size=shape.vocab_size,
+            vocab_size=model.vocab_size,
             eos_token_ids=self.eos_token_ids,
-            plugins=(f"quantizer:{loaded.quantization}",) if loaded.quantization else (),
+            plugins=model.plugins,
         )
-        log.info("engine ready", model_dir=str(model_dir), architecture=loaded.hf_architecture, model=loaded.architecture,
-                 dtype=self.info.dtype, device=self.info.device, attention_backend=backend_spec.name,
+        log.info("engine ready", model_dir=str(model.model_dir), architecture=model.hf_architecture,
+                 model=model.architecture, dtype=self.info.dtype, device=self.info.device,
+                 attention_backend=model.attention_backend,
                  kv_blocks=num_blocks, block_size=bs, max_batch_total_tokens=pool_tokens,
                  max_total_tokens=self.max_model_len, duration_s=round(time.monotonic() - started, 1))
 
+    # -- what the worker holds ---------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.worker.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.worker.dtype
+
+    @property
+    def runner(self) -> ModelRunner:
+        runner = self.worker.runner
+        assert runner is not None, "the worker has no KV pool yet"
+        return runner
+
+    @property
+    def graph_query_lens(self) -> tuple[int, ...]:
+        """The query lengths of the uniform steps this engine makes (CUDA graphs are captured for
+        them): decode, and with speculation k + 1 (drafts are padded to k on CUDA)."""
+        if self.speculator is not None and self.speculator.pad_to_k:
+            return (1, self.speculator.k + 1)
+        return (1,)
+
+    def _make_speculator(self, registry: PluginRegistry) -> Speculator:
+        config = self.config
+        proposer_cls = registry.speculative_decoder(config.speculator).load()
+        context = ProposerContext(num_speculative_tokens=config.speculate, vocab_size=self.vocab_size,
+                                  device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
+                                  options=dict(config.speculator_options))
+        try:
+            proposer = proposer_cls(context)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"--speculator {config.speculator}: {exc}") from exc
+        if self._async:
+            log.info("asynchronous scheduling is off in steps that may speculate (batches up to "
+                     "--speculate-max-batch-size): drafts are proposed from tokens on the host",
+                     speculate_max_batch_size=config.speculate_max_batch_size)
+        return Speculator(proposer, config.speculate, config.speculate_max_batch_size, self.vocab_size,
+                          self.max_model_len, pad_to_k=self.device.type == "cuda")
+
     def _build(self, num_blocks: int) -> None:
-        """(Re)create the KV pool, block manager, scheduler and runner for ``num_blocks`` blocks."""
+        """(Re)create the KV pool, block manager, scheduler and output processor for ``num_blocks``."""
         config, bs = self.config, self.config.block_size
-        self._drop_pool()  # free the old pool before allocating anew
-        kv_caches = self.backend.allocate_kv_cache(self.shape.num_layers, num_blocks, bs)
+        self.worker.init_kv_cache(num_blocks)
         self.block_manager = BlockManager(num_blocks, bs, enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -204,16 +211,9 @@ class LLMEngine:
             ),
             self.block_manager,
         )
-        # Tests only (--fault-injection): a runner that fails chosen requests on purpose.
-        runner_cls = FaultInjectingRunner if config.fault_injection else ModelRunner
-        self.runner = runner_cls(self.model, self.backend, kv_caches, bs, self.vocab_size, self.device,
-                                 self.eos_token_ids)
-        self.runner.token_bitmasks = self._structured
-
-    def _drop_pool(self) -> None:
-        self.__dict__.pop("runner", None)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        self.outputs = OutputProcessor(self.scheduler, self.block_manager, self.requests, self.eos_token_ids,
+                                       self.max_model_len)
+        self.outputs.grammars = self._structured
 
     def _warmup_tokens(self) -> int:
         """GPU: the largest prefill the budgets allow (it sets the activation peak); CPU: a short
@@ -238,11 +238,35 @@ class LLMEngine:
             self.step()
         self.num_steps = 0
 
+    def _warmup_speculation(self) -> None:
+        """Verification steps through every shape family before serving: a sequence verifying k
+        drafts alone, beside a plain decode row, and beside a prefill chunk. On CUDA their
+        attention kernels compile here (a second or more each), not in the middle of serving."""
+        assert self.speculator is not None
+        real, k = self.speculator.proposer, self.speculator.k
+        self.speculator.proposer = _RepeatLastToken(real.context)
+        try:
+            stop = StoppingParams(max_new_tokens=3 * (k + 1), ignore_eos=True)
+            self.add_request(EngineRequest("__loom_warmup_spec_a__", (3, 4, 5), SamplingParams(), stop))
+            self.add_request(EngineRequest("__loom_warmup_spec_b__", (3, 4, 6), SamplingParams(speculate=False),
+                                           stop))
+            for _ in range(3):
+                self.step()
+            self.add_request(EngineRequest("__loom_warmup_spec_c__", tuple(range(3, 40)), SamplingParams(), stop))
+            while self.has_unfinished():
+                self.step()
+        finally:
+            self.speculator.proposer = real
+            self.speculator.reset()
+        self._build(self.block_manager.num_blocks)  # a clean pool: no warm-up blocks in the prefix cache
+        self.num_steps = 0
+
     def _size_pool_on_cpu(self) -> KvPoolSize:
         """From the limits, within a share of the memory left after the weights (logged once)."""
         config = self.config
-        per_token = kv_bytes_per_token(self.shape.num_layers, self.shape.num_kv_heads, self.shape.head_dim,
-                                       torch.empty((), dtype=self.dtype).element_size())
+        model = self.worker.info
+        per_token = kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim,
+                                       self.worker.kv_element_size)
         available = available_memory_bytes()
         pool = size_cpu_kv_pool(block_size=config.block_size, max_model_len=self.max_model_len,
                                 bytes_per_token=per_token, explicit_tokens=config.max_batch_total_tokens,
@@ -259,20 +283,13 @@ class LLMEngine:
     def _size_pool_on_gpu(self) -> int:
         """Size the KV pool from what is left after the weights and a warm-up's activation peak."""
         bs = self.config.block_size
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        per_block = 2 * self.shape.num_layers * bs * self.shape.num_kv_heads * self.shape.head_dim * elem
+        model = self.worker.info
+        per_block = bs * kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim,
+                                            self.worker.kv_element_size)
         warm = self._warmup_tokens()
         trial_blocks = -(-(warm + 8) // bs) + 1
         self._build(trial_blocks)
-        torch.cuda.synchronize(self.device)
-        base = torch.cuda.memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self.warmup(warm)
-        torch.cuda.synchronize(self.device)
-        activations = torch.cuda.max_memory_allocated(self.device) - base
-        self._drop_pool()
-        weights_and_state = torch.cuda.memory_allocated(self.device)
-        _, total = torch.cuda.mem_get_info(self.device)
+        activations, weights_and_state, total = self.worker.profile_gpu_memory(lambda: self.warmup(warm))
         budget = int(total * self.config.cuda_memory_fraction) - weights_and_state - activations
         num_blocks = budget // per_block
         log.info("kv cache sized at warm-up", warmup_prefill_tokens=warm, activation_peak_mib=activations >> 20,
@@ -353,12 +370,12 @@ class LLMEngine:
             from loom.structured.driver import StructuredOutput
             from loom.structured.vocabulary import vocabulary_from_model_dir
 
-            model_dir, vocab, eos = self.model_dir, self.vocab_size, self.eos_token_ids
+            model_dir, vocab, eos = self.worker.info.model_dir, self.vocab_size, self.eos_token_ids
             threads = max(1, min(8, (os.cpu_count() or 2) // 2))
             pool = GrammarCompilerPool(lambda: vocabulary_from_model_dir(model_dir, vocab, eos), workers=2,
                                        cache_bytes=self.config.grammar_cache_mib << 20, compiler_threads=threads)
             self._structured = StructuredOutput(pool, vocab, eos, self.config.grammar_compile_timeout)
-            self.runner.token_bitmasks = self._structured
+            self.outputs.grammars = self._structured
         return self._structured
 
     def _admit_constrained(self) -> list[EngineOutput]:
@@ -405,6 +422,9 @@ class LLMEngine:
             if prev is not None:
                 outputs += self._complete(prev)
             return outputs
+        drafts: dict[int, list[int]] = {}
+        if self.speculator is not None and prev is None:
+            drafts = self.speculator.add_drafts(sched, self.block_manager, len(self.scheduler.running))
         self.num_steps += 1
         started = time.monotonic()
         if self._trace is not None:
@@ -413,20 +433,20 @@ class LLMEngine:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = started
         try:
-            launched = self._launch(sched)
+            launched = self._launch(sched, drafts)
         except Exception as exc:  # one request's fault must not fail the others
             log.warning("step failed; re-running its sequences one by one", error=repr(exc))
             if prev is not None:
                 outputs += self._complete(prev)  # every input token is on the host again
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            self._isolate(sched, outputs)
+            self._isolate(sched, outputs, drafts)
             return outputs
         if prev is not None:
             outputs += self._complete(prev)
         # Admissions may have grown the batch past the largest graph: check that again. (Penalties
         # and prompt logprobs were checked over every live sequence before scheduling.)
-        if overlap and self._overlap_helps():
+        if overlap and not drafts and self._overlap_helps():
             self._inflight = launched
             self.num_async_steps += 1
         else:
@@ -453,18 +473,26 @@ class LLMEngine:
             return False
         if self.config.async_scheduling == "on":
             return True
-        graphs = self.runner.cuda_graphs
-        return graphs is not None and len(self.scheduler.running) <= graphs.sizes[-1]
+        largest = self.worker.max_graph_batch_size
+        return largest is not None and len(self.scheduler.running) <= largest
 
     def _needs_sync(self) -> bool:
-        """Whether some live sequence needs all its tokens on the host before its next step."""
+        """Whether some live sequence needs all its tokens on the host before its next step
+        (drafts are proposed from the tokens on the host, too)."""
+        if self.speculator is not None and len(self.scheduler.running) <= self.speculator.max_batch_size:
+            return True
         return any(_needs_host_tokens(s) for s in self.scheduler.running) or any(
             _needs_host_tokens(s) for s in self.scheduler.waiting)
 
-    def _launch(self, sched: SchedulerOutput) -> _Launched:
-        """Launch ``sched`` on the device and advance its sequences: computed tokens, and a
-        placeholder for each token being sampled."""
-        step = self.runner.launch(sched)
+    def _launch(self, sched: SchedulerOutput, drafts: dict[int, list[int]] | None = None) -> _Launched:
+        """Plan ``sched``, launch it on the worker, and commit it on the sequences: computed
+        tokens, and a placeholder for each token being sampled (the output processor corrects
+        the computed count of a sequence that verified drafts)."""
+        planned = plan_step(sched, self.config.block_size, self.vocab_size, self.eos_token_ids, drafts)
+        if self._structured is not None:  # the grammar rows of the sampled sequences, in the plan
+            planned.plan.sampling.bitmask = self._structured.bitmask_rows(
+                planned.sample_seqs, [drafts.get(s.seq_id, []) for s in planned.sample_seqs] if drafts else None)
+        step = self.worker.execute(planned.plan)
         self.block_manager.commit_pending()
         for seq, n in zip(sched.seqs, sched.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
@@ -473,37 +501,26 @@ class LLMEngine:
             child.num_computed_tokens = parent.num_computed_tokens
             child.first_scheduled_time = parent.first_scheduled_time
         positions = []
-        for row, seq in enumerate(step.sample_seqs):
+        for row, seq in enumerate(planned.sample_seqs):
             positions.append(seq.num_tokens)
             seq.token_ids.append(PENDING_TOKEN)
             seq.num_pending_tokens += 1
             seq.pending_row = row
-        return _Launched(sched, step, positions)
+        return _Launched(sched, planned, step, positions)
 
     def _complete(self, launched: _Launched) -> list[EngineOutput]:
-        """Wait for a launched step, put its tokens in place, and turn them into outputs."""
-        result = self.runner.finish(launched.step)
-        outputs = []
-        for i, seq in enumerate(result.seqs):
-            if seq.is_finished:
-                continue  # finished or aborted while the step ran, or failed earlier in it
-            pos = launched.positions[i]
-            seq.token_ids[pos] = result.token_ids[i]
-            seq.num_pending_tokens -= 1
-            if seq.seq_id in result.failed:
-                outputs += self.fail_request(seq.request_id, result.failed[seq.seq_id])
-                continue
-            refused = self._structured.accept(seq, result.token_ids[i]) if self._structured is not None else None
-            if refused is not None:  # its grammar's matcher could not follow
-                outputs += self.fail_request(seq.request_id, refused.message, refused.rejection)
-                continue
-            outputs.append(self._token_output(seq, pos, result, i))
-        for seq in launched.sched.seqs:
-            if not seq.is_finished:  # blocks that filled while their last token was on the device
-                self.block_manager.register_full_blocks(seq)
+        """Wait for a launched step and apply its tokens (the output processor)."""
+        result = self.worker.finish(launched.step)
+        outputs = self.outputs.process(launched.planned, launched.positions, result, launched.sched.seqs)
+        num_drafts = launched.planned.plan.num_drafts
+        if self.speculator is not None and num_drafts is not None:
+            for seq, m, tokens in zip(launched.planned.sample_seqs, num_drafts, result.token_ids, strict=True):
+                if m and seq.seq_id not in result.failed:
+                    self.speculator.observe(seq, m, len(tokens) - 1)
         return outputs
 
-    def _isolate(self, sched: SchedulerOutput, outputs: list[EngineOutput]) -> None:
+    def _isolate(self, sched: SchedulerOutput, outputs: list[EngineOutput],
+                 drafts: dict[int, list[int]] | None = None) -> None:
         """Run each sequence of a failed step alone; a sequence that fails alone fails its request.
 
         Prefix blocks this step was to fill are forgotten, and sequences that had started on
@@ -524,7 +541,8 @@ class LLMEngine:
                                    blocks_to_copy=copies)
             copies = []
             try:
-                outputs += self._complete(self._launch(part))
+                own = {seq.seq_id: drafts[seq.seq_id]} if drafts and seq.seq_id in drafts else None
+                outputs += self._complete(self._launch(part, own))
             except Exception as exc:
                 log.error("request failed in the model step", request_id=seq.request_id, error=repr(exc))
                 outputs += self.fail_request(seq.request_id, f"model step failed: {type(exc).__name__}: {exc}")
@@ -532,62 +550,4 @@ class LLMEngine:
     def fail_request(self, request_id: str, message: str, rejection: Rejection | None = None) -> list[EngineOutput]:
         """End every completion of ``request_id`` with an error (a ``rejection`` when the request
         is refused rather than failed); its blocks are freed."""
-        outs = []
-        for seq in self.requests.pop(request_id, []):
-            if not seq.is_finished:
-                outs.append(EngineOutput(seq.request_id, seq.index, [], [], finish_reason=FinishReason.ERROR,
-                                         error=message, rejection=rejection, seed=seq.seed,
-                                         num_prompt_tokens=seq.num_prompt_tokens))
-                seq.finish_reason = FinishReason.ERROR
-                self.scheduler.remove(seq)
-        return outs
-
-    def _token_output(self, seq: Sequence, pos: int, result: StepResult, i: int) -> EngineOutput:
-        """The output for ``seq``'s token at ``pos`` (row ``i`` of ``result``); finishes it when done."""
-        token = result.token_ids[i]
-        lp = result.logprobs[i]
-        seq.cumulative_logprob += lp
-        reason = self._finish_reason(seq, token, pos)
-        out = EngineOutput(
-            request_id=seq.request_id,
-            index=seq.index,
-            token_ids=[token],
-            logprobs=[lp],
-            top_tokens=[result.top_tokens[i]] if result.top_tokens is not None else None,
-            finish_reason=reason,
-            seed=seq.seed,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_cached_tokens=seq.num_cached_tokens,
-            first_scheduled_time=seq.first_scheduled_time,
-        )
-        if seq.sampling.prompt_logprobs and not seq.prompt_logprobs_sent:
-            out.prompt_logprobs = seq.prompt_logprobs
-            seq.prompt_logprobs_sent = True
-        if reason is not None:
-            # a token sampled after this one (the step in flight) is not part of the output
-            del seq.token_ids[pos + 1 :]
-            seq.num_pending_tokens = 0
-            self._finish(seq, reason)
-        return out
-
-    def _finish_reason(self, seq: Sequence, token: int, pos: int) -> FinishReason | None:
-        """Why ``seq`` ends with ``token`` at position ``pos`` (None: it goes on)."""
-        st = seq.stopping
-        if self._structured is not None and self._structured.terminated(seq):
-            return FinishReason.EOS_TOKEN  # its grammar matched a whole sentence, then EOS
-        num_output = pos + 1 - seq.num_prompt_tokens
-        past_min = num_output >= st.min_new_tokens
-        if past_min and not st.ignore_eos and token in self.eos_token_ids:
-            return FinishReason.EOS_TOKEN
-        if past_min and token in st.stop_token_ids:
-            return FinishReason.STOP_SEQUENCE
-        if num_output >= st.max_new_tokens or pos + 1 >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
-
-    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
-        seq.finish_reason = reason
-        self.scheduler.remove(seq)
-        seqs = self.requests.get(seq.request_id, [])
-        if all(s.status is SequenceStatus.FINISHED for s in seqs):
-            self.requests.pop(seq.request_id, None)
+        return self.outputs.fail_request(request_id, message, rejection)

@@ -57,7 +57,7 @@ class Sequence:
         self.pending_row = -1  # row of the newest placeholder in the last launched step's samples
         self.uses_pending_blocks = False  # started on prefix blocks the current step is still filling
         self.max_model_len: int | None = None  # the engine's limit: stop scheduling past it
-        # the sampler's per-row constants, computed on first use (see loom.sample.batch._row_params)
+        # the sampler's per-row constants, computed on first use (see loom.engine.step_planner._row_params)
         self.sampler_row: tuple[tuple[float, ...], tuple[int, int], int] | None = None
 
     @property

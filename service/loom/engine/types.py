@@ -39,6 +39,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     top_n_tokens: int = 0  # alternatives reported per generated token
     prompt_logprobs: bool = False
+    speculate: bool = True  # False: never draft for this request (when the server speculates)
     # structured output: the grammar every completion must follow (see loom.structured)
     constraint: GrammarSpec | None = None
 
@@ -95,6 +96,9 @@ class EngineOutput:
     # ended and its prefill began. CLOCK_MONOTONIC is system-wide, so the front end can compare it
     # with its own timestamps (request metrics and the loom.queue / loom.prefill spans).
     first_scheduled_time: float | None = None
+    # speculation: drafts verified in this step for this completion, and how many were accepted
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
     @property
     def finished(self) -> bool:

@@ -57,6 +57,8 @@ class Chunk:
     seed: int | None = None
     cached_prompt_tokens: int = 0  # prompt tokens the engine reused from its prefix cache
     prompt_tokens: list[TokenInfo] | None = None  # first chunk of completion 0, when asked
+    draft_tokens: int = 0  # speculation: drafts verified for this completion so far ...
+    accepted_draft_tokens: int = 0  # ... and accepted
 
     def merge(self, later: Chunk) -> None:
         """Append a later chunk of the same completion (coalescing tokens ready together)."""
@@ -67,6 +69,7 @@ class Chunk:
         self.cumulative_logprob = later.cumulative_logprob
         self.seed = later.seed if later.seed is not None else self.seed
         self.cached_prompt_tokens = max(self.cached_prompt_tokens, later.cached_prompt_tokens)
+        self.draft_tokens, self.accepted_draft_tokens = later.draft_tokens, later.accepted_draft_tokens
         if later.prompt_tokens is not None:
             self.prompt_tokens = later.prompt_tokens
 
@@ -93,6 +96,8 @@ class CompletionState:
         self.cumulative_logprob = 0.0
         self.seed: int | None = None
         self.cached_prompt_tokens = 0
+        self.draft_tokens = 0
+        self.accepted_draft_tokens = 0
         self.finish_reason: FinishReason | None = None
 
     @property
@@ -115,6 +120,8 @@ class CompletionState:
         if out.seed is not None:
             self.seed = out.seed
         self.cached_prompt_tokens = max(self.cached_prompt_tokens, out.num_cached_tokens)
+        self.draft_tokens += out.num_draft_tokens
+        self.accepted_draft_tokens += out.num_accepted_draft_tokens
         chunk = Chunk(self.index, seed=self.seed)
         n = len(out.token_ids)
         for i, token_id in enumerate(out.token_ids):
@@ -158,6 +165,7 @@ class CompletionState:
         chunk.generated_tokens = self.generated_tokens
         chunk.cumulative_logprob = self.cumulative_logprob
         chunk.cached_prompt_tokens = self.cached_prompt_tokens
+        chunk.draft_tokens, chunk.accepted_draft_tokens = self.draft_tokens, self.accepted_draft_tokens
         return chunk
 
     def finish(self, reason: FinishReason) -> Chunk | None:

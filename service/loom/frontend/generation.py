@@ -129,6 +129,8 @@ class GenerationResult:
     generated_tokens: int  # all candidates, best_of ones included
     cached_prompt_tokens: int = 0
     prompt_tokens: list[TokenInfo] | None = None
+    draft_tokens: int = 0  # speculation, all candidates
+    accepted_draft_tokens: int = 0
 
 
 async def collect_completions(chunks: AsyncIterator[Chunk], plan: GenerationPlan) -> GenerationResult:
@@ -136,8 +138,10 @@ async def collect_completions(chunks: AsyncIterator[Chunk], plan: GenerationPlan
     results = [CompletionResult(i) for i in range(plan.best_of)]
     prompt_tokens: list[TokenInfo] | None = None
     cached = 0
+    drafts = [(0, 0)] * plan.best_of  # per completion: the latest (verified, accepted) counts
     async for chunk in chunks:
         cached = max(cached, chunk.cached_prompt_tokens)
+        drafts[chunk.index] = (chunk.draft_tokens, chunk.accepted_draft_tokens)
         r = results[chunk.index]
         r.text += chunk.text
         r.tokens.extend(chunk.tokens)
@@ -153,4 +157,5 @@ async def collect_completions(chunks: AsyncIterator[Chunk], plan: GenerationPlan
         chosen = sorted(results, key=lambda r: r.cumulative_logprob, reverse=True)[: plan.n]
         for i, r in enumerate(chosen):
             r.index = i
-    return GenerationResult(chosen, total, cached, prompt_tokens)
+    return GenerationResult(chosen, total, cached, prompt_tokens, draft_tokens=sum(d for d, _ in drafts),
+                            accepted_draft_tokens=sum(a for _, a in drafts))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -13,10 +13,11 @@ import structlog
 import torch
 from torch import nn
 
-from loom.plugin_api.quantization import QuantizationConfig, UnquantizedLinearMethod
+from loom.plugin_api.quantization import QuantizationConfig, QuantizationError, UnquantizedLinearMethod
 
 from .errors import ModelLoadError
-from .random_model import init_random_weights, random_weights_of
+from .quant_select import check_dense_quantize, checkpoint_quantizer
+from .random_model import RandomWeights, init_random_weights, random_weights_of
 from .weights import iter_weights
 
 log = structlog.get_logger(__name__)
@@ -34,7 +35,18 @@ class LoadedModel:
     architecture: str  # the model plugin's name, e.g. "llama"
     model_dir: Path
     quantization: str | None = None  # the quantizer plugin serving (some of) the linear layers, if any
+    # what that quantizer reports about itself (bits, group size, format...) for GetModelInfo
+    quantization_settings: dict[str, str] = field(default_factory=dict)
     hf_architecture: str = ""  # the config.json `architectures` entry it serves, e.g. "LlamaForCausalLM"
+
+    def plugin_entries(self) -> tuple[str, ...]:
+        """EngineInfo.plugins' entries for the quantizer: "quantizer:NAME?key=value&..."."""
+        if not self.quantization:
+            return ()
+        from urllib.parse import urlencode
+
+        query = urlencode(self.quantization_settings)
+        return (f"quantizer:{self.quantization}" + (f"?{query}" if query else ""),)
 
 
 @contextlib.contextmanager
@@ -91,30 +103,41 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str,
     device = torch.device(device)
     random_weights = random_weights_of(config)
     model, quant_config, quantization = None, None, None
-    if random_weights is None:  # a benchmark model has no checkpoint, so no quantized format
-        for name, candidate in quantization_candidates(model_dir, dtype, device, registry, quantize):
-            candidate.packed_modules_mapping = dict(getattr(model_cls, "packed_modules_mapping", {}))
+    for name, candidate in quantization_candidates(model_dir, dtype, device, registry, quantize,
+                                                   random_weights is not None):
+        candidate.packed_modules_mapping = dict(getattr(model_cls, "packed_modules_mapping", {}))
+        try:
             model = build_model(model_cls, config, dtype, device, candidate)
-            served = sum(1 for m in model.modules() if not isinstance(
-                getattr(m, "quant_method", None), (type(None), UnquantizedLinearMethod)))
-            if served:
-                quant_config, quantization = candidate, name
-                log.info("quantized linear layers", quantizer=name, layers=served)
-                break
-            if quantize != "auto":
-                raise ModelLoadError(f"--quantize {name}: no layer of this checkpoint is in its format")
-            model = None
+        except QuantizationError as exc:  # a layer the checkpoint's format cannot serve as it is
+            raise ModelLoadError(f"quantizer {name}: {exc}") from None
+        served = sum(1 for m in model.modules() if not isinstance(
+            getattr(m, "quant_method", None), (type(None), UnquantizedLinearMethod)))
+        if served:
+            quant_config, quantization = candidate, name
+            log.info("quantized linear layers", quantizer=name, layers=served, **candidate.settings())
+            break
+        if quantize != "auto" or candidate.quant_methods:
+            raise ModelLoadError(f"--quantize {name}: no layer of this checkpoint is in its format")
+        model = None
     if model is None:
         model = build_model(model_cls, config, dtype, device, None)
     if random_weights is not None:  # a benchmark model: drawn in place on the device, no checkpoint
         init_random_weights(model, random_weights)
+        if quant_config is not None:  # layers quantized while loading take drawn dense weights
+            feed_random_dense_weights(model, random_weights)
     else:
         weights = iter_weights(model_dir, dtype, device,
-                               skip=quant_config.skips_checkpoint_tensor if quant_config else None)
+                               skip=quant_config.skips_checkpoint_tensor if quant_config else None,
+                               keep_dtype=quant_config.keeps_checkpoint_dtype if quant_config else None)
         if quant_config is not None:
             weights = itertools.chain(weights, quant_config.extra_checkpoint_weights(device))
+            rename = quant_config.rename_checkpoint_tensor
+            weights = ((rename(name), tensor) for name, tensor in weights)
         load_weights: Any = model.load_weights  # the model contract's method (nn.Module types it as a tensor)
-        load_weights(weights)
+        try:
+            load_weights(weights)
+        except QuantizationError as exc:  # a packed tensor that contradicts its config
+            raise ModelLoadError(f"quantizer {quantization}: {exc}") from None
     with torch.no_grad():
         for module in model.modules():
             method = getattr(module, "quant_method", None)
@@ -123,7 +146,8 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str,
     model.requires_grad_(False)
     model.eval()
     return LoadedModel(model=model, hf_config=config, architecture=spec.name, model_dir=model_dir,
-                       quantization=quantization, hf_architecture=hf_architecture)
+                       quantization=quantization, hf_architecture=hf_architecture,
+                       quantization_settings=quant_config.settings() if quant_config else {})
 
 
 def build_model(model_cls: Any, config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
@@ -136,22 +160,34 @@ def build_model(model_cls: Any, config: PretrainedConfig, dtype: torch.dtype, de
 
 
 def quantization_candidates(model_dir: Path, dtype: torch.dtype, device: torch.device, registry: PluginRegistry,
-                            quantize: str) -> Iterator[tuple[str, QuantizationConfig]]:
+                            quantize: str, random_weights: bool = False,
+                            ) -> Iterator[tuple[str, QuantizationConfig]]:
     """The quantization configs to try building the model with, in order.
 
-    ``auto``: each available quantizer whose format the checkpoint carries and that can run here
-    (the reason one cannot is logged); ``none``: nothing; a name: that one, or ModelLoadError.
+    A checkpoint whose config.json names a quant_method: the quantizer serving it, which must
+    apply (see ``quant_select``). Otherwise ``auto``: each available quantizer whose format the
+    checkpoint carries and that can run here (the reason one cannot is logged); ``none``:
+    nothing; a name: that one (``fp8`` / ``nf4`` quantize the dense weights while they load), or
+    ModelLoadError. A random-weight model has no checkpoint: only quantizing while loading applies.
     """
-    from loom.plugin_api.quantization import QuantizationError
-
+    if random_weights:
+        if quantize not in ("auto", "none"):
+            check_dense_quantize(None, quantize, registry)
+            yield from _construct(registry.quantizer(quantize).name, registry.quantizer(quantize).load(),
+                                  model_dir, device, dtype)
+        return
+    found = checkpoint_quantizer(model_dir, quantize, registry)
+    if found is not None:
+        yield from _construct(*found, model_dir, device, dtype)
+        return
     if quantize == "none":
         return
     if quantize != "auto":
         spec = registry.quantizer(quantize)  # PluginError: unknown (lists the names) or unavailable
-        try:
-            yield spec.name, spec.load()(model_dir, device, dtype)
-        except QuantizationError as exc:
-            raise ModelLoadError(f"--quantize {spec.name}: {exc}") from exc
+        cls = spec.load()
+        if cls.quant_methods and not cls.quantizes_while_loading:
+            check_dense_quantize(model_dir, quantize, registry)
+        yield from _construct(spec.name, cls, model_dir, device, dtype)
         return
     for info in registry.infos("quantizer"):
         if info.unavailable_reason is not None:
@@ -165,3 +201,30 @@ def quantization_candidates(model_dir: Path, dtype: torch.dtype, device: torch.d
             log.info("quantizer not applied; dense weights serve", quantizer=info.spec.name, reason=str(exc))
             continue
         yield info.spec.name, config
+
+
+def _construct(name: str, cls: Any, model_dir: Path, device: torch.device,
+               dtype: torch.dtype) -> Iterator[tuple[str, QuantizationConfig]]:
+    try:
+        config = cls(model_dir, device, dtype)
+    except QuantizationError as exc:
+        raise ModelLoadError(f"--quantize {name}: {exc}") from None
+    yield name, config
+
+
+@torch.no_grad()
+def feed_random_dense_weights(model: nn.Module, weights: RandomWeights) -> None:
+    """A random-weight model's layers that quantize while loading: draw each one's dense weight
+    (normal(0, std), seeded, on its device) and hand it to the method's loader, one layer at a time."""
+    generator: torch.Generator | None = None
+    module: Any
+    for module in model.modules():
+        param = getattr(module, "weight", None)
+        if not getattr(getattr(module, "quant_method", None), "quantizes_while_loading", False) or param is None:
+            continue
+        rows, cols = sum(module.output_partition_sizes), module.input_size_per_partition
+        if generator is None:
+            generator = torch.Generator(device=param.device).manual_seed(weights.seed + 1)
+        dense = torch.empty(rows, cols, dtype=param.dtype, device=param.device).normal_(
+            0.0, weights.std, generator=generator)
+        param.weight_loader(param, dense)

@@ -30,13 +30,18 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
+_FLOAT8 = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name))
+
+
 def iter_weights(model_dir: Path, dtype: torch.dtype, device: torch.device | str,
-                 skip: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                 skip: Callable[[str], bool] | None = None,
+                 keep_dtype: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` for every checkpoint tensor, floating ones cast to ``dtype`` on ``device``.
 
     Tensors are read and converted one at a time, so the host never holds a full-precision copy
     of the whole model. ``skip(name)`` True: the tensor is not even read (a quantization method
-    loads that layer's weights from elsewhere).
+    loads that layer's weights from elsewhere). ``keep_dtype(name)`` True, and every float8
+    tensor: loaded in its own dtype (a quantized format's scales: casting them would change them).
     """
     from safetensors import safe_open
 
@@ -46,7 +51,8 @@ def iter_weights(model_dir: Path, dtype: torch.dtype, device: torch.device | str
                 if skip is not None and skip(name):
                     continue
                 tensor = handle.get_tensor(name)
-                if tensor.is_floating_point():
+                if tensor.is_floating_point() and tensor.dtype not in _FLOAT8 and not (
+                        keep_dtype is not None and keep_dtype(name)):
                     yield name, tensor.to(device=device, dtype=dtype)
                 else:  # integer payloads (pre-quantized weights) keep their dtype
                     yield name, tensor.to(device=device)

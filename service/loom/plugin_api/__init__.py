@@ -1,6 +1,8 @@
 """The public plugin API: what plugins/ and third-party packages import.
 
-The attention backend contract (``AttentionBackend``, ``AttentionMetadata``, ...) and the linear
+Every contract a plugin implements lives here: models (``CausalLM``, ``ModelArchitectureSpec``),
+speculative proposers (``Proposer``, see ``loom.plugin_api.speculative``), the attention backend
+contract (``AttentionBackend``, ``AttentionMetadata``, ...) and the linear
 quantization contract (``LinearMethod``, ``QuantizationConfig``, ...: see
 ``loom.plugin_api.quantization``) need torch, so they are loaded on first use: ``loom plugins``
 lists plugins without importing torch.
@@ -12,6 +14,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .hookspecs import ENTRY_POINT_GROUP, hookimpl
+from .model import CausalLM
 from .registry import PluginError, PluginInfo, PluginRegistry, default_registry
 from .specs import (
     AttentionBackendSpec,
@@ -20,6 +23,7 @@ from .specs import (
     SpeculativeDecoderSpec,
     normalise_name,
 )
+from .speculative import DraftRequest, Proposer, ProposerContext
 
 if TYPE_CHECKING:
     from .attention import AttentionBackend, AttentionMetadata, StaticAttentionBuffers, write_kv
@@ -50,11 +54,15 @@ __all__ = [
     "AttentionBackend",
     "AttentionBackendSpec",
     "AttentionMetadata",
+    "CausalLM",
+    "DraftRequest",
     "LinearMethod",
     "ModelArchitectureSpec",
     "PluginError",
     "PluginInfo",
     "PluginRegistry",
+    "Proposer",
+    "ProposerContext",
     "QuantizationConfig",
     "QuantizationError",
     "QuantizerSpec",

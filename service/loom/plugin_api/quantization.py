@@ -16,17 +16,22 @@ their whole life:
 
 Layers for which the config returns None stay dense (:class:`UnquantizedLinearMethod`).
 
-``--quantize``: ``auto`` applies a quantizer whose format the checkpoint itself carries (a GGUF
-file's blocks on the CPU), when it can run here, and otherwise keeps the dense weights; ``none``
-keeps them always; a name applies that quantizer or fails saying why it cannot.
+``--quantize``: ``auto`` applies the quantizer whose format the checkpoint itself carries: the one
+that serves config.json's ``quantization_config.quant_method`` (GPTQ, AWQ, FP8, bitsandbytes
+NF4: there are no dense weights, so it must run or the model does not load), or a GGUF file's
+blocks on the CPU, when it can run here (otherwise the dense weights serve); ``none`` keeps dense
+weights (refused for a checkpoint that has none); a name applies that quantizer: the
+checkpoint's own format, or a quantizer that ``quantizes_while_loading`` a dense checkpoint
+(``fp8``, ``nf4``), or fails saying why it cannot.
 """
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +45,38 @@ WeightLoader = Callable[..., None]
 
 class QuantizationError(Exception):
     """A quantizer cannot serve this model here; the message says why."""
+
+
+def checkpoint_quantization_config(model_dir: Path) -> dict[str, Any] | None:
+    """config.json's ``quantization_config`` (or an older GPTQ repo's ``quantize_config.json``,
+    whose method is gptq), or None for a dense checkpoint."""
+    config_path = Path(model_dir) / "config.json"
+    if config_path.is_file():
+        try:
+            config = json.loads(config_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise QuantizationError(f"cannot read {config_path}: {exc}") from exc
+        value = config.get("quantization_config") if isinstance(config, dict) else None
+        if value is not None:
+            if not isinstance(value, dict):
+                raise QuantizationError(f"config.json quantization_config must be an object, got {value!r}")
+            return dict(value)
+    legacy = Path(model_dir) / "quantize_config.json"
+    if legacy.is_file():
+        value = json.loads(legacy.read_text())
+        return {"quant_method": "gptq", **value} if isinstance(value, dict) else None
+    return None
+
+
+def checkpoint_quant_method(model_dir: Path) -> str | None:
+    """The checkpoint's ``quantization_config.quant_method`` (lower case), None for dense weights."""
+    config = checkpoint_quantization_config(model_dir)
+    if config is None:
+        return None
+    method = config.get("quant_method")
+    if not isinstance(method, str) or not method:
+        raise QuantizationError(f"config.json quantization_config has no quant_method string (got {method!r})")
+    return method.lower()
 
 
 def set_weight_attrs(param: torch.Tensor, **attrs: Any) -> None:
@@ -98,11 +135,23 @@ class QuantizationConfig(ABC):
     """
 
     packed_modules_mapping: dict[str, list[str]]
+    # config.json ``quantization_config.quant_method`` values whose checkpoints this config serves
+    # (a checkpoint naming one holds no dense weights: --quantize auto must use it or refuse).
+    quant_methods: ClassVar[tuple[str, ...]] = ()
+    # True: ``--quantize NAME`` on a dense checkpoint quantizes each layer while it loads.
+    quantizes_while_loading: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod
     def for_checkpoint(cls, model_dir: Path) -> bool:
         """True when the checkpoint carries weights in this quantizer's own format."""
+
+    @classmethod
+    def check_checkpoint_config(cls, quantization_config: dict[str, Any]) -> None:
+        """Raise QuantizationError (one sentence naming the field and what was expected) for a
+        ``quantization_config`` of one of ``quant_methods`` that this config cannot serve. Only
+        config.json is read: ``loom serve`` calls it before anything loads."""
+        return None  # a config class with nothing to check
 
     def __init__(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> None:
         """Raises QuantizationError when it cannot serve this model on ``device`` in ``dtype``."""
@@ -116,6 +165,21 @@ class QuantizationConfig(ABC):
         """The checkpoint modules whose rows make up the layer at ``prefix``, in row order."""
         parent, _, leaf = prefix.rpartition(".")
         return [f"{parent}.{part}" if parent else part for part in self.packed_modules_mapping.get(leaf, [leaf])]
+
+    def settings(self) -> dict[str, str]:
+        """What GetModelInfo reports about this quantization (bits, group size, format...)."""
+        return {}
+
+    def rename_checkpoint_tensor(self, name: str) -> str:
+        """The name under which the model loads checkpoint tensor ``name`` (default: the same).
+        A format whose per-layer tensors are not ``<module>.<param>`` (bitsandbytes'
+        ``<module>.weight.absmax``) maps them to parameters its method registered."""
+        return name
+
+    def keeps_checkpoint_dtype(self, name: str) -> bool:
+        """True for a floating checkpoint tensor that loads in its own dtype rather than the
+        model's (a format's fp16 / fp32 scales; float8 payloads always keep theirs)."""
+        return False
 
     def skips_checkpoint_tensor(self, name: str) -> bool:
         """True for a checkpoint tensor the model must not load because a method of this config

@@ -72,7 +72,8 @@ class QuantizerSpec(_Spec):
 
 @dataclass(frozen=True)
 class SpeculativeDecoderSpec(_Spec):
-    """A speculative decoder: ``load()`` returns a proposer class (draft tokens for verification)."""
+    """A speculative decoder: ``load()`` returns a ``loom.plugin_api.Proposer`` subclass (draft
+    tokens for verification; the contract is in ``loom.plugin_api.speculative``)."""
 
     kind: PluginKind = "speculative"
 

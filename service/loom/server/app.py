@@ -159,7 +159,9 @@ class LoomServer:
             failure = load.exception()
             log.error("start-up failed", error=str(failure),
                       exc_info=failure if not isinstance(failure, ConfigError) else None)
-            self._exit_code = 1
+            # A model the configuration cannot serve (a ConfigError, e.g. a quantized tensor that
+            # contradicts its config) exits 2 like the checks before loading; a crash exits 1.
+            self._exit_code = 2 if isinstance(failure, ConfigError) else 1
             self._stop.set()
         else:
             await self.health.serving()

@@ -111,6 +111,15 @@ class Metrics:
             "loom_inter_token_latency_seconds",
             "Seconds between consecutive tokens of one completion, as the front end received them",
             buckets=TOKEN_LATENCY_BUCKETS, registry=r)
+        # -- speculative decoding (--speculate) -------------------------------------------------
+        self.speculative_draft_tokens = Counter(
+            "loom_speculative_draft_tokens", "Draft tokens the model verified", registry=r)
+        self.speculative_accepted_tokens = Counter(
+            "loom_speculative_accepted_tokens", "Draft tokens the model accepted", registry=r)
+        self.speculative_tokens_per_step = Histogram(
+            "loom_speculative_tokens_per_step",
+            "Tokens one completion gained in one verifying step: the accepted drafts plus the model's own",
+            buckets=(1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 17), registry=r)
         # -- per RPC (every method, health and reflection included) ---------------------------
         self.grpc_requests = Counter(
             "loom_grpc_requests", "RPCs finished, by full method name and status code", ["method", "code"], registry=r)

@@ -19,14 +19,20 @@ log = structlog.get_logger(__name__)
 def plugins_in_use(info: EngineInfo) -> list[pb.PluginInUse]:
     """The attention backend and model architecture serving, plus any the engine listed.
 
-    ``EngineInfo.plugins`` entries are "kind:name". Distribution and version come from the plugin
-    registry; a plugin it cannot place (no entry points installed) is reported as "unknown".
+    ``EngineInfo.plugins`` entries are "kind:name", optionally followed by "?key=value&..." (its
+    settings, URL-encoded). Distribution and version come from the plugin registry; a plugin it
+    cannot place (no entry points installed) is reported as "unknown".
     """
+    from urllib.parse import parse_qsl
+
     wanted: list[tuple[str, str | None]] = [("attention", info.attention_backend), ("model", None)]
+    settings: dict[tuple[str, str | None], dict[str, str]] = {}
     for entry in info.plugins:
-        kind, _, name = entry.partition(":")
+        kind, _, rest = entry.partition(":")
+        name, _, query = rest.partition("?")
         if name and (kind, name) not in wanted:
             wanted.append((kind, name))
+            settings[(kind, name)] = dict(parse_qsl(query))
     try:
         from loom.plugin_api import default_registry
 
@@ -34,7 +40,10 @@ def plugins_in_use(info: EngineInfo) -> list[pb.PluginInUse]:
     except Exception as exc:  # a broken plugin must not break GetModelInfo
         log.warning("plugin registry unavailable", error=repr(exc))
         registry = None
-    return [_plugin(registry, kind, name, info.architecture) for kind, name in wanted]
+    plugins = [_plugin(registry, kind, name, info.architecture) for kind, name in wanted]
+    for plugin, key in zip(plugins, wanted, strict=True):
+        plugin.settings.update(settings.get(key, {}))
+    return plugins
 
 
 def _plugin(registry: Any, kind: str, name: str | None, architecture: str) -> pb.PluginInUse:

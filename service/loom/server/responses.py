@@ -55,7 +55,9 @@ def stream_message(chunk: Chunk, plan: GenerationPlan) -> pb.GenerateStreamRespo
     if chunk.finish_reason is not None:
         msg.usage.CopyFrom(pb.Usage(prompt_tokens=len(plan.engine_request.prompt_token_ids),
                                     generated_tokens=chunk.generated_tokens,
-                                    cached_prompt_tokens=chunk.cached_prompt_tokens))
+                                    cached_prompt_tokens=chunk.cached_prompt_tokens,
+                                    draft_tokens=chunk.draft_tokens,
+                                    accepted_draft_tokens=chunk.accepted_draft_tokens))
         seed = _seed(chunk.seed, plan)
         if seed is not None:
             msg.seed = seed
@@ -67,7 +69,9 @@ def generate_response(result: GenerationResult, plan: GenerationPlan) -> pb.Gene
         request_id=plan.request_id,
         usage=pb.Usage(prompt_tokens=len(plan.engine_request.prompt_token_ids),
                        generated_tokens=result.generated_tokens,
-                       cached_prompt_tokens=result.cached_prompt_tokens),
+                       cached_prompt_tokens=result.cached_prompt_tokens,
+                       draft_tokens=result.draft_tokens,
+                       accepted_draft_tokens=result.accepted_draft_tokens),
     )
     for c in result.completions:
         comp = resp.completions.add(index=c.index, text=c.text, finish_reason=finish_reason(c.finish_reason),

@@ -30,6 +30,9 @@ _ENGINE_FLAGS: list[tuple[str, Any, str]] = [
     ("--grammar-compile-timeout", float,
      "seconds a constrained request's grammar may take to compile; then it fails with INVALID_ARGUMENT"),
     ("--grammar-cache-mib", int, "compiled grammars kept for reuse, in MiB (least recently used dropped first)"),
+    ("--speculate", int, "speculative decoding: up to N draft tokens per sequence and step; 0 is off"),
+    ("--speculator", str, "the speculative-decoder plugin that proposes drafts (loom plugins lists them)"),
+    ("--speculate-max-batch-size", int, "above this many running sequences, decode without drafts"),
 ]
 _SERVER_FLAGS: list[tuple[str, Any, str]] = [
     ("--host", str, "address to listen on"),
@@ -101,7 +104,16 @@ def add_serve_command(subparsers: Any) -> None:
     add_env_argument(group, "--async-scheduling", type=str,
                      default=engine_defaults.async_scheduling,
                      help="auto, on or off: prepare the next step while the device runs this one (auto: on CUDA)")
+    group.add_argument("--speculator-option", type=_parse_option, action="append", default=[],
+                       help="KEY=VALUE for the speculator plugin (repeatable), e.g. max_n=3 for ngram")
     parser.set_defaults(func=run_serve)
+
+
+def _parse_option(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key.strip(), value.strip()
 
 
 def _parse_sizes(text: str) -> tuple[int, ...]:
@@ -119,6 +131,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
                           enable_chunked_prefill=args.prefill_chunking,
                           cuda_graphs=tuple(args.cuda_graphs),
                           async_scheduling=args.async_scheduling,
+                          speculator_options=tuple(args.speculator_option or ()),
                           fault_injection=args.fault_injection)
     server = {_dest(f): getattr(args, _dest(f))
               for f, _, _ in (*_SERVER_FLAGS, *_SECURITY_FLAGS, *_OBSERVABILITY_FLAGS)}

@@ -119,6 +119,10 @@ class RequestTelemetry:
             if self._spans is not None:
                 self._spans.phase("loom.queue", queued_from, max(queued_from, self.first_scheduled))
         self.cached_prompt_tokens = max(self.cached_prompt_tokens, out.num_cached_tokens)
+        if out.num_draft_tokens:
+            self._m.speculative_draft_tokens.inc(out.num_draft_tokens)
+            self._m.speculative_accepted_tokens.inc(out.num_accepted_draft_tokens)
+            self._m.speculative_tokens_per_step.observe(len(out.token_ids))
         n = len(out.token_ids)
         if n == 0:
             return

@@ -223,6 +223,7 @@ def validate_generate(
         request_id=request_id,
         prompt_token_ids=tuple(ids),
         sampling=replace(sampling, top_n_tokens=resp.top_n_tokens, prompt_logprobs=resp.prompt_logprobs,
+                         speculate=not p.HasField("speculation") or p.speculation,
                          constraint=constraint),
         stopping=StoppingParams(max_new_tokens=max_new, min_new_tokens=st.min_new_tokens,
                                 stop_token_ids=tuple(st.stop_token_ids), ignore_eos=st.ignore_eos),

@@ -8,10 +8,12 @@ The engine talks to one :class:`StructuredOutput` at four points, and nowhere el
 2. :meth:`~StructuredOutput.take_ready` at the start of each step: requests whose grammar is
    compiled join the scheduler (one matcher per completion), those whose grammar failed or ran
    past ``--grammar-compile-timeout`` are refused;
-3. :meth:`~StructuredOutput.token_bitmask` as the step is launched: the bitmask rows of the
-   sampled sequences that have a matcher, as one logits processor;
-4. :meth:`~StructuredOutput.accept` for each token read back: the matcher advances; when it has
-   matched a whole sentence and its EOS, the completion ends (FINISH_REASON_EOS_TOKEN).
+3. :meth:`~StructuredOutput.bitmask_rows` as the step is planned: the bitmask rows of the
+   sampled rows that have a matcher (draft rows too), plain data in the step plan that the
+   worker turns into one logits processor (:class:`loom.sample.processors.TokenBitmask`);
+4. :meth:`~StructuredOutput.accept_tokens` for the tokens read back (the output processor): the
+   matcher advances; when it has matched a whole sentence and its EOS, the completion ends
+   (FINISH_REASON_EOS_TOKEN).
 
 A constrained sequence needs its last token on the host before its next mask can be filled, so
 the engine runs steps that hold one synchronously (as it does for penalties).
@@ -33,9 +35,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from loom.engine.sequence import Sequence
-from loom.engine.staging import Stager
 from loom.engine.types import Rejection
-from loom.sample.processors import TokenBitmask
+from loom.sample.batch import TokenBitmaskRows
 
 from .compiler_pool import GrammarCompilerPool
 from .grammars import GrammarError
@@ -156,31 +157,58 @@ class StructuredOutput:
             self._dead_ends.pop(sid, None)
 
     # -- steps --------------------------------------------------------------------------------------
-    def token_bitmask(self, seqs: Seq[Sequence], stager: Stager) -> TokenBitmask | None:
-        """The step's grammar processor for sampled rows ``seqs`` (None when no row has a
-        matcher: unconstrained batches pay nothing). Rows are filled on the host and copied to
-        the logits' device; a row whose grammar allows no token at all is left unmasked and its
-        sequence marked, for :meth:`accept` to refuse."""
-        rows = [i for i, s in enumerate(seqs) if s.seq_id in self._matchers]
+    def bitmask_rows(self, seqs: Seq[Sequence], drafts: Seq[Seq[int]] | None = None) -> TokenBitmaskRows | None:
+        """The step's grammar rows for its sampled sequences ``seqs`` (plan order; sequence i has
+        1 + len(drafts[i]) sampling rows), or None when none has a matcher: unconstrained steps pay
+        nothing. Rows are filled on the host. A sequence verifying drafts gets a mask per row: its
+        matcher walks the drafts (row k is the mask after drafts[:k]) and is rolled back after; rows
+        past a draft the grammar refuses are left open, since verification stops at that draft.
+        A first row whose grammar allows no token at all is left open and its sequence marked, for
+        :meth:`accept` to refuse."""
+        rows: list[int] = []
+        entries: list[tuple[Sequence, Seq[int]]] = []
+        row = 0
+        for i, seq in enumerate(seqs):
+            guess = drafts[i] if drafts is not None else ()
+            if seq.seq_id in self._matchers:
+                rows.extend(range(row, row + 1 + len(guess)))
+                entries.append((seq, guess))
+            row += 1 + len(guess)
         if not rows:
             return None
         if self._bitmask.shape[0] < len(rows):
             self._bitmask = torch.empty(max(len(rows), 2 * self._bitmask.shape[0]), self.words, dtype=torch.int32)
         bitmask = self._bitmask[: len(rows)]  # [G, ceil(V / 32)]
-        for j, i in enumerate(rows):
-            seq = seqs[i]
-            self._matchers[seq.seq_id].matcher.fill_next_token_bitmask(bitmask, j)
-            if seq.num_output_tokens < seq.stopping.min_new_tokens:
-                self._hold_back_stops(bitmask[j], seq)
+        first_rows: list[tuple[int, Sequence]] = []
+        j = 0
+        for seq, guess in entries:
+            matcher = self._matchers[seq.seq_id].matcher
+            walked = 0
+            for k in range(1 + len(guess)):
+                if k and walked == k - 1 and not matcher.is_terminated() and matcher.accept_token(guess[k - 1]):
+                    walked += 1
+                if walked == k:
+                    matcher.fill_next_token_bitmask(bitmask, j)
+                    if seq.num_output_tokens + k < seq.stopping.min_new_tokens:
+                        self._hold_back_stops(bitmask[j], seq)
+                else:
+                    bitmask[j].fill_(-1)
+                if k == 0:
+                    first_rows.append((j, seq))
+                j += 1
+            if walked:
+                matcher.rollback(walked)
         empty = (bitmask == 0).all(dim=1).tolist()  # one pass: rows that allow no token
-        for j, i in enumerate(rows):
-            if empty[j]:
-                seq = seqs[i]
+        for g, seq in first_rows:
+            if empty[g]:
                 self._dead_ends[seq.seq_id] = (
                     f"no token of the model's vocabulary continues the constraint after "
                     f"{seq.num_output_tokens} generated tokens")
-                bitmask[j].fill_(-1)  # sample anything: the token is refused in accept()
-        return TokenBitmask(stager.to_device(bitmask, torch.int32), stager.to_device(rows, torch.int64), rows)
+                bitmask[g].fill_(-1)  # sample anything: the token is refused in accept()
+        for g in range(len(rows)):
+            if empty[g]:
+                bitmask[g].fill_(-1)
+        return TokenBitmaskRows(rows, self.words, bitmask.numpy().tobytes())
 
     def _hold_back_stops(self, row: torch.Tensor, seq: Sequence) -> None:
         """Clear EOS and stop ids from ``row`` before min_new_tokens, unless nothing else is allowed."""
@@ -203,6 +231,15 @@ class StructuredOutput:
             return Refusal(seq.request_id, f"token {token} does not match the constraint after "
                            f"{seq.num_output_tokens - 1} generated tokens",
                            Rejection("INTERNAL", entry.field, "GRAMMAR_TOKEN_REJECTED"))
+        return None
+
+    def accept_tokens(self, seq: Sequence, tokens: Seq[int]) -> Refusal | None:
+        """:meth:`accept` for a step's tokens of ``seq`` in order (accepted drafts, then the token
+        after them), up to the EOS that terminates its grammar."""
+        for token in tokens:
+            refusal = self.accept(seq, token)
+            if refusal is not None or self.terminated(seq):
+                return refusal
         return None
 
     def terminated(self, seq: Sequence) -> bool:

@@ -425,6 +425,7 @@ class Parameters(_message.Message):
     BEST_OF_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     CONSTRAINT_FIELD_NUMBER: _builtins.int
+    SPECULATION_FIELD_NUMBER: _builtins.int
     truncate_input_tokens: _builtins.int
     """Keep only the last this many prompt tokens (after special tokens and chat templating). Unset:
     no truncation, and a prompt longer than limits.max_input_tokens is rejected. Must be at least
@@ -443,6 +444,12 @@ class Parameters(_message.Message):
     priority: _builtins.int
     """Scheduling priority among waiting requests: lower values are served first. Default 0; any
     value, negative ones included.
+    """
+    speculation: _builtins.bool
+    """Speculative decoding for this request, when the server speculates (`--speculate N`): unset or
+    true lets the server draft tokens and verify them in one step; false decodes one token a step.
+    The output is the same either way (speculation changes speed, never tokens); Usage reports
+    the drafts verified and accepted.
     """
     @_builtins.property
     def sampling(self) -> Global___SamplingParameters:
@@ -485,21 +492,26 @@ class Parameters(_message.Message):
         best_of: _builtins.int | None = ...,
         priority: _builtins.int = ...,
         constraint: Global___Constraint | None = ...,
+        speculation: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_best_of", b"_best_of", "_n", b"_n", "_truncate_input_tokens", b"_truncate_input_tokens", "best_of", b"best_of", "constraint", b"constraint", "n", b"n", "penalties", b"penalties", "response", b"response", "sampling", b"sampling", "stopping", b"stopping", "truncate_input_tokens", b"truncate_input_tokens"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_best_of", b"_best_of", "_n", b"_n", "_speculation", b"_speculation", "_truncate_input_tokens", b"_truncate_input_tokens", "best_of", b"best_of", "constraint", b"constraint", "n", b"n", "penalties", b"penalties", "response", b"response", "sampling", b"sampling", "speculation", b"speculation", "stopping", b"stopping", "truncate_input_tokens", b"truncate_input_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_best_of", b"_best_of", "_n", b"_n", "_truncate_input_tokens", b"_truncate_input_tokens", "best_of", b"best_of", "constraint", b"constraint", "n", b"n", "penalties", b"penalties", "priority", b"priority", "response", b"response", "sampling", b"sampling", "stopping", b"stopping", "truncate_input_tokens", b"truncate_input_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_best_of", b"_best_of", "_n", b"_n", "_speculation", b"_speculation", "_truncate_input_tokens", b"_truncate_input_tokens", "best_of", b"best_of", "constraint", b"constraint", "n", b"n", "penalties", b"penalties", "priority", b"priority", "response", b"response", "sampling", b"sampling", "speculation", b"speculation", "stopping", b"stopping", "truncate_input_tokens", b"truncate_input_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__best_of: _TypeAlias = _typing.Literal["best_of"]  # noqa: Y015
     _WhichOneofArgType__best_of: _TypeAlias = _typing.Literal["_best_of", b"_best_of"]  # noqa: Y015
     _WhichOneofReturnType__n: _TypeAlias = _typing.Literal["n"]  # noqa: Y015
     _WhichOneofArgType__n: _TypeAlias = _typing.Literal["_n", b"_n"]  # noqa: Y015
+    _WhichOneofReturnType__speculation: _TypeAlias = _typing.Literal["speculation"]  # noqa: Y015
+    _WhichOneofArgType__speculation: _TypeAlias = _typing.Literal["_speculation", b"_speculation"]  # noqa: Y015
     _WhichOneofReturnType__truncate_input_tokens: _TypeAlias = _typing.Literal["truncate_input_tokens"]  # noqa: Y015
     _WhichOneofArgType__truncate_input_tokens: _TypeAlias = _typing.Literal["_truncate_input_tokens", b"_truncate_input_tokens"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__best_of) -> _WhichOneofReturnType__best_of | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__n) -> _WhichOneofReturnType__n | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__speculation) -> _WhichOneofReturnType__speculation | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__truncate_input_tokens) -> _WhichOneofReturnType__truncate_input_tokens | None: ...
 
@@ -907,6 +919,8 @@ class Usage(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     GENERATED_TOKENS_FIELD_NUMBER: _builtins.int
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
+    ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
     """Tokens in the prompt, after templating, special tokens and truncation."""
     generated_tokens: _builtins.int
@@ -915,16 +929,23 @@ class Usage(_message.Message):
     """
     cached_prompt_tokens: _builtins.int
     """Prompt tokens whose computation was reused from the prefix cache; at most prompt_tokens."""
+    draft_tokens: _builtins.int
+    """Speculative decoding: draft tokens the model verified for this request (all completions in
+    GenerateResponse, one in GenerateStreamResponse), and how many of them it accepted.
+    """
+    accepted_draft_tokens: _builtins.int
     def __init__(
         self,
         *,
         prompt_tokens: _builtins.int = ...,
         generated_tokens: _builtins.int = ...,
         cached_prompt_tokens: _builtins.int = ...,
+        draft_tokens: _builtins.int = ...,
+        accepted_draft_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_prompt_tokens", b"cached_prompt_tokens", "generated_tokens", b"generated_tokens", "prompt_tokens", b"prompt_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_draft_tokens", b"accepted_draft_tokens", "cached_prompt_tokens", b"cached_prompt_tokens", "draft_tokens", b"draft_tokens", "generated_tokens", b"generated_tokens", "prompt_tokens", b"prompt_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1327,10 +1348,31 @@ class PluginInUse(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class SettingsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     KIND_FIELD_NUMBER: _builtins.int
     NAME_FIELD_NUMBER: _builtins.int
     DISTRIBUTION_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
+    SETTINGS_FIELD_NUMBER: _builtins.int
     kind: _builtins.str
     """What it provides: "attention", "model", "quantizer" or "speculative"."""
     name: _builtins.str
@@ -1339,6 +1381,12 @@ class PluginInUse(_message.Message):
     """The Python distribution that registered it ("loom-server" for built-in plugins)."""
     version: _builtins.str
     """That distribution's version."""
+    @_builtins.property
+    def settings(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """What the plugin reports about how it runs; for a quantizer its format and settings, e.g.
+        {"format": "gptq", "bits": "4", "group_size": "128", "sym": "true", "desc_act": "false"}.
+        """
+
     def __init__(
         self,
         *,
@@ -1346,10 +1394,11 @@ class PluginInUse(_message.Message):
         name: _builtins.str = ...,
         distribution: _builtins.str = ...,
         version: _builtins.str = ...,
+        settings: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["distribution", b"distribution", "kind", b"kind", "name", b"name", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["distribution", b"distribution", "kind", b"kind", "name", b"name", "settings", b"settings", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

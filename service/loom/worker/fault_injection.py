@@ -1,6 +1,6 @@
 """Test-only fault injection (``--fault-injection``): a model runner that fails chosen requests
 on purpose, so that tests can check failure isolation. The engine installs it in place of
-:class:`~loom.engine.model_runner.ModelRunner` only when ``EngineConfig.fault_injection`` is set;
+:class:`~loom.worker.model_runner.ModelRunner` only when ``EngineConfig.fault_injection`` is set;
 the ordinary runner has no fault-injection branch.
 
 - A step holding a request whose id starts with ``inject-fault`` raises :class:`InjectedFault`
@@ -22,14 +22,14 @@ class InjectedFault(RuntimeError):
 
 class FaultInjectingRunner(ModelRunner):
     def forward(self, inputs: StepInputs) -> torch.Tensor:
-        for seq in inputs.sample_seqs:
-            if seq.request_id.startswith("inject-fault"):
-                raise InjectedFault(f"injected failure while running request {seq.request_id!r}")
+        for request_id in inputs.plan.sample_request_ids if inputs.plan is not None else ():
+            if request_id.startswith("inject-fault"):
+                raise InjectedFault(f"injected failure while running request {request_id!r}")
         return super().forward(inputs)
 
     def sample_logits(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
         logits = super().sample_logits(hidden, inputs)  # [N, V]
-        for i, seq in enumerate(inputs.sample_seqs):
-            if seq.request_id.startswith("inject-nan"):
+        for i, request_id in enumerate(inputs.plan.sample_request_ids if inputs.plan is not None else ()):
+            if request_id.startswith("inject-nan"):
                 logits[i] = float("nan")
         return logits

@@ -1,0 +1,252 @@
+"""The ``fp8`` quantizer: FP8 (e4m3) checkpoints in vLLM's ``fp8`` and compressed-tensors' layouts,
+and ``--quantize fp8``, which quantizes a bf16 / fp16 / fp32 checkpoint while it loads.
+
+Per quantized linear layer:
+
+- ``weight`` float8_e4m3fn ``[out, in]``;
+- ``weight_scale`` float32: one per tensor (a fused qkv / gate-up layer keeps one per part: the
+  checkpoint's separate q, k, v scales) or one per output channel (``[out, 1]``);
+- ``input_scale`` float32, one per tensor, when the activations are quantized *statically*;
+  dynamic activations are quantized per token (each row's max / 448) at every call, and
+  weight-only checkpoints (no ``input_activations``) leave them alone.
+
+``W[o, i] = float(weight[o, i]) * scale[o]``. The activations go through the same e4m3 rounding
+a W8A8 kernel applies (``transform_input``), so the CPU path computes what the GPU would, up to
+summation order. ``--quantize fp8``: per-output-channel scales (max |w| / 448) and dynamic
+per-token activations (no calibration); the head and the embedding stay in the model's dtype.
+
+Block-wise FP8 (DeepSeek's ``weight_block_size`` / ``weight_scale_inv``) and FP8 KV caches are
+not read: such a checkpoint is refused at start-up, naming the field.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from loom.layers.linear import LinearBase
+from loom.plugin_api.quantization import (
+    LinearMethod,
+    QuantizationConfig,
+    QuantizationError,
+    WeightLoader,
+    checkpoint_quantization_config,
+    set_weight_attrs,
+)
+
+from .checkpoint_layers import checkpoint_tensor_names, quantized_parts
+from .dequant_linear import DequantLinearMethod, QuantizeWhileLoading, per_part_parameter, rows_per_part
+
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+_TINY = 1e-12  # floor of a scale, so an all-zero row or token does not divide by zero
+
+
+def fp8_dtype() -> torch.dtype:
+    return torch.float8_e4m3fn
+
+
+def unsupported_reason() -> str | None:
+    if not hasattr(torch, "float8_e4m3fn"):
+        return f"this torch ({torch.__version__}) has no float8_e4m3fn dtype (needs torch >= 2.1)"
+    return None
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x / scale`` rounded to e4m3 (saturating at +-448); ``scale`` broadcasts against ``x``."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(fp8_dtype())
+
+
+def fake_quantize_activations(x: torch.Tensor, input_scale: torch.Tensor | None) -> torch.Tensor:
+    """``x`` as a W8A8 kernel sees it: rounded to e4m3 with the static per-tensor ``input_scale``,
+    or with per-token scales (each row's max |x| / 448) when it is None."""
+    xf = x.float()
+    scale = input_scale if input_scale is not None else (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_TINY)
+    return (quantize_fp8(xf, scale).float() * scale).to(x.dtype)
+
+
+class FP8Scheme:
+    """What a checkpoint's (or ``--quantize fp8``'s) FP8 quantization says."""
+
+    def __init__(self, per_channel: bool, activations: str) -> None:
+        self.per_channel = per_channel  # weight scales per output channel, else per tensor (part)
+        self.activations = activations  # "static", "dynamic" or "none" (weight-only)
+
+    @classmethod
+    def from_config(cls, qconfig: dict[str, Any]) -> FP8Scheme:
+        method = str(qconfig.get("quant_method", "")).lower()
+        if method == "fp8":  # vLLM / llm-compressor's older layout: per-tensor weight scales
+            if qconfig.get("weight_block_size") is not None:
+                raise QuantizationError(f"FP8 quantization_config.weight_block_size is {qconfig['weight_block_size']!r}: "
+                                        "block-wise FP8 is not supported (per-tensor and per-channel scales are)")
+            scheme = str(qconfig.get("activation_scheme", "dynamic"))
+            if scheme not in ("static", "dynamic"):
+                raise QuantizationError(f"FP8 quantization_config.activation_scheme is {scheme!r}; expected "
+                                        "static or dynamic")
+            return cls(per_channel=False, activations=scheme)
+        return cls._from_compressed_tensors(qconfig)
+
+    @classmethod
+    def _from_compressed_tensors(cls, qconfig: dict[str, Any]) -> FP8Scheme:
+        fmt = qconfig.get("format")
+        if fmt not in ("float-quantized", "naive-quantized"):
+            raise QuantizationError(f"compressed-tensors quantization_config.format is {fmt!r}; only FP8 "
+                                    "(float-quantized) checkpoints are supported")
+        groups = qconfig.get("config_groups")
+        if not isinstance(groups, dict) or len(groups) != 1:
+            raise QuantizationError("compressed-tensors quantization_config.config_groups must hold exactly one "
+                                    f"group (one scheme for every layer), got {len(groups or {})}")
+        name, group = next(iter(groups.items()))
+        where = f"compressed-tensors quantization_config.config_groups.{name}"
+        weights = group.get("weights") or {}
+        if weights.get("type") != "float" or weights.get("num_bits") != 8:
+            raise QuantizationError(f"{where}.weights is {weights.get('num_bits')}-bit {weights.get('type')!r}; "
+                                    "only 8-bit float (FP8 e4m3) weights are supported")
+        strategy = weights.get("strategy")
+        if strategy not in ("tensor", "channel"):
+            raise QuantizationError(f"{where}.weights.strategy is {strategy!r}; supported: tensor, channel")
+        if weights.get("dynamic"):
+            raise QuantizationError(f"{where}.weights.dynamic is true; weight scales must be stored")
+        acts = group.get("input_activations")
+        if acts is None:
+            activations = "none"
+        else:
+            if acts.get("type") != "float" or acts.get("num_bits") != 8:
+                raise QuantizationError(f"{where}.input_activations is {acts.get('num_bits')}-bit "
+                                        f"{acts.get('type')!r}; only FP8 activations are supported")
+            dynamic = bool(acts.get("dynamic"))
+            act_strategy = acts.get("strategy")
+            if dynamic and act_strategy not in ("token", "tensor"):
+                raise QuantizationError(f"{where}.input_activations.strategy is {act_strategy!r}; dynamic "
+                                        "activations are quantized per token")
+            if not dynamic and act_strategy != "tensor":
+                raise QuantizationError(f"{where}.input_activations.strategy is {act_strategy!r}; static "
+                                        "activation scales must be per tensor")
+            activations = "dynamic" if dynamic else "static"
+        return cls(per_channel=strategy == "channel", activations=activations)
+
+
+def rows_scale(layer: Any, scale: torch.Tensor) -> torch.Tensor:
+    """Per-part scales ``[parts]`` -> one per output row ``[out, 1]``."""
+    sizes = torch.tensor(rows_per_part(layer), device=scale.device)
+    return scale.float().repeat_interleave(sizes).unsqueeze(1)
+
+
+class FP8LinearMethod(DequantLinearMethod):
+    """An FP8 checkpoint's layer: ``weight`` e4m3, ``weight_scale``, optionally ``input_scale``."""
+
+    def __init__(self, scheme: FP8Scheme) -> None:
+        self.scheme = scheme
+
+    def create_weights(self, layer: Any, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype,
+                       weight_loader: WeightLoader) -> None:
+        rows, parts = sum(output_partition_sizes), len(output_partition_sizes)
+        weight = nn.Parameter(torch.empty(rows, input_size_per_partition, dtype=fp8_dtype()), requires_grad=False)
+        set_weight_attrs(weight, output_dim=0, input_dim=1, weight_loader=self._checked(layer, weight_loader))
+        layer.register_parameter("weight", weight)
+        if self.scheme.per_channel:
+            scale = nn.Parameter(torch.empty(rows, 1, dtype=torch.float32), requires_grad=False)
+            set_weight_attrs(scale, output_dim=0, weight_loader=weight_loader)
+            layer.register_parameter("weight_scale", scale)
+        else:
+            per_part_parameter(layer, "weight_scale", parts, (), torch.float32, fill=float("nan"))
+        if self.scheme.activations == "static":
+            per_part_parameter(layer, "input_scale", parts, (), torch.float32, fill=float("nan"))
+
+    @staticmethod
+    def _checked(layer: Any, weight_loader: WeightLoader) -> WeightLoader:
+        def load(param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+            if loaded.dtype != fp8_dtype():
+                raise QuantizationError(f"FP8 {getattr(layer, 'prefix', '')}.weight is {loaded.dtype} in the "
+                                        "checkpoint; expected float8_e4m3fn")
+            weight_loader(param, loaded, shard_id)
+
+        return load
+
+    def process_weights_after_loading(self, layer: Any) -> None:
+        for name in ("weight_scale", "input_scale"):
+            value = getattr(layer, name, None)
+            if value is not None and bool(torch.isnan(value).any()):
+                raise QuantizationError(f"FP8 {getattr(layer, 'prefix', '')}: a part's {name} was not in the "
+                                        "checkpoint")
+        if self.scheme.activations == "static":  # one scale for the fused input: the largest part's
+            layer.activation_scale = layer.input_scale.max().reshape(())
+
+    def dequantize(self, layer: Any, dtype: torch.dtype) -> torch.Tensor:
+        scale = layer.weight_scale.float() if self.scheme.per_channel else rows_scale(layer, layer.weight_scale)
+        return (layer.weight.float() * scale).to(dtype)
+
+    def transform_input(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        if self.scheme.activations == "none":
+            return x
+        return fake_quantize_activations(x, layer.activation_scale if self.scheme.activations == "static" else None)
+
+
+class FP8WhileLoadingMethod(QuantizeWhileLoading):
+    """``--quantize fp8``: each dense weight, once its parts are in, becomes e4m3 with one scale
+    per output channel; activations are quantized per token."""
+
+    def quantize(self, layer: Any, weight: torch.Tensor) -> None:
+        scale = (weight.float().abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=_TINY)  # [out, 1]
+        layer.register_buffer("weight_fp8", quantize_fp8(weight, scale))
+        layer.register_buffer("weight_scale", scale)
+
+    def dequantize(self, layer: Any, dtype: torch.dtype) -> torch.Tensor:
+        return (layer.weight_fp8.float() * layer.weight_scale).to(dtype)
+
+    def transform_input(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        return fake_quantize_activations(x, None)
+
+
+class FP8Config(QuantizationConfig):
+    """FP8 checkpoints (every layer with a ``weight_scale``), or ``--quantize fp8`` on a dense one
+    (every linear layer but the head)."""
+
+    quant_methods = ("fp8", "compressed-tensors")
+    quantizes_while_loading = True
+
+    @classmethod
+    def for_checkpoint(cls, model_dir: Path) -> bool:
+        qconfig = checkpoint_quantization_config(model_dir)
+        return qconfig is not None and str(qconfig.get("quant_method", "")).lower() in cls.quant_methods
+
+    @classmethod
+    def check_checkpoint_config(cls, quantization_config: dict[str, Any]) -> None:
+        FP8Scheme.from_config(quantization_config)
+
+    def __init__(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__(model_dir, device, dtype)
+        reason = unsupported_reason()
+        if reason:
+            raise QuantizationError(reason)
+        qconfig = checkpoint_quantization_config(model_dir)
+        self.while_loading = qconfig is None
+        self.scheme = FP8Scheme(per_channel=True, activations="dynamic") if qconfig is None else \
+            FP8Scheme.from_config(qconfig)
+        self.names = set() if qconfig is None else checkpoint_tensor_names(model_dir)
+        self.scale_names: set[str] = set()
+
+    def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
+        if self.while_loading:
+            return FP8WhileLoadingMethod() if isinstance(layer, LinearBase) else None
+        required = ("input_scale",) if self.scheme.activations == "static" else ()
+        parts = quantized_parts(self, self.names, prefix, "weight_scale", required, "FP8")
+        if parts is None:
+            return None
+        self.scale_names.update(f"{p}.{n}" for p in parts for n in ("weight", "weight_scale", "input_scale"))
+        return FP8LinearMethod(self.scheme)
+
+    def keeps_checkpoint_dtype(self, name: str) -> bool:
+        return name in self.scale_names
+
+    def skips_checkpoint_tensor(self, name: str) -> bool:
+        # Dynamic schemes need no activation scale (some tools still save one): not read.
+        return self.scheme.activations != "static" and name.endswith(".input_scale")
+
+    def settings(self) -> dict[str, str]:
+        return {"format": "while loading" if self.while_loading else "checkpoint", "weights": "float8_e4m3fn",
+                "weight_scales": "per channel" if self.scheme.per_channel else "per tensor",
+                "activations": self.scheme.activations}

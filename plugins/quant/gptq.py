@@ -1,0 +1,236 @@
+"""The ``gptq`` quantizer: GPTQ checkpoints (AutoGPTQ's v1 "gptq" format and gptqmodel's ``gptq_v2``).
+
+Per quantized linear layer (``W [out, in]``, ``f = 32 / bits`` values a word, ``G`` groups):
+
+- ``qweight`` int32 ``[in / f, out]``: W's codes packed along the *input* dimension (row r of
+  the word matrix holds inputs ``r*f ..``, lowest first: :func:`int_packing.unpack_rows`);
+- ``qzeros`` int32 ``[G, out / f]``: each group's zero point packed along the output dimension.
+  v1 ("gptq") stores ``zero - 1`` (a reader adds 1 back: 4-bit symmetric stores 7s); ``gptq_v2``
+  stores the zero itself (reading v2 as v1 shifts every weight by one step: garbage output);
+- ``scales`` float16 ``[G, out]``;
+- ``g_idx`` int32 ``[in]``: input i's group, ``i // group_size`` unless act-order (``desc_act``)
+  quantized the inputs in another order. Without desc_act it is that identity and not read.
+
+``W[o, i] = scales[g_idx[i], o] * (q[i, o] - zero[g_idx[i], o])``, computed exactly in float32.
+Group size -1 is one group over the whole input (per output channel). A group size must divide
+every quantized layer's input size (no ragged last group: other readers would refuse it too).
+A fused layer (qkv, gate/up) loads its parts' columns side by side; each part keeps its own g_idx.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from loom.plugin_api.quantization import (
+    LinearMethod,
+    QuantizationConfig,
+    QuantizationError,
+    WeightLoader,
+    checkpoint_quantization_config,
+    set_weight_attrs,
+)
+
+from .checkpoint_layers import bool_field, checkpoint_tensor_names, int_field, quantized_parts
+from .dequant_linear import DequantLinearMethod, part_index, rows_per_part
+from .int_packing import SUPPORTED_BITS, per_word, unpack_cols, unpack_rows
+
+FORMATS = ("gptq", "gptq_v2")
+
+
+@dataclass(frozen=True)
+class GPTQSettings:
+    bits: int
+    group_size: int  # -1: one group per output channel
+    desc_act: bool
+    sym: bool
+    checkpoint_format: str  # "gptq" (zeros stored minus one) or "gptq_v2"
+
+    @classmethod
+    def parse(cls, qconfig: dict[str, Any]) -> GPTQSettings:
+        bits = int_field(qconfig, ("bits",), None, f"one of {SUPPORTED_BITS}", "GPTQ")
+        if bits not in SUPPORTED_BITS:
+            raise QuantizationError(f"GPTQ quantization_config.bits is {bits}; supported: "
+                                    f"{', '.join(map(str, SUPPORTED_BITS))} (widths that fill int32 words)")
+        group = int_field(qconfig, ("group_size",), 128, "a positive number of inputs, or -1", "GPTQ")
+        if group == 0 or group < -1:
+            raise QuantizationError(f"GPTQ quantization_config.group_size is {group}; expected a positive number "
+                                    "of inputs per group, or -1 for one group per output channel")
+        fmt = qconfig.get("checkpoint_format", qconfig.get("format", "gptq"))
+        if fmt not in FORMATS:
+            raise QuantizationError(f"GPTQ quantization_config.checkpoint_format is {fmt!r}; supported: "
+                                    f"{', '.join(FORMATS)} (repack others, e.g. marlin, with their tools)")
+        return cls(bits=bits, group_size=group, desc_act=bool_field(qconfig, "desc_act", False, "GPTQ"),
+                   sym=bool_field(qconfig, "sym", True, "GPTQ"), checkpoint_format=str(fmt))
+
+    def groups(self, input_size: int, prefix: str) -> int:
+        if self.group_size == -1:
+            return 1
+        if input_size % self.group_size:
+            raise QuantizationError(
+                f"{prefix}: its input size {input_size} is not a multiple of quantization_config.group_size "
+                f"{self.group_size} (groups must tile the input; e.g. 576 = 9 x 64 takes group size 64 or 32)")
+        return input_size // self.group_size
+
+
+class PackedIntMethod(DequantLinearMethod):
+    """Integer codes with per-group scales and zero points; the layout is the format's."""
+
+    fmt = ""
+
+    def __init__(self, bits: int, group_size: int) -> None:
+        self.bits, self.group_size, self.f = bits, group_size, per_word(bits)
+
+    def _groups(self, layer: Any, input_size: int) -> int:
+        if self.group_size == -1:
+            return 1
+        if input_size % self.group_size:
+            raise QuantizationError(f"{getattr(layer, 'prefix', '')}: its input size {input_size} is not a multiple "
+                                    f"of quantization_config.group_size {self.group_size}")
+        return input_size // self.group_size
+
+    def _check_out(self, layer: Any, output_partition_sizes: list[int]) -> None:
+        for rows in output_partition_sizes:
+            if rows % self.f:
+                raise QuantizationError(f"{self.fmt} {getattr(layer, 'prefix', '')}: output size {rows} does not fill "
+                                        f"whole int32 words of {self.f} {self.bits}-bit zeros")
+
+    def group_index(self, layer: Any, part: int, input_size: int) -> torch.Tensor:
+        """``[in]`` long: each input's group for part ``part``."""
+        device = layer.scales.device
+        if self.group_size == -1:
+            return torch.zeros(input_size, dtype=torch.long, device=device)
+        return torch.arange(input_size, device=device) // self.group_size
+
+    def codes_and_zeros(self, layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(q [in, out], zeros [G, out])`` int32, in the checkpoint's output order."""
+        raise NotImplementedError
+
+    def dequantize(self, layer: Any, dtype: torch.dtype) -> torch.Tensor:
+        q, zeros = self.codes_and_zeros(layer)  # [in, out], [G, out]
+        scales = layer.scales.float()  # [G, out]
+        input_size = q.shape[0]
+        wt = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # W^T [in, out]
+        start = 0
+        for part, rows in enumerate(rows_per_part(layer)):
+            cols = slice(start, start + rows)
+            g = self.group_index(layer, part, input_size)  # [in]
+            # exact: |q - z| < 2^bits times an fp16 scale fits float32's 24-bit mantissa
+            wt[:, cols] = (q[:, cols] - zeros[g, cols]).float() * scales[g, cols]
+            start += rows
+        return wt.t().to(dtype)
+
+
+class GPTQLinearMethod(PackedIntMethod):
+    fmt = "GPTQ"
+
+    def __init__(self, settings: GPTQSettings) -> None:
+        super().__init__(settings.bits, settings.group_size)
+        self.settings = settings
+
+    def create_weights(self, layer: Any, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype,
+                       weight_loader: WeightLoader) -> None:
+        prefix = str(getattr(layer, "prefix", ""))
+        if input_size_per_partition % self.f:
+            raise QuantizationError(f"GPTQ {prefix}: input size {input_size_per_partition} does not fill whole "
+                                    f"int32 words of {self.f} {self.bits}-bit values")
+        self._check_out(layer, output_partition_sizes)
+        out = sum(output_partition_sizes)
+        groups = self._groups(layer, input_size_per_partition)
+        row_split = 0 if groups > 1 and not self.settings.desc_act else None  # groups follow the input
+        qweight = nn.Parameter(torch.empty(input_size_per_partition // self.f, out, dtype=torch.int32),
+                               requires_grad=False)
+        set_weight_attrs(qweight, input_dim=0, output_dim=1, packed_dim=0, packed_factor=self.f,
+                         weight_loader=weight_loader)
+        qzeros = nn.Parameter(torch.empty(groups, out // self.f, dtype=torch.int32), requires_grad=False)
+        set_weight_attrs(qzeros, input_dim=row_split, output_dim=1, packed_dim=1, packed_factor=self.f,
+                         weight_loader=weight_loader)
+        scales = nn.Parameter(torch.empty(groups, out, dtype=torch.float16), requires_grad=False)
+        set_weight_attrs(scales, input_dim=row_split, output_dim=1, weight_loader=weight_loader)
+        layer.register_parameter("qweight", qweight)
+        layer.register_parameter("qzeros", qzeros)
+        layer.register_parameter("scales", scales)
+        if self.settings.desc_act:  # each part's own input order: [parts, in]
+            parts = len(output_partition_sizes)
+            g_idx = nn.Parameter(torch.empty(parts, input_size_per_partition, dtype=torch.int32),
+                                 requires_grad=False)
+
+            def load_g_idx(param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+                if tuple(loaded.shape) != (input_size_per_partition,):
+                    raise QuantizationError(f"GPTQ {prefix}.g_idx: checkpoint shape {tuple(loaded.shape)}, expected "
+                                            f"({input_size_per_partition},)")
+                if shard_id is None:
+                    param.data.copy_(loaded.expand(parts, -1))
+                else:
+                    param.data[part_index(shard_id, parts, prefix)].copy_(loaded)
+
+            set_weight_attrs(g_idx, weight_loader=load_g_idx)
+            layer.register_parameter("g_idx", g_idx)
+
+    def process_weights_after_loading(self, layer: Any) -> None:
+        if self.settings.desc_act:
+            groups = layer.scales.shape[0]
+            bad = (layer.g_idx < 0) | (layer.g_idx >= groups)
+            if bool(bad.any()):
+                raise QuantizationError(f"GPTQ {getattr(layer, 'prefix', '')}.g_idx: values must be group indices "
+                                        f"in [0, {groups}), found {int(layer.g_idx[bad][0])}")
+
+    def group_index(self, layer: Any, part: int, input_size: int) -> torch.Tensor:
+        if self.settings.desc_act:
+            return layer.g_idx[part].long()
+        return super().group_index(layer, part, input_size)
+
+    def codes_and_zeros(self, layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        q = unpack_rows(layer.qweight, self.bits)  # [in, out]
+        zeros = unpack_cols(layer.qzeros, self.bits)  # [G, out]
+        if self.settings.checkpoint_format == "gptq":
+            zeros = zeros + 1  # v1 stores zero - 1
+        return q, zeros
+
+
+class GPTQConfig(QuantizationConfig):
+    """A GPTQ checkpoint: every linear layer whose ``qweight`` the checkpoint holds is served by
+    :class:`GPTQLinearMethod`; the others (an unquantized head...) stay dense."""
+
+    quant_methods = ("gptq",)
+
+    @classmethod
+    def for_checkpoint(cls, model_dir: Path) -> bool:
+        qconfig = checkpoint_quantization_config(model_dir)
+        return qconfig is not None and str(qconfig.get("quant_method", "")).lower() == "gptq"
+
+    @classmethod
+    def check_checkpoint_config(cls, quantization_config: dict[str, Any]) -> None:
+        GPTQSettings.parse(quantization_config)
+
+    def __init__(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__(model_dir, device, dtype)
+        qconfig = checkpoint_quantization_config(model_dir)
+        if qconfig is None or str(qconfig.get("quant_method", "")).lower() != "gptq":
+            raise QuantizationError(f"{model_dir}/config.json has no GPTQ quantization_config")
+        self.quant = GPTQSettings.parse(qconfig)
+        self.names = checkpoint_tensor_names(model_dir)
+
+    def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
+        required = ("qzeros", "scales", "g_idx") if self.quant.desc_act else ("qzeros", "scales")
+        if quantized_parts(self, self.names, prefix, "qweight", required, "GPTQ") is None:
+            return None
+        self.quant.groups(int(getattr(layer, "input_size")), prefix)  # noqa: B009 - every linear layer has it
+        return GPTQLinearMethod(self.quant)
+
+    def skips_checkpoint_tensor(self, name: str) -> bool:
+        # Without act-order g_idx is i // group_size: nothing to read.
+        return not self.quant.desc_act and name.endswith(".g_idx")
+
+    def keeps_checkpoint_dtype(self, name: str) -> bool:
+        return name.endswith(".scales")  # float16 in the format: the model's dtype may not hold them
+
+    def settings(self) -> dict[str, str]:
+        q = self.quant
+        return {"format": q.checkpoint_format, "bits": str(q.bits), "group_size": str(q.group_size),
+                "sym": str(q.sym).lower(), "desc_act": str(q.desc_act).lower()}

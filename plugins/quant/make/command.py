@@ -1,0 +1,55 @@
+"""``loom quantize --method gptq|awq|rtn|fp8|nf4 [--bits 4] [--group-size 128] MODEL OUT_DIR``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def add_quantize_command(sub: Any) -> None:
+    p = sub.add_parser(
+        "quantize", help="write a GPTQ, AWQ, RTN, FP8 or NF4 checkpoint of a model",
+        description="Quantize MODEL (anything --model-id takes: a Hugging Face directory, a .gguf file, "
+                    "random:NAME) into OUT_DIR: config.json with its quantization_config, model.safetensors and "
+                    "the tokenizer files. gptq and awq calibrate on a text shipped with Loom; rtn rounds to "
+                    "nearest (GPTQ format); fp8 (compressed-tensors, per-channel) and nf4 (bitsandbytes) need no "
+                    "calibration.")
+    p.add_argument("model", metavar="MODEL")
+    p.add_argument("out_dir", metavar="OUT_DIR", type=Path)
+    p.add_argument("--method", required=True, choices=("gptq", "awq", "rtn", "fp8", "nf4"))
+    p.add_argument("--bits", type=int, default=4, help="gptq / rtn: 2, 4 or 8; awq: 4 (default: 4)")
+    p.add_argument("--group-size", type=int, default=128,
+                   help="inputs per scale (gptq, rtn, awq); -1: one per output channel (gptq, rtn). Must divide "
+                        "every layer's input size: SmolLM2's 576 takes 64 or 32 (default: 128)")
+    p.add_argument("--act-order", action="store_true", help="gptq: quantize inputs by decreasing activation")
+    p.add_argument("--samples", type=int, default=8, help="calibration windows (default: 8)")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window (default: 512)")
+    p.add_argument("--force", action="store_true", help="write into an OUT_DIR that is not empty")
+    p.set_defaults(func=run_quantize)
+
+
+def run_quantize(args: argparse.Namespace) -> int:
+    from loom.config import ConfigError
+    from loom.model_loader import check_model_id, resolve_model_dir
+
+    from .pipeline import QuantizeError, QuantizeRequest, quantize_model
+
+    request = QuantizeRequest(method=args.method, bits=args.bits, group_size=args.group_size,
+                              act_order=args.act_order, samples=args.samples, seq_len=args.seq_len)
+    out_dir: Path = args.out_dir
+    try:
+        request.check()
+        check_model_id(args.model)
+        if out_dir.exists() and any(out_dir.iterdir()) and not args.force:
+            raise QuantizeError(f"OUT_DIR {out_dir} is not empty; choose another or pass --force")
+        started = time.monotonic()
+        quantize_model(resolve_model_dir(args.model), out_dir, request)
+    except (QuantizeError, ConfigError) as exc:
+        print(f"loom quantize: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {out_dir} ({request.method}, {time.monotonic() - started:.0f} s); serve it with "
+          f"loom serve --model-id {out_dir}")
+    return 0

@@ -1,0 +1,272 @@
+"""The model, layer by layer, over the calibration activations: what ``loom quantize`` runs.
+
+The source model is loaded with transformers in float32 on the CPU (its module names are the
+checkpoint's). For GPTQ and AWQ the calibration windows go through the embedding once; then each
+decoder layer in turn sees the previous *quantized* layer's outputs, is quantized, and produces
+the next layer's inputs. GPTQ quantizes a layer's linears in the order they compute (q/k/v, o,
+gate/up, down), each group's Hessian taken after the groups before it were quantized
+("true sequential"). The head
+and the embedding stay dense.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .awq_search import search_scales
+from .calibration import calibration_windows
+from .gptq_solver import HessianAccumulator, gptq_quantize
+from .group_quant import QuantizedLinear, rtn
+from .writers import (
+    awq_tensors,
+    fp8_tensors,
+    gptq_tensors,
+    nf4_tensors,
+    quantization_config,
+    write_checkpoint,
+)
+
+METHODS = ("gptq", "awq", "rtn", "fp8", "nf4")
+GPTQ_ORDER = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+AWQ_SEARCH_TOKENS = 2048  # calibration tokens the AWQ grid search evaluates on (evenly spaced)
+
+
+class QuantizeError(ValueError):
+    """A request ``loom quantize`` cannot carry out; the message names the flag or the layer."""
+
+
+@dataclass(frozen=True)
+class QuantizeRequest:
+    method: str
+    bits: int = 4
+    group_size: int = 128
+    act_order: bool = False
+    samples: int = 8
+    seq_len: int = 512
+
+    def check(self) -> None:
+        if self.method not in METHODS:
+            raise QuantizeError(f"--method {self.method!r}: expected one of {', '.join(METHODS)}")
+        if self.method in ("gptq", "rtn") and self.bits not in (2, 4, 8):
+            raise QuantizeError(f"--bits {self.bits}: GPTQ-format checkpoints take 2, 4 or 8 bits")
+        if self.method == "awq" and self.bits != 4:
+            raise QuantizeError(f"--bits {self.bits}: AWQ GEMM checkpoints are 4-bit")
+        if self.method in ("gptq", "rtn", "awq") and (self.group_size == 0 or self.group_size < -1):
+            raise QuantizeError(f"--group-size {self.group_size}: expected a positive number of inputs, or -1")
+        if self.method == "awq" and self.group_size == -1:
+            raise QuantizeError("--group-size -1: AWQ checkpoints quantize in groups (64, 128...)")
+        if self.act_order and self.method != "gptq":
+            raise QuantizeError("--act-order applies to --method gptq only")
+        if self.samples < 1 or self.seq_len < 16:
+            raise QuantizeError("--samples must be at least 1 and --seq-len at least 16")
+
+
+def decoder_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    """The quantized linears: every nn.Linear inside the decoder layers (the head stays dense)."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear) and ".layers." in name}
+
+
+def check_shapes(request: QuantizeRequest, linears: dict[str, nn.Linear]) -> None:
+    if request.method not in ("gptq", "rtn", "awq"):
+        return
+    for name, linear in linears.items():
+        gs = request.group_size
+        if gs != -1 and linear.in_features % gs:
+            fits = [g for g in (32, 64, 128) if linear.in_features % g == 0]
+            raise QuantizeError(
+                f"--group-size {gs} does not divide the input size {linear.in_features} of {name} (a ragged last "
+                f"group is not supported: other GPTQ/AWQ readers refuse it); use --group-size "
+                f"{' or '.join(map(str, fits)) or '-1'}")
+        per_word = 32 // request.bits
+        if linear.out_features % per_word or linear.in_features % per_word:
+            raise QuantizeError(f"{name} is {linear.out_features} x {linear.in_features}: both must be multiples of "
+                                f"{per_word} to pack {request.bits}-bit values into int32 words")
+
+
+def load_source(model_dir: Path) -> Any:
+    """The dense model in float32 on the CPU (random-weight models drawn with a fixed seed)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from loom.model_loader.random_model import random_weights_of
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    if random_weights_of(config) is not None:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    return model.eval()
+
+
+def source_dtype(model_dir: Path) -> torch.dtype:
+    import json
+
+    config = json.loads((model_dir / "config.json").read_text())
+    name = config.get("torch_dtype") or config.get("dtype") or "float32"
+    dtype = getattr(torch, str(name), torch.float32)
+    return dtype if dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
+
+
+class _Stop(Exception):
+    pass
+
+
+def first_layer_inputs(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The hidden states and keyword arguments the first decoder layer is called with."""
+    layers = model.model.layers
+    captured: dict[str, Any] = {}
+
+    def grab(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        captured["hidden"] = args[0] if args else kwargs.pop("hidden_states")
+        captured["kwargs"] = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+        raise _Stop
+
+    handle = layers[0].register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        model(ids, use_cache=False)
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    return captured["hidden"], captured["kwargs"]
+
+
+def run_layer(layer: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+    out = layer(hidden, **kwargs)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def capture_inputs(layer: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any],
+                   modules: dict[str, nn.Module], sink: Callable[[str, torch.Tensor], None]) -> None:
+    """Run ``layer`` once, handing each of ``modules``' input to ``sink(name, x)``."""
+    handles = [m.register_forward_pre_hook(lambda _m, args, name=name: sink(name, args[0]))
+               for name, m in modules.items()]
+    try:
+        run_layer(layer, hidden, kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def set_weight(linear: nn.Linear, ql: QuantizedLinear) -> None:
+    linear.weight.data.copy_(ql.dequantize())
+
+
+@torch.no_grad()
+def gptq_layer(layer: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any], request: QuantizeRequest,
+               prefix: str, results: dict[str, QuantizedLinear]) -> None:
+    for group in GPTQ_ORDER:
+        modules = {n: m for n, m in layer.named_modules() if n.rpartition(".")[2] in group}
+        # The group's linears read the same input, so they share one Hessian, and GPTQ treats
+        # weight rows independently given it: quantizing their rows stacked is the same as one by
+        # one, in a third of the column steps.
+        first = next(iter(modules))
+        acc = HessianAccumulator(modules[first].in_features)
+        capture_inputs(layer, hidden, kwargs, {first: modules[first]}, _adder(acc))
+        stacked = torch.cat([m.weight.data for m in modules.values()])
+        ql = gptq_quantize(stacked, acc.hessian(), request.bits, request.group_size, sym=True,
+                           act_order=request.act_order)
+        start = 0
+        for name, module in modules.items():
+            rows = slice(start, start + module.out_features)
+            part = QuantizedLinear(ql.codes[rows], ql.scales[rows], ql.zeros[rows], ql.g_idx, ql.bits)
+            set_weight(module, part)
+            results[f"{prefix}.{name}"] = part
+            start += module.out_features
+
+
+def _adder(acc: HessianAccumulator) -> Callable[[str, torch.Tensor], None]:
+    return lambda _name, x: acc.add(x)
+
+
+def _sample_rows(x: torch.Tensor, limit: int) -> torch.Tensor:
+    flat = x.reshape(-1, x.shape[-1]).float()
+    step = max(1, flat.shape[0] // limit)
+    return flat[::step][:limit]
+
+
+@torch.no_grad()
+def awq_layer(layer: Any, hidden: torch.Tensor, kwargs: dict[str, Any], request: QuantizeRequest,
+              prefix: str, results: dict[str, QuantizedLinear]) -> None:
+    attn, mlp = layer.self_attn, layer.mlp
+    inputs: dict[str, torch.Tensor] = {}
+    watched = {"qkv": attn.q_proj, "o": attn.o_proj, "gate_up": mlp.gate_proj, "down": mlp.down_proj}
+    capture_inputs(layer, hidden, kwargs, watched,
+                   lambda name, x: inputs.__setitem__(name, _sample_rows(x, AWQ_SEARCH_TOKENS)))
+    bits, gs = request.bits, request.group_size
+
+    def scale_pair(previous: Any, after: list[nn.Linear], x: torch.Tensor, rows_of_previous: bool) -> None:
+        s = search_scales(x, [m.weight.data for m in after], bits, gs)  # [in]
+        if rows_of_previous:  # a linear before: its output rows shrink by s
+            previous.weight.data.div_(s.view(-1, 1))
+            if getattr(previous, "bias", None) is not None:
+                previous.bias.data.div_(s)
+        else:  # a norm before: its weight shrinks by s
+            previous.weight.data.div_(s)
+        for m in after:
+            m.weight.data.mul_(s.view(1, -1))
+
+    scale_pair(layer.input_layernorm, [attn.q_proj, attn.k_proj, attn.v_proj], inputs["qkv"], False)
+    if attn.v_proj.out_features == attn.o_proj.in_features:  # not with grouped KV heads (v is narrower)
+        scale_pair(attn.v_proj, [attn.o_proj], inputs["o"], True)
+    scale_pair(layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj], inputs["gate_up"], False)
+    scale_pair(mlp.up_proj, [mlp.down_proj], inputs["down"], True)
+    for name, module in layer.named_modules():
+        if isinstance(module, nn.Linear):
+            ql = rtn(module.weight.data, bits, gs, sym=False)
+            set_weight(module, ql)
+            results[f"{prefix}.{name}"] = ql
+
+
+@torch.no_grad()
+def quantize_model(model_dir: Path, out_dir: Path, request: QuantizeRequest, progress: bool = True) -> Path:
+    """Quantize the model in ``model_dir`` (a Hugging Face directory: what ``resolve_model_dir``
+    gives) with ``request`` and write the checkpoint to ``out_dir``."""
+    from tqdm.auto import tqdm
+
+    request.check()
+    model = load_source(model_dir)
+    linears = decoder_linears(model)
+    check_shapes(request, linears)
+    dtype = source_dtype(model_dir)
+    results: dict[str, QuantizedLinear] = {}
+    if request.method in ("gptq", "awq"):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        ids = calibration_windows(tokenizer, request.samples, request.seq_len, int(model.config.vocab_size))
+        hidden, kwargs = first_layer_inputs(model, ids)
+        step = gptq_layer if request.method == "gptq" else awq_layer
+        layers = model.model.layers
+        for i in tqdm(range(len(layers)), desc=f"{request.method} ({ids.numel()} calibration tokens)",
+                      unit="layer", disable=not progress):
+            step(layers[i], hidden, kwargs, request, f"model.layers.{i}", results)
+            hidden = run_layer(layers[i], hidden, kwargs)  # the quantized layer's outputs feed the next
+    elif request.method == "rtn":
+        for name, linear in tqdm(linears.items(), desc="rtn", unit="linear", disable=not progress):
+            results[name] = rtn(linear.weight.data, request.bits, request.group_size, sym=True, min_zero=1)
+    tensors: dict[str, torch.Tensor] = {}
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    for name, tensor in model.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue
+        stem = name.removesuffix(".weight")
+        if stem not in linears or not name.endswith(".weight"):
+            tensors[name] = tensor.to(dtype)
+        elif request.method in ("gptq", "rtn"):
+            tensors.update(gptq_tensors(stem, results[stem]))
+        elif request.method == "awq":
+            tensors.update(awq_tensors(stem, results[stem]))
+        elif request.method == "fp8":
+            tensors.update(fp8_tensors(stem, tensor.to(dtype)))
+        else:
+            tensors.update(nf4_tensors(stem, tensor.to(dtype), dtype))
+    qconfig = quantization_config(request.method, request.bits, request.group_size, request.act_order, dtype)
+    write_checkpoint(model_dir, out_dir, tensors, qconfig, dtype)
+    return out_dir

@@ -1,0 +1,144 @@
+"""Which sequences of a scheduled step verify drafts, and how many.
+
+After the scheduler has chosen a step, the speculator asks the proposer for drafts for its
+decode rows, reserves KV slots for them (never preempting anyone: a sequence without room
+decodes as usual) and widens those rows to 1 + m query tokens. The planner lays the drafts out as
+inputs, the sampler chooses a token at every row, the worker keeps the accepted prefix
+(``loom.sample.verify``) and the output processor applies it. The speculator then records how
+many were accepted and steps aside where drafts do not pay:
+
+- above ``max_batch_size`` running sequences (a step that large is compute-bound: the extra
+  rows cost more than the tokens they save);
+- for a sequence whose drafts keep being rejected: it decodes without drafts for a while
+  (4 steps, doubling up to 64 while it stays low), then tries again;
+- for requests that turn it off (``SamplingParams.speculate``), near ``max_new_tokens`` and the
+  model's length (drafts never take a sequence past them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import structlog
+
+from loom.engine.block_manager import BlockManager
+from loom.engine.scheduler import SchedulerOutput
+from loom.engine.sequence import Sequence
+from loom.plugin_api import DraftRequest, Proposer
+
+log = structlog.get_logger(__name__)
+
+_LOW_ACCEPTANCE = 0.2  # accepted / proposed, smoothed, below which a sequence backs off
+_SMOOTHING = 0.5
+_FIRST_BACKOFF, _MAX_BACKOFF = 4, 64
+
+
+@dataclass
+class _SeqStats:
+    rate: float = 1.0  # smoothed acceptance
+    backoff: int = 0  # steps to skip before drafting again
+    next_backoff: int = _FIRST_BACKOFF
+
+
+@dataclass
+class SpeculationCounters:
+    steps: int = 0  # steps that verified drafts
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    verifications: int = 0  # (sequence, step) pairs that verified drafts
+
+
+class Speculator:
+    def __init__(self, proposer: Proposer, num_speculative_tokens: int, max_batch_size: int, vocab_size: int,
+                 max_model_len: int, pad_to_k: bool) -> None:
+        self.proposer = proposer
+        self.k = num_speculative_tokens
+        self.max_batch_size = max_batch_size
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        # On CUDA: pad a shorter guess to k (repeating its last token) so that steps whose every
+        # sequence verifies have one query length, k + 1, that a captured graph serves.
+        self.pad_to_k = pad_to_k
+        self._stats: dict[int, _SeqStats] = {}
+        self._live: dict[int, Sequence] = {}  # sequences the proposer may keep state for
+        self.counters = SpeculationCounters()
+
+    def add_drafts(self, sched: SchedulerOutput, block_manager: BlockManager,
+                   num_running: int) -> dict[int, list[int]]:
+        """Drafts per seq_id for ``sched``'s decode rows; widens those rows and reserves their
+        slots. Empty when the batch is too large or no sequence gets a guess."""
+        self._release_finished()
+        if num_running > self.max_batch_size:
+            return {}
+        candidates: list[tuple[int, Sequence, int]] = []
+        for i, (seq, n) in enumerate(zip(sched.seqs, sched.num_new_tokens, strict=True)):
+            if (n != 1 or not seq.sampling.speculate or seq.num_output_tokens == 0 or seq.num_pending_tokens
+                    or seq.num_computed_tokens != seq.num_tokens - 1):
+                continue  # not a plain decode row: prompts, forks and placeholders decode as usual
+            stats = self._stats.get(seq.seq_id)
+            if stats is not None and stats.backoff > 0:
+                stats.backoff -= 1
+                continue
+            room = min(self.k, seq.stopping.max_new_tokens - seq.num_output_tokens - 1,
+                       self.max_model_len - seq.num_tokens - 1)
+            if room > 0:
+                candidates.append((i, seq, room))
+        if not candidates:
+            return {}
+        guesses = self.proposer.propose([DraftRequest(s.seq_id, s.token_ids, room) for _, s, room in candidates])
+        drafts: dict[int, list[int]] = {}
+        for (i, seq, room), guess in zip(candidates, guesses, strict=True):
+            self._live[seq.seq_id] = seq
+            guess = _valid_prefix(guess[:room], self.vocab_size)
+            if not guess:
+                continue
+            if self.pad_to_k and room == self.k and len(guess) < room:
+                guess = guess + [guess[-1]] * (room - len(guess))
+            if block_manager.num_new_blocks_needed(seq, 1 + len(guess)) > block_manager.num_free_blocks:
+                continue  # no room for the drafts' KV: decode as usual rather than preempt
+            block_manager.append_slots(seq, 1 + len(guess))
+            sched.num_new_tokens[i] = 1 + len(guess)
+            drafts[seq.seq_id] = guess
+        if drafts:
+            self.counters.steps += 1
+        return drafts
+
+    def reset(self) -> None:
+        """Forget every sequence and count (after the warm-up)."""
+        for sid in list(self._live):
+            self.proposer.release(sid)
+        self._live.clear()
+        self._stats.clear()
+        self.counters = SpeculationCounters()
+
+    def observe(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        """Record a verification's outcome (and tell the proposer)."""
+        c = self.counters
+        c.verifications += 1
+        c.draft_tokens += num_drafts
+        c.accepted_tokens += num_accepted
+        stats = self._stats.setdefault(seq.seq_id, _SeqStats())
+        stats.rate = _SMOOTHING * stats.rate + (1 - _SMOOTHING) * (num_accepted / num_drafts)
+        if stats.rate < _LOW_ACCEPTANCE:
+            stats.backoff = stats.next_backoff
+            stats.next_backoff = min(_MAX_BACKOFF, 2 * stats.next_backoff)
+            stats.rate = _LOW_ACCEPTANCE  # one good verification after the pause lifts it again
+        elif num_accepted == num_drafts:
+            stats.next_backoff = _FIRST_BACKOFF
+        self.proposer.accepted(seq.seq_id, num_drafts, num_accepted)
+
+    def _release_finished(self) -> None:
+        done = [sid for sid, seq in self._live.items() if seq.is_finished]
+        for sid in done:
+            del self._live[sid]
+            self._stats.pop(sid, None)
+            self.proposer.release(sid)
+
+
+def _valid_prefix(tokens: list[int], vocab_size: int) -> list[int]:
+    """A proposer's guess up to its first id outside the vocabulary (a plugin's bug must not
+    reach the model as an out-of-range index)."""
+    for j, t in enumerate(tokens):
+        if not (isinstance(t, int) and 0 <= t < vocab_size):
+            return tokens[:j]
+    return list(tokens)

@@ -1,0 +1,215 @@
+"""The model runner: runs a step plan as one flattened forward and samples from it.
+
+It holds the model, the attention backend and the KV pool (the worker builds them). It stages
+the plan's flat rows (``input_ids`` and ``positions`` of every scheduled row, prefill and decode
+alike, the slots their K/V go to, the block tables) on the device, sets the forward context the
+attention layers read, runs the model once, computes logits only for the rows that are sampled
+(plus prompt rows whose logprobs were asked for) and hands them to the sampler.
+"""
+
+from __future__ import annotations
+
+import array
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from loom.layers.attention import AttentionBackend, AttentionMetadata, ForwardContext, forward_context
+from loom.plugin_api.model import CausalLM
+from loom.sample.batch import build_sampling_batch
+from loom.sample.sampler import Sampler, prompt_logprobs
+from loom.sample.verify import accepted_prefix
+
+from .staging import DeviceToHost, Stager
+from .step_plan import StepOutput, StepPlan
+
+if TYPE_CHECKING:
+    from .cuda_graphs import CudaGraphRunner
+
+
+_PROMPT_LOGPROB_ROWS = 512
+_NO_TOKEN = float("-inf")  # the sampler's top-n logprob of a slot that holds no kept token
+_NON_FINITE = ("non-finite logits (NaN or inf) for this request, from the model or after its penalties and "
+               "temperature")
+
+
+@dataclass
+class StepInputs:
+    """A step's inputs on the device."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    plan: StepPlan | None = None  # what they were staged from (None: a test's hand-made step)
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward and sampling are queued on the device; :meth:`ModelRunner.finish`
+    reads the results back."""
+
+    plan: StepPlan
+    sampled_ids: torch.Tensor  # [N] int64 on the device: the next step's input for these rows
+    host: list[torch.Tensor]  # token ids, logprobs, finite flags[, top ids, top logprobs] (host)
+    transfer: DeviceToHost
+    prompt_logprobs: dict[int, list[float]]  # seq_id -> logprobs of this step's prompt rows
+
+
+class ModelRunner:
+    """Runs step plans on one device: stages the plan, runs the forward (a CUDA graph when one
+    fits), computes the logits of the rows that choose a token and samples them."""
+
+    def __init__(self, model: CausalLM, backend: AttentionBackend, kv_caches: list[torch.Tensor],
+                 block_size: int, vocab_size: int, device: torch.device,
+                 cuda_graphs: CudaGraphRunner | None = None) -> None:
+        self.model = model
+        self.cuda_graphs = cuda_graphs  # replays steps of a captured size and query length
+        self.backend = backend
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.device = device
+        self.sampler = Sampler()
+        self.stager = Stager(device)
+        # The last launched step's sampled ids [N] (device): inputs for rows whose token the
+        # host has not read back yet (StepPlan.pending_rows / pending_src index it).
+        self.last_sampled: torch.Tensor | None = None
+
+    def prepare(self, plan: StepPlan) -> StepInputs:
+        """Stage the plan's arrays on the device (queued, not waited for)."""
+        query_start = [0]
+        for n in plan.query_lens:
+            query_start.append(query_start[-1] + n)
+        # Padded to a multiple of 16: Triton specialises integer arguments on divisibility by 16,
+        # so a table stride that changed with the longest sequence would compile new kernel
+        # variants in the middle of serving (a second or more each, seen on the H200).
+        max_blocks = -(-max(len(t) for t in plan.block_tables) // 16) * 16
+        tables = _block_tables(plan.block_tables, max_blocks)
+        stage = self.stager
+        stage.next_step()
+        meta = AttentionMetadata(
+            query_start_loc=stage.to_device(query_start, torch.int32),
+            seq_lens=stage.to_device(plan.seq_lens, torch.int32),
+            slot_mapping=stage.to_device(plan.slot_mapping, torch.int64),
+            block_tables=stage.to_device(tables, torch.int32),
+            query_lens_cpu=plan.query_lens,
+            seq_lens_cpu=plan.seq_lens,
+            max_query_len=max(plan.query_lens),
+            max_seq_len=max(plan.seq_lens),
+            block_size=self.block_size,
+        )
+        input_ids = stage.to_device(plan.input_ids, torch.int64)
+        if plan.pending_rows:
+            assert self.last_sampled is not None
+            src = stage.to_device(plan.pending_src, torch.int64)
+            input_ids.index_copy_(0, stage.to_device(plan.pending_rows, torch.int64),
+                                  self.last_sampled.index_select(0, src))
+        return StepInputs(input_ids=input_ids, positions=stage.to_device(plan.positions, torch.int64), meta=meta,
+                          plan=plan)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate whole blocks in every layer's pool."""
+        if not pairs:
+            return
+        src = self.stager.to_device([s for s, _ in pairs], torch.int64)
+        dst = self.stager.to_device([d for _, d in pairs], torch.int64)
+        for cache in self.kv_caches:  # [2, num_blocks, block_size, Hkv, D]
+            cache[:, dst] = cache[:, src]
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> LaunchedStep:
+        """Queue the step's forward and sampling on the device; the host does not wait for them
+        (except for prompt logprobs, which are read back at once)."""
+        inputs = self.prepare(plan)
+        self.copy_blocks(plan.blocks_to_copy)  # queued after prepare's copies, before the forward
+        hidden = self.forward(inputs)  # [T, hidden]
+        logits = self.sample_logits(hidden, inputs)  # [N, V] fp32
+        batch = build_sampling_batch(plan.sampling, self.vocab_size, self.device, self.stager)
+        out = self.sampler(logits, batch)
+        prompt = self._prompt_logprobs(hidden, plan)
+        results = [out.token_ids, out.logprobs, out.finite]  # a NaN row fails only its request
+        if out.top_ids is not None and out.top_logprobs is not None:
+            results += [out.top_ids, out.top_logprobs]
+        transfer = DeviceToHost(self.device)
+        host = transfer.fetch(results)
+        self.last_sampled = out.token_ids
+        return LaunchedStep(plan, out.token_ids, host, transfer, prompt)
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """The model over the step's flat rows: [T] ids -> [T, hidden] (a captured CUDA graph
+        when one fits)."""
+        hidden = self.cuda_graphs.try_run(inputs) if self.cuda_graphs is not None else None
+        if hidden is None:
+            plan = self.backend.prepare(inputs.meta)  # once per step; every layer reads it
+            with forward_context(ForwardContext(self.backend, self.kv_caches, inputs.meta, plan)):
+                hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
+        return hidden
+
+    def sample_logits(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
+        """Logits of the rows that choose a token: [T, hidden] -> [N, V] fp32."""
+        assert inputs.plan is not None
+        rows = self.stager.to_device(inputs.plan.sample_rows, torch.int64)
+        return self.model.compute_logits(hidden.index_select(0, rows))
+
+    def finish(self, step: LaunchedStep) -> StepOutput:
+        """Wait for a launched step and read its sampled tokens back: per sampled sequence a list
+        of one token, or, for a sequence verifying drafts, the drafts the model agreed with and
+        the token it chose after them (:func:`loom.sample.verify.accepted_prefix`)."""
+        step.transfer.wait()
+        plan = step.plan
+        token_ids, logprobs = step.host[0].tolist(), step.host[1].tolist()
+        finite = step.host[2].tolist()
+        top_rows: list[list[tuple[int, float]]] | None = None
+        if len(step.host) == 5:
+            ids_l, lps_l = step.host[3].tolist(), step.host[4].tolist()
+            # A -inf logprob marks a slot that holds no token the filters kept: fewer
+            # alternatives than asked for come back, never a filtered-out one.
+            top_rows = [[(t, lp) for t, lp in zip(i[:n], lps[:n], strict=True) if lp != _NO_TOKEN]
+                        for n, i, lps in zip(plan.sampling.top_n, ids_l, lps_l, strict=True)]
+        if plan.num_drafts is None:  # one row per sequence
+            top = [[t] for t in top_rows] if top_rows is not None else None
+            failed = {seq_id: _NON_FINITE for seq_id, ok in zip(plan.sample_seq_ids, finite, strict=True) if not ok}
+            return StepOutput(plan.sample_seq_ids, [[t] for t in token_ids], [[lp] for lp in logprobs], top,
+                              failed, step.prompt_logprobs)
+        out_ids: list[list[int]] = []
+        out_lps: list[list[float]] = []
+        out_top: list[list[list[tuple[int, float]]]] | None = [] if top_rows is not None else None
+        failed = {}
+        row = draft = 0
+        for seq_id, m in zip(plan.sample_seq_ids, plan.num_drafts, strict=True):
+            chosen = token_ids[row : row + m + 1]
+            keep = accepted_prefix(chosen, plan.draft_token_ids[draft : draft + m]) + 1
+            out_ids.append(chosen[:keep])
+            out_lps.append(logprobs[row : row + keep])
+            if out_top is not None and top_rows is not None:
+                out_top.append(top_rows[row : row + keep])
+            if not all(finite[row : row + keep]):
+                failed[seq_id] = _NON_FINITE
+            row += m + 1
+            draft += m
+        return StepOutput(plan.sample_seq_ids, out_ids, out_lps, out_top, failed, step.prompt_logprobs)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, plan: StepPlan) -> dict[int, list[float]]:
+        """Logprobs of the prompt tokens this step's rows predict, per sequence (read back now)."""
+        out: dict[int, list[float]] = {}
+        for rows in plan.prompt_logprobs:
+            count = len(rows.next_token_ids)
+            values = out.setdefault(rows.seq_id, [])
+            # In slices: a [count, V] fp32 logits block for a long prompt would dominate memory.
+            for lo in range(0, count, _PROMPT_LOGPROB_ROWS):
+                hi = min(count, lo + _PROMPT_LOGPROB_ROWS)
+                logits = self.model.compute_logits(hidden[rows.first_row + lo : rows.first_row + hi])  # [hi-lo, V]
+                nxt = torch.tensor(rows.next_token_ids[lo:hi], dtype=torch.int64, device=self.device)
+                values.extend(prompt_logprobs(logits, nxt).tolist())
+        return out
+
+
+def _block_tables(tables: list[list[int]], width: int) -> torch.Tensor:
+    """The block tables as one zero-padded [len(tables), width] int32 tensor. Filled through a
+    flat ``array``: 4x faster than ``torch.tensor`` of padded rows at 512 sequences (0.7 ms vs
+    3.2 ms here), and this runs every step."""
+    flat = array.array("i", bytes(4 * width * len(tables)))
+    for i, table in enumerate(tables):
+        flat[i * width : i * width + len(table)] = array.array("i", table)
+    return torch.frombuffer(flat, dtype=torch.int32).view(len(tables), width)

@@ -1,0 +1,177 @@
+"""The worker: one device's share of the engine. It resolves the device and dtype, loads the
+model, builds the attention backend, holds the KV pool, the model runner, the CUDA graphs and
+the staging buffers, and runs step plans (``loom.worker.step_plan``).
+
+The engine core talks to it only through plans, sizes and :class:`StepOutput` results, so a
+worker per tensor-parallel rank can later sit behind a process boundary with the same calls.
+Today there is one worker, in the engine process.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import structlog
+import torch
+
+from loom.config import EngineConfig
+from loom.plugin_api import PluginRegistry
+from loom.process_tuning import keep_freed_memory
+
+from .cuda_graphs import maybe_capture_cuda_graphs
+from .fault_injection import FaultInjectingRunner
+from .model_runner import CausalLM, LaunchedStep, ModelRunner
+from .step_plan import StepOutput, StepPlan
+
+log = structlog.get_logger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+    """fp32 on CPU; on GPU the checkpoint's half type (bf16 when it says fp32 or nothing)."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    if checkpoint_dtype in (torch.float16, torch.bfloat16):
+        return checkpoint_dtype
+    return torch.bfloat16
+
+
+@dataclass(frozen=True)
+class LoadedModelInfo:
+    """What the engine core needs to know of the loaded model (plain values)."""
+
+    model_dir: Path
+    hf_architecture: str
+    architecture: str
+    quantization: str | None
+    attention_backend: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...]
+    plugins: tuple[str, ...]  # EngineInfo.plugins' entries (the quantizer and its settings)
+
+
+class Worker:
+    """Device, model, attention backend, KV pool, model runner and CUDA graphs of one device."""
+
+    def __init__(self, config: EngineConfig, registry: PluginRegistry) -> None:
+        from loom.model_loader import eos_token_ids, load_hf_config, load_model, model_dims, resolve_model_dir
+
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            # The fused-ops kernel is compiled (first start on a machine, ~20 s) while the model
+            # loads and the plugins build theirs; its first user waits for it if need be.
+            from loom.layers import cpu_fused
+
+            threading.Thread(target=cpu_fused.available, name="build-cpu-fused-ops", daemon=True).start()
+        model_dir = resolve_model_dir(config.model_id)
+        log.info("loading the model", model_dir=str(model_dir), device=str(self.device))
+        hf_config = load_hf_config(model_dir)
+        ckpt_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if isinstance(ckpt_dtype, str):
+            ckpt_dtype = _DTYPES.get(ckpt_dtype)
+        self.dtype = resolve_dtype(config.dtype, self.device, ckpt_dtype)
+        loaded = load_model(model_dir, self.dtype, self.device, registry, config.quantize)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # CPU forwards allocate big activations each step: no page-fault storm
+        if self.device.type == "cuda" and not config.num_threads:
+            # The host only schedules and launches: intra-op threads would just spin after each
+            # small CPU copy and take cores from this thread and the front end.
+            torch.set_num_threads(1)
+        shape = model_dims(loaded.hf_config)
+        if config.attention_backend:
+            backend_spec = registry.attention_backend(config.attention_backend)
+        else:
+            backend_spec = registry.default_attention_backend(self.device.type, config.block_size)
+        self.backend = backend_spec.load()(shape.num_heads, shape.num_kv_heads, shape.head_dim, self.dtype,
+                                           self.device)
+        self.model = cast(CausalLM, loaded.model)
+        self.shape = shape
+        self.info = LoadedModelInfo(
+            model_dir=model_dir, hf_architecture=loaded.hf_architecture, architecture=loaded.architecture,
+            quantization=loaded.quantization, attention_backend=backend_spec.name, num_layers=shape.num_layers,
+            num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, vocab_size=shape.vocab_size,
+            max_position_embeddings=shape.max_position_embeddings, eos_token_ids=eos_token_ids(model_dir),
+            plugins=loaded.plugin_entries())
+        self.runner: ModelRunner | None = None
+
+    # -- the KV pool ---------------------------------------------------------------------------------
+    @property
+    def kv_element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        """(Re)allocate the KV pool for ``num_blocks`` blocks and a runner over it."""
+        self.free_kv_cache()  # free the old pool before allocating anew
+        bs = self.config.block_size
+        kv_caches = self.backend.allocate_kv_cache(self.shape.num_layers, num_blocks, bs)
+        # Tests only (--fault-injection): a runner that fails chosen requests on purpose.
+        runner_cls = FaultInjectingRunner if self.config.fault_injection else ModelRunner
+        self.runner = runner_cls(self.model, self.backend, kv_caches, bs, self.shape.vocab_size, self.device)
+
+    def free_kv_cache(self) -> None:
+        self.runner = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def capture_cuda_graphs(self, max_model_len: int, query_lens: tuple[int, ...] = (1,)) -> None:
+        """Capture graphs over the current pool (after its last rebuild) for steps whose every
+        sequence has one of ``query_lens`` rows: 1 for decode, k + 1 to verify k drafts."""
+        runner = self._runner()
+        runner.cuda_graphs = maybe_capture_cuda_graphs(
+            self.config.cuda_graphs, self.model, self.backend, runner.kv_caches, self.config.block_size,
+            max_model_len, self.device, self.config.max_batch_size, query_lens)
+
+    @property
+    def max_graph_batch_size(self) -> int | None:
+        """The largest batch a captured decode graph holds (None: no graphs)."""
+        graphs = self.runner.cuda_graphs if self.runner is not None else None
+        return graphs.sizes[-1] if graphs is not None else None
+
+    def profile_gpu_memory(self, run: Callable[[], Any]) -> tuple[int, int, int]:
+        """Run ``run`` (a warm-up through the engine) and measure the device memory: the
+        activation peak above what was allocated before, what stays allocated once the pool is
+        freed (weights and state), and the device's total, in bytes."""
+        dev = self.device
+        torch.cuda.synchronize(dev)
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        run()
+        torch.cuda.synchronize(dev)
+        activations = torch.cuda.max_memory_allocated(dev) - base
+        self.free_kv_cache()
+        weights_and_state = torch.cuda.memory_allocated(dev)
+        _, total = torch.cuda.mem_get_info(dev)
+        return activations, weights_and_state, total
+
+    # -- steps -------------------------------------------------------------------------------------
+    def execute(self, plan: StepPlan) -> LaunchedStep:
+        """Queue a step on the device; :meth:`finish` reads its results."""
+        return self._runner().launch(plan)
+
+    def finish(self, step: LaunchedStep) -> StepOutput:
+        return self._runner().finish(step)
+
+    def _runner(self) -> ModelRunner:
+        if self.runner is None:
+            raise RuntimeError("the worker has no KV pool: init_kv_cache first")
+        return self.runner

@@ -1,0 +1,220 @@
+"""Quantized checkpoints of a tiny dense model, written by packers of the tests' own (not Loom's),
+and reference readers written from the published format descriptions.
+
+The packers and readers here use NumPy and explicit bit loops, deliberately unlike Loom's torch
+code (``loom_plugins.quant.int_packing``), so a shared mistake would need two different wrong
+implementations that agree.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def dense_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(model_dir / "model.safetensors"))
+
+
+def is_linear(name: str) -> bool:
+    return name.endswith(".weight") and name.split(".")[-2] in LINEARS
+
+
+# ---- int packing (NumPy, bit by bit) --------------------------------------------------------------
+
+
+def np_pack_words(values: np.ndarray, bits: int, axis: int, order: tuple[int, ...] | None = None) -> np.ndarray:
+    """Pack ``values`` (unsigned, < 2^bits) along ``axis``: word slot j holds element ``order[j]`` of
+    its group (identity when None), slot 0 in the lowest bits."""
+    per = 32 // bits
+    v = np.moveaxis(values.astype(np.uint32), axis, 0)
+    groups = v.shape[0] // per
+    out = np.zeros((groups, *v.shape[1:]), dtype=np.uint32)
+    for g in range(groups):
+        for slot in range(per):
+            element = (order[slot] if order else slot)
+            out[g] |= v[g * per + element] << np.uint32(slot * bits)
+    return np.moveaxis(out, 0, axis).view(np.int32)
+
+
+def np_unpack_words(words: np.ndarray, bits: int, axis: int, order: tuple[int, ...] | None = None) -> np.ndarray:
+    per = 32 // bits
+    w = np.moveaxis(words.view(np.uint32), axis, 0)
+    out = np.zeros((w.shape[0] * per, *w.shape[1:]), dtype=np.int64)
+    for g in range(w.shape[0]):
+        for slot in range(per):
+            element = (order[slot] if order else slot)
+            out[g * per + element] = (w[g] >> np.uint32(slot * bits)) & np.uint32((1 << bits) - 1)
+    return np.moveaxis(out, 0, axis)
+
+
+AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ: slot j holds column AWQ_PACK_ORDER[j]
+
+
+# ---- quantizing a dense weight (round to nearest), the tests' own ---------------------------------
+
+
+def rtn_groups(w: np.ndarray, bits: int, group: int, sym: bool, rng: np.random.Generator,
+               act_order: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``w [out, in]`` -> (q [in, out], zeros [G, out], scales fp16 [G, out], g_idx [in])."""
+    out_f, in_f = w.shape
+    g_size = in_f if group == -1 else group
+    n_groups = in_f // g_size
+    perm = rng.permutation(in_f) if act_order else np.arange(in_f)
+    g_idx = np.empty(in_f, dtype=np.int32)
+    g_idx[perm] = np.arange(in_f) // g_size  # the i-th input in quantization order joins group i // size
+    maxq = (1 << bits) - 1
+    q = np.zeros((in_f, out_f), dtype=np.int64)
+    zeros = np.zeros((n_groups, out_f), dtype=np.int64)
+    scales = np.zeros((n_groups, out_f), dtype=np.float16)
+    for g in range(n_groups):
+        cols = np.nonzero(g_idx == g)[0]
+        block = w[:, cols].astype(np.float32)  # [out, size]
+        if sym:
+            s = np.maximum(np.abs(block).max(axis=1), 1e-6) * 2 / maxq
+            z = np.full(out_f, (maxq + 1) // 2)
+        else:
+            lo, hi = np.minimum(block.min(axis=1), 0), np.maximum(block.max(axis=1), 0)
+            s = np.maximum(hi - lo, 1e-6) / maxq
+            z = np.clip(np.round(-lo / s), 1, maxq)  # >= 1: v1 stores z - 1 (0 would wrap to 2^bits)
+        s16 = s.astype(np.float16)
+        q[cols] = np.clip(np.round(block / s16.astype(np.float32)[:, None]) + z[:, None], 0, maxq).T
+        zeros[g], scales[g] = z, s16
+    return q, zeros, scales, g_idx
+
+
+def ref_dequant(q: np.ndarray, zeros: np.ndarray, scales: np.ndarray, g_idx: np.ndarray) -> torch.Tensor:
+    """W [out, in] float32 from codes [in, out], zeros / scales [G, out], g_idx [in]; elementwise."""
+    wt = (q - zeros[g_idx]).astype(np.float32) * scales[g_idx].astype(np.float32)
+    return torch.from_numpy(np.ascontiguousarray(wt.T))
+
+
+# ---- checkpoints ------------------------------------------------------------------------------
+
+
+def _write(dense_dir: Path, out: Path, tensors: dict[str, torch.Tensor], qconfig: dict[str, Any]) -> Path:
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    for name in dense_dir.iterdir():
+        if name.name not in ("model.safetensors", "config.json"):
+            shutil.copy(name, out / name.name)
+    config = json.loads((dense_dir / "config.json").read_text())
+    config["quantization_config"] = qconfig
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
+    return out
+
+
+def gptq_checkpoint(dense_dir: Path, out: Path, *, bits: int = 4, group: int = 32, sym: bool = True,
+                    desc_act: bool = False, v2: bool = False, seed: int = 0) -> tuple[Path, dict[str, torch.Tensor]]:
+    """The dense model's linears as GPTQ; returns the dir and each linear's reference dequantized weight."""
+    rng = np.random.default_rng(seed)
+    tensors, expected = {}, {}
+    for name, w in dense_tensors(dense_dir).items():
+        if not is_linear(name):
+            tensors[name] = w
+            continue
+        stem = name.removesuffix(".weight")
+        q, z, s, g_idx = rtn_groups(w.float().numpy(), bits, group, sym, rng, desc_act)
+        stored_z = z if v2 else (z - 1) & ((1 << bits) - 1)
+        tensors[f"{stem}.qweight"] = torch.from_numpy(np_pack_words(q, bits, axis=0))
+        tensors[f"{stem}.qzeros"] = torch.from_numpy(np_pack_words(stored_z, bits, axis=1))
+        tensors[f"{stem}.scales"] = torch.from_numpy(s)
+        tensors[f"{stem}.g_idx"] = torch.from_numpy(g_idx)
+        expected[stem] = ref_dequant(q, z, s, g_idx)
+    qconfig = {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": sym, "desc_act": desc_act,
+               "checkpoint_format": "gptq_v2" if v2 else "gptq"}
+    return _write(dense_dir, out, tensors, qconfig), expected
+
+
+def awq_checkpoint(dense_dir: Path, out: Path, *, group: int = 32, seed: int = 0) -> tuple[Path, dict[str, torch.Tensor]]:
+    rng = np.random.default_rng(seed)
+    tensors, expected = {}, {}
+    for name, w in dense_tensors(dense_dir).items():
+        if not is_linear(name):
+            tensors[name] = w
+            continue
+        stem = name.removesuffix(".weight")
+        q, z, s, g_idx = rtn_groups(w.float().numpy(), 4, group, False, rng, False)
+        tensors[f"{stem}.qweight"] = torch.from_numpy(np_pack_words(q, 4, axis=1, order=AWQ_PACK_ORDER))
+        tensors[f"{stem}.qzeros"] = torch.from_numpy(np_pack_words(z, 4, axis=1, order=AWQ_PACK_ORDER))
+        tensors[f"{stem}.scales"] = torch.from_numpy(s)
+        expected[stem] = ref_dequant(q, z, s, g_idx)
+    qconfig = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
+    return _write(dense_dir, out, tensors, qconfig), expected
+
+
+def fp8_checkpoint(dense_dir: Path, out: Path, *, per_channel: bool, static: bool,
+                   layout: str = "compressed-tensors") -> tuple[Path, dict[str, torch.Tensor]]:
+    """FP8 made with compressed-tensors' own quantize / dequantize (the independent reference)."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize
+
+    args = QuantizationArgs(num_bits=8, type="float", symmetric=True,
+                            strategy="channel" if per_channel else "tensor")
+    tensors, expected = {}, {}
+    for i, (name, w) in enumerate(dense_tensors(dense_dir).items()):
+        if not is_linear(name):
+            tensors[name] = w
+            continue
+        stem = name.removesuffix(".weight")
+        amax = w.abs().amax(dim=1, keepdim=True) if per_channel else w.abs().amax().reshape(1)
+        scale = (amax / 448.0).float()
+        q = quantize(w, scale, torch.zeros_like(scale), args, dtype=torch.float8_e4m3fn)
+        tensors[name] = q
+        tensors[f"{stem}.weight_scale"] = scale if per_channel else scale.reshape(())
+        if static:
+            tensors[f"{stem}.input_scale"] = torch.tensor(0.05 + 0.01 * i, dtype=torch.float32)
+        expected[stem] = dequantize(q, scale, None, args, dtype=torch.float32)
+    if layout == "fp8":
+        qconfig: dict[str, Any] = {"quant_method": "fp8", "activation_scheme": "static" if static else "dynamic"}
+    else:
+        acts = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": not static,
+                "strategy": "tensor" if static else "token"}
+        qconfig = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+                   "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": acts, "weights": {
+                       "num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
+                       "strategy": "channel" if per_channel else "tensor"}}}}
+    return _write(dense_dir, out, tensors, qconfig), expected
+
+
+def nf4_checkpoint(dense_dir: Path, out: Path, *, double_quant: bool) -> tuple[Path, dict[str, torch.Tensor]]:
+    """NF4 packed by bitsandbytes itself; the reference is bitsandbytes' own dequantize_4bit."""
+    import bitsandbytes.functional as bnbf
+
+    tensors, expected = {}, {}
+    for name, w in dense_tensors(dense_dir).items():
+        if not is_linear(name):
+            tensors[name] = w
+            continue
+        packed, state = bnbf.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=double_quant)
+        tensors[name] = packed
+        for key, value in state.as_dict(packed=True).items():
+            tensors[f"{name}.{key}"] = value
+        expected[name.removesuffix(".weight")] = bnbf.dequantize_4bit(packed, state).float()
+    qconfig = {"quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False,
+               "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": double_quant,
+               "bnb_4bit_compute_dtype": "float32", "bnb_4bit_quant_storage": "uint8"}
+    return _write(dense_dir, out, tensors, qconfig), expected
+
+
+def dense_with(dense_dir: Path, out: Path, weights: dict[str, torch.Tensor]) -> Path:
+    """The dense model with each linear replaced by ``weights[stem]`` (a transformers reference)."""
+    from safetensors.torch import save_file
+
+    shutil.copytree(dense_dir, out)
+    tensors = dense_tensors(dense_dir)
+    for stem, w in weights.items():
+        tensors[f"{stem}.weight"] = w.float()
+    save_file(tensors, str(out / "model.safetensors"))
+    return out

@@ -1,0 +1,131 @@
+"""``loom quantize``: each method's checkpoint loads and serves; GPTQ and AWQ beat round-to-nearest
+on the layer outputs they optimise; packed layouts read back with the tests' own readers."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from helpers.quant_checkpoints import AWQ_PACK_ORDER, np_unpack_words
+from helpers.reference_attention import ModelHarness
+from safetensors.torch import load_file
+
+from loom.cli import main as loom_main
+from loom.model_loader import load_model
+from loom.plugin_api import PluginRegistry
+from loom_plugins.quant.make.gptq_solver import HessianAccumulator, gptq_quantize
+from loom_plugins.quant.make.group_quant import rtn
+from loom_plugins.quant.make.pipeline import QuantizeRequest, quantize_model
+
+PROMPT = [1, 17, 42, 99, 3, 250, 7, 7, 128, 64, 5, 300, 12]
+TinyDir = Callable[[str], Path]
+FAST = {"samples": 2, "seq_len": 64}
+
+
+@pytest.fixture(scope="module")
+def tiny_with_tokenizer(tiny_model_dir: TinyDir, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with a word-level tokenizer (calibration needs one)."""
+    import shutil
+
+    from loom.model_loader.random_model import _write_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny-tok") / "model"
+    shutil.copytree(tiny_model_dir("llama"), path)
+    _write_tokenizer(320, path)
+    return path
+
+
+def _logits(path: Path, registry: PluginRegistry, quantize: str = "auto") -> tuple[Any, torch.Tensor]:
+    loaded = load_model(path, torch.float32, "cpu", registry, quantize)
+    return loaded, ModelHarness(loaded.model, loaded.hf_config).prefill(PROMPT)
+
+
+@pytest.mark.parametrize(("method", "options", "plugin"), [
+    ("rtn", {"bits": 4, "group_size": 32}, "gptq"),
+    ("gptq", {"bits": 4, "group_size": 32, "act_order": True}, "gptq"),
+    ("gptq", {"bits": 8, "group_size": -1}, "gptq"),
+    ("awq", {"bits": 4, "group_size": 32}, "awq"),
+    ("fp8", {}, "fp8"),
+    ("nf4", {}, "nf4"),
+])
+def test_quantize_round_trip_loads_and_serves(method: str, options: dict[str, Any], plugin: str,
+                                              tiny_with_tokenizer: Path, quant_registry: PluginRegistry,
+                                              tmp_path: Path) -> None:
+    out = quantize_model(tiny_with_tokenizer, tmp_path / method, QuantizeRequest(method=method, **options, **FAST),
+                         progress=False)
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" in config and (out / "tokenizer.json").is_file()
+    _, dense = _logits(tiny_with_tokenizer, quant_registry, "none")
+    loaded, ours = _logits(out, quant_registry)
+    assert loaded.quantization == plugin
+    rel = float((ours - dense).norm() / dense.norm())
+    assert rel < (0.05 if method in ("fp8",) or options.get("bits") == 8 else 0.6), rel  # a random tiny model
+    assert rel > 0  # something was quantized
+
+
+def test_written_gptq_and_awq_read_back_with_independent_unpackers(tiny_with_tokenizer: Path,
+                                                                    quant_registry: PluginRegistry,
+                                                                    tmp_path: Path) -> None:
+    for method in ("gptq", "awq"):
+        out = quantize_model(tiny_with_tokenizer, tmp_path / method,
+                             QuantizeRequest(method=method, group_size=32, **FAST), progress=False)
+        tensors = load_file(str(out / "model.safetensors"))
+        loaded = load_model(out, torch.float32, "cpu", quant_registry)
+        layer: Any = loaded.model.model.layers[1].mlp.down_proj
+        stem = "model.layers.1.mlp.down_proj"
+        if method == "gptq":
+            q = np_unpack_words(tensors[f"{stem}.qweight"].numpy(), 4, axis=0)
+            z = np_unpack_words(tensors[f"{stem}.qzeros"].numpy(), 4, axis=1) + 1
+            g = tensors[f"{stem}.g_idx"].numpy().astype(np.int64)
+        else:
+            q = np_unpack_words(tensors[f"{stem}.qweight"].numpy(), 4, axis=1, order=AWQ_PACK_ORDER)
+            z = np_unpack_words(tensors[f"{stem}.qzeros"].numpy(), 4, axis=1, order=AWQ_PACK_ORDER)
+            g = np.arange(q.shape[0]) // 32
+        s = tensors[f"{stem}.scales"].numpy().astype(np.float32)
+        expected = torch.from_numpy(np.ascontiguousarray(((q - z[g]).astype(np.float32) * s[g]).T))
+        assert torch.equal(layer.quant_method.dequantize(layer, torch.float32), expected)
+
+
+def test_gptq_beats_round_to_nearest_on_the_calibration_outputs() -> None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 128, generator=g)
+    # correlated inputs with a few large channels: where compensating errors pays
+    x = torch.randn(2048, 128, generator=g) @ (torch.eye(128) + 0.3 * torch.randn(128, 128, generator=g))
+    x[:, :4] *= 8
+    acc = HessianAccumulator(128)
+    acc.add(x)
+    for act_order in (False, True):
+        ours = gptq_quantize(w, acc.hessian(), 4, 32, sym=True, act_order=act_order).dequantize()
+        floor = rtn(w, 4, 32, sym=True).dequantize()
+        err, err_rtn = ((x @ (ours - w).t()) ** 2).mean(), ((x @ (floor - w).t()) ** 2).mean()
+        assert err < 0.8 * err_rtn, (act_order, float(err), float(err_rtn))
+
+
+def test_awq_scales_keep_the_float_function_and_lower_the_error(tiny_with_tokenizer: Path, tmp_path: Path) -> None:
+    from loom_plugins.quant.make.awq_search import fake_quantize, search_scales
+
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(64, 128, generator=g) * 0.1
+    x = torch.randn(1024, 128, generator=g)
+    x[:, :8] *= 20  # salient channels
+    s = search_scales(x, [w], 4, 32)
+    assert torch.allclose((x / s) @ (w * s).t(), x @ w.t(), atol=1e-4, rtol=1e-4)
+    err_awq = ((x / s) @ fake_quantize(w * s, 4, 32).t() - x @ w.t()).pow(2).mean()
+    err_rtn = (x @ fake_quantize(w, 4, 32).t() - x @ w.t()).pow(2).mean()
+    assert err_awq < err_rtn
+
+
+def test_group_size_that_does_not_divide_is_refused_with_exit_2(tiny_with_tokenizer: Path, tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    code = loom_main(["quantize", "--method", "gptq", "--group-size", "48", str(tiny_with_tokenizer),
+                      str(tmp_path / "out")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "--group-size 48 does not divide the input size 64 of model.layers.0.self_attn.q_proj" in err
+    assert "use --group-size 32 or 64" in err
+    assert not (tmp_path / "out").exists()
