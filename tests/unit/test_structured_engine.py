@@ -160,3 +160,18 @@ def test_aborted_while_compiling_and_bad_grammar_refused(engine: LLMEngine) -> N
     bad = outs[("bad", 0)][0]
     assert bad.finish_reason is FinishReason.ERROR and bad.rejection is not None
     assert (bad.rejection.status, bad.rejection.field) == ("INVALID_ARGUMENT", "parameters.constraint.grammar")
+
+
+def test_speculation_drafts_are_masked_per_row_and_change_no_token(model_dir: Path, engine: LLMEngine,
+                                                                  tok: Tokenizer) -> None:
+    spec = GrammarSpec("regex", "(ab|ba|a|b){4,40}", "parameters.constraint.regex")
+    prompt = tuple(tok.encode("ab ab ab ab ab ab ab ab ab ab"))  # n-gram drafts come from repeats
+    reqs = [EngineRequest("g", prompt, SamplingParams(constraint=spec), StoppingParams(max_new_tokens=40)),
+            EngineRequest("p", prompt, SamplingParams(), StoppingParams(max_new_tokens=12, ignore_eos=True))]
+    plain = run(engine, reqs)
+    speculating = make_engine(model_dir, speculate=3)
+    drafted = run(speculating, reqs)
+    assert {k: ids(v) for k, v in drafted.items()} == {k: ids(v) for k, v in plain.items()}
+    assert sum(o.num_draft_tokens for o in drafted[("g", 0)]) > 0  # the constrained request verified drafts
+    assert re.fullmatch("(ab|ba|a|b){4,40}", text(tok, drafted[("g", 0)])) or finish(drafted[("g", 0)]) is not \
+        FinishReason.EOS_TOKEN
