@@ -60,6 +60,7 @@ class ParameterOptions(TypedDict, total=False):
     n: int | None
     best_of: int | None
     priority: int | None
+    speculation: bool | None  # False: no drafts for this request when the server speculates
     # Parameters.constraint (structured output): at most one
     json_schema: str | Mapping[str, Any] | None  # a JSON text, or a mapping sent as JSON
     json_object: bool | None  # True: any JSON object
@@ -91,7 +92,7 @@ PARAMETER_FIELDS: Mapping[str, tuple[str | None, str]] = {
         name: ("response", name)
         for name in ("tokens", "logprobs", "top_n_tokens", "prompt_logprobs", "return_full_text")
     },
-    **{name: (None, name) for name in ("truncate_input_tokens", "n", "best_of", "priority")},
+    **{name: (None, name) for name in ("truncate_input_tokens", "n", "best_of", "priority", "speculation")},
     **{name: ("constraint", name) for name in ("json_schema", "json_object", "regex", "grammar", "choice")},
 }
 
