@@ -220,7 +220,7 @@ def engine_config(args: argparse.Namespace, device: torch.device, workloads: lis
         kwargs["cuda_memory_fraction"] = args.cuda_memory_fraction
     if args.async_scheduling is not None:
         kwargs["async_scheduling"] = args.async_scheduling
-    if args.speculate:
+    if getattr(args, "speculate", None):
         kwargs["speculate"] = args.speculate
     fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
     if args.cuda_graphs is not None:

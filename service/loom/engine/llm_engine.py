@@ -517,6 +517,7 @@ class LLMEngine:
             for seq, m, tokens in zip(launched.planned.sample_seqs, num_drafts, result.token_ids, strict=True):
                 if m and seq.seq_id not in result.failed:
                     self.speculator.observe(seq, m, len(tokens) - 1)
+            self.speculator.release_finished()
         return outputs
 
     def _isolate(self, sched: SchedulerOutput, outputs: list[EngineOutput],
