@@ -490,8 +490,12 @@ class LLMEngine:
         the computed count of a sequence that verified drafts)."""
         planned = plan_step(sched, self.config.block_size, self.vocab_size, self.eos_token_ids, drafts)
         if self._structured is not None:  # the grammar rows of the sampled sequences, in the plan
-            planned.plan.sampling.bitmask = self._structured.bitmask_rows(
-                planned.sample_seqs, [drafts.get(s.seq_id, []) for s in planned.sample_seqs] if drafts else None)
+            plan = planned.plan
+            guesses = None
+            if plan.num_drafts is not None:  # each sampled sequence's drafts, as the plan lays them out
+                flat = iter(plan.draft_token_ids)
+                guesses = [[next(flat) for _ in range(m)] for m in plan.num_drafts]
+            plan.sampling.bitmask = self._structured.bitmask_rows(planned.sample_seqs, guesses)
         step = self.worker.execute(planned.plan)
         self.block_manager.commit_pending()
         for seq, n in zip(sched.seqs, sched.num_new_tokens, strict=True):
