@@ -222,6 +222,7 @@ def test_cpu_benchmarks_hold_every_request_of_a_workload_in_the_pool() -> None:
     c2 = cpu_workload("C2")
     assert cpu_pool_tokens([c2]) >= sum(len(p) + n for p, n in c2.requests) > 4 * 1024
     args = argparse.Namespace(model_id="random:tiny-llama", dtype="auto", attention_backend=None, quantize="auto",
+                              speculate=None,
                               max_total_tokens=2048, max_batch_prefill_tokens=None, max_batch_total_tokens=None,
                               threads=2, cuda_memory_fraction=None, async_scheduling=None, cuda_graphs=None)
     cfg = engine_config(args, torch.device("cpu"), [w])
