@@ -64,7 +64,11 @@ def test_quantize_round_trip_loads_and_serves(method: str, options: dict[str, An
     loaded, ours = _logits(out, quant_registry)
     assert loaded.quantization == plugin
     rel = float((ours - dense).norm() / dense.norm())
-    assert rel < (0.05 if method in ("fp8",) or options.get("bits") == 8 else 0.6), rel  # a random tiny model
+    # A random tiny model's logits against its dense ones: 8-bit integers keep them within 5%; FP8
+    # rounds weights AND activations (dynamic per token) to e4m3's 3 mantissa bits (up to 6% per
+    # element each), 0.127 measured here, so 0.25; 4-bit schemes within 0.6. Garbage is near 1.
+    bound = 0.25 if method == "fp8" else 0.05 if options.get("bits") == 8 else 0.6
+    assert rel < bound, rel
     assert rel > 0  # something was quantized
 
 
