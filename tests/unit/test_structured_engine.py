@@ -91,8 +91,13 @@ def test_constrained_outputs_match_and_unconstrained_rows_are_untouched(engine: 
         request("choice", CHOICE),
         request("plain", None, new=12),
     ])
-    assert ids(mixed[("plain", 0)]) == ids(plain_alone)  # bit-identical: the mask touched only its rows
-    assert [o.logprobs for o in mixed[("plain", 0)]] == [o.logprobs for o in plain_alone]
+    assert ids(mixed[("plain", 0)]) == ids(plain_alone)  # the mask touched only its rows
+    # Same tokens; logprobs within float32 rounding, not bit-equal: the CPU GEMMs of a 5-row and a
+    # 1-row batch reduce in different orders (CI measured a 1e-6 difference at step 11). The
+    # sampler-level test (test_token_bitmask) checks the unmasked row bit for bit.
+    mixed_lp = [lp for o in mixed[("plain", 0)] for lp in o.logprobs]
+    alone_lp = [lp for o in plain_alone for lp in o.logprobs]
+    assert mixed_lp == pytest.approx(alone_lp, abs=1e-5)
     for index in (0, 1):
         outs = mixed[("json", index)]
         assert finish(outs) is FinishReason.EOS_TOKEN, text(tok, outs)
