@@ -97,6 +97,33 @@ def nf4_scheme() -> Scheme:
     return Scheme("nf4", lambda: NF4CheckpointMethod(double_quant=False), tensors)
 
 
+def bnb_nf4_scheme(double_quant: bool) -> Scheme:
+    """NF4 packed by bitsandbytes itself (on the CPU), as transformers saves it."""
+    import bitsandbytes.functional as bnbf
+
+    from loom_plugins.quant.nf4 import NF4CheckpointMethod, NF4Config
+
+    rename = NF4Config.rename_checkpoint_tensor
+
+    def tensors(w: torch.Tensor) -> dict[str, torch.Tensor]:
+        packed, state = bnbf.quantize_4bit(w.float(), blocksize=64, quant_type="nf4", compress_statistics=double_quant)
+        raw = {"x.weight": packed, **{f"x.weight.{k}": v for k, v in state.as_dict(packed=True).items()}}
+        return {rename(None, k).removeprefix("x."): v for k, v in raw.items()}  # type: ignore[arg-type]
+
+    return Scheme(f"bnb-nf4{'-dq' if double_quant else ''}", lambda: NF4CheckpointMethod(double_quant), tensors)
+
+
+def bnb_reference(weights: list[torch.Tensor], double_quant: bool) -> torch.Tensor:
+    """bitsandbytes' own dequantization of what :func:`bnb_nf4_scheme` packs: ``W [N, K]`` float32."""
+    import bitsandbytes.functional as bnbf
+
+    parts = []
+    for w in weights:
+        packed, state = bnbf.quantize_4bit(w.float(), blocksize=64, quant_type="nf4", compress_statistics=double_quant)
+        parts.append(bnbf.dequantize_4bit(packed, state).float())
+    return torch.cat(parts)
+
+
 def fp8_scheme(per_channel: bool, static: bool) -> Scheme:
     from loom_plugins.quant.fp8 import FP8_MAX, FP8LinearMethod, FP8Scheme, quantize_fp8
 

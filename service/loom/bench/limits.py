@@ -13,12 +13,17 @@ time its unavoidable work takes at those rates:
 
 Counting every weight byte per step (embedding and head included) follows WORKLOADS.md's
 "16.06 GB / 4.3 TB/s = 3.7 ms a step" for llama-8b.
+
+A quantized model reads its packed weights instead (W6: int4 GPTQ / AWQ, FP8, NF4): the limits
+then take the weight bytes the engine actually holds (``weight_memory``), so ``ratio_to_limit``
+is the share of the int4 (or FP8...) weight-read limit; :func:`weight_read_limit` is that limit
+alone (one decode step that only reads the weights).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +129,19 @@ def model_cost(model_dir: Path, dtype: torch.dtype) -> ModelCost:
     return ModelCost(weight_bytes=weight_bytes, body_matmul_params=body, head_params=head,
                      num_layers=dims.num_layers, num_heads=dims.num_heads, head_dim=dims.head_dim,
                      kv_bytes_per_token=2 * dims.num_layers * dims.num_kv_heads * dims.head_dim * elem)
+
+
+def served_cost(cost: ModelCost, weight_bytes: int) -> ModelCost:
+    """``cost`` with the bytes of the weights as served (packed int4 / e4m3 / NF4 and their scales,
+    the dense embedding and head): what a quantized model reads each forward pass."""
+    return replace(cost, weight_bytes=weight_bytes)
+
+
+def weight_read_limit(weight_bytes: int, hw: Hardware) -> dict[str, float]:
+    """The fastest decode step that reads ``weight_bytes`` once (no KV, no FLOPs): the weight-read
+    limit of a batch-1 decode (for int4 weights, the int4 weight-read limit)."""
+    step_s = weight_bytes / hw.copy_bytes_per_s
+    return {"weight_bytes": float(weight_bytes), "min_step_s": step_s, "max_decode_tok_s": 1.0 / step_s}
 
 
 def _sequence_work(cost: ModelCost, prompt: int, new: int) -> tuple[float, float]:
