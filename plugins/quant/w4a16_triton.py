@@ -253,8 +253,9 @@ def plan(m: int, n: int, k: int, group: int, sms: int, dense_from: int) -> Plan:
     bk = block_k_for(group)
     if m >= dense_from:
         return Plan("dense", 0, 128, bk, 1, k, 4, 1)
-    if m == 1:
-        kind, bm, bn, warps, stages = "gemv", 1, 64, 4, 3
+    if m == 1:  # a [64, 64] float32 accumulator: 32 registers a thread, several programs an SM
+        kind, bm, bn, warps, stages = "gemv", 1, 64, 4, 4
+        bk = min(bk, 64)  # still inside one group: group sizes are multiples of 64 or of bk
     elif m <= 16:
         kind, bm, bn, warps, stages = "gemm", 16, 64, 4, 4
     elif m <= 32:
