@@ -152,3 +152,12 @@ def test_group_size_that_does_not_divide_is_refused_with_exit_2(tiny_with_tokeni
     assert "--group-size 48 does not divide the input size 64 of model.layers.0.self_attn.q_proj" in err
     assert "use --group-size 32 or 64" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_damping_outside_its_range_is_refused_with_exit_2(tiny_with_tokenizer: Path, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    code = loom_main(["quantize", "--method", "gptq", "--group-size", "32", "--damp", "0", str(tiny_with_tokenizer),
+                      str(tmp_path / "out")])
+    assert code == 2
+    assert "--damp 0.0: expected a share of the Hessian's mean diagonal in (0, 1]" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

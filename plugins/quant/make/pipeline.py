@@ -49,6 +49,7 @@ class QuantizeRequest:
     act_order: bool = False
     samples: int = 8
     seq_len: int = 512
+    damp: float = 0.01  # GPTQ: added to H's diagonal, as a share of its mean
 
     def check(self) -> None:
         if self.method not in METHODS:
@@ -65,6 +66,8 @@ class QuantizeRequest:
             raise QuantizeError("--act-order applies to --method gptq only")
         if self.samples < 1 or self.seq_len < 16:
             raise QuantizeError("--samples must be at least 1 and --seq-len at least 16")
+        if not 0 < self.damp <= 1:
+            raise QuantizeError(f"--damp {self.damp}: expected a share of the Hessian's mean diagonal in (0, 1]")
 
 
 def decoder_linears(model: nn.Module) -> dict[str, nn.Linear]:
@@ -171,7 +174,7 @@ def gptq_layer(layer: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any], r
         capture_inputs(layer, hidden, kwargs, {first: modules[first]}, _adder(acc))
         stacked = torch.cat([m.weight.data for m in modules.values()])
         ql = gptq_quantize(stacked, acc.hessian(), request.bits, request.group_size, sym=True,
-                           act_order=request.act_order)
+                           act_order=request.act_order, damp=request.damp)
         start = 0
         for name, module in modules.items():
             rows = slice(start, start + module.out_features)
