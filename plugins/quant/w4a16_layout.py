@@ -132,7 +132,7 @@ def pack_rows_int32(values: torch.Tensor, bits: int) -> torch.Tensor:
     step = max(1, _SHIFT_CHUNK // max(cols, 1))
     for r0 in range(0, rows // f, step):
         r1 = min(r0 + step, rows // f)
-        chunk = values[r0 * f:r1 * f].to(torch.int32).view(r1 - r0, f, cols)
+        chunk = values[r0 * f:r1 * f].to(torch.int32).contiguous().view(r1 - r0, f, cols)
         word = chunk[:, 0].clone()
         for j in range(1, f):
             # left shifts of int32 wrap: the top code lands in the sign bit, as in the checkpoint
