@@ -12,8 +12,9 @@ zero points) and NF4 (a 16-value table) in one family, chosen by the number of t
   while the fused GEMM would redo it for every tile of M.
 
 Both fused kernels split K over programs when the output alone would not give the GPU enough
-of them (M small): each split writes float32 partial sums, and a second kernel adds them in a
-fixed order, adds the bias and casts (deterministic, no atomics).
+of them (M small; targets: 8 GEMV or 4 GEMM programs an SM): each split writes float32 partial
+sums, and a second kernel adds them in a fixed order, adds the bias and casts (deterministic, no
+atomics).
 
 Every launch depends only on shapes (the plan is a function of M, N, K and the group size):
 no host synchronisation and no allocation that depends on data, so the kernels run inside CUDA
@@ -60,8 +61,9 @@ def _jit(fn: Callable[..., Any]) -> Any:
 # At and above this many tokens a layer dequantizes its weight once and cuBLAS multiplies.
 # Overridable for tuning on a given GPU (LOOM_W4A16_DENSE_FROM=256 ...); read once at import.
 DENSE_FROM_TOKENS = int(os.environ.get("LOOM_W4A16_DENSE_FROM", "1024"))
-# Split K until the grid holds this many programs per SM (or a split has one K block left).
-_PROGRAMS_PER_SM = 4
+# Split K until the grid holds this many programs per SM (or a split has one K block left): the
+# GEMV's programs are small (a 64 x 64 tile), and a batch-1 decode needs many loads in flight.
+_PROGRAMS_PER_SM = {"gemv": 8, "gemm": 4}
 _MAX_SPLIT = 16
 
 
@@ -267,7 +269,7 @@ def plan(m: int, n: int, k: int, group: int, sms: int, dense_from: int) -> Plan:
     k_blocks = -(-k // bk)
     tiles = -(-n // bn) * -(-m // bm)
     split = 1
-    while tiles * split < _PROGRAMS_PER_SM * sms and split * 2 <= min(_MAX_SPLIT, k_blocks):
+    while tiles * split < _PROGRAMS_PER_SM[kind] * sms and split * 2 <= min(_MAX_SPLIT, k_blocks):
         split *= 2
     k_split = -(-k_blocks // split) * bk
     split = -(-k // k_split)  # no empty split
