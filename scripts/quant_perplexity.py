@@ -13,6 +13,7 @@ windows of 512 tokens, each scored on its own: 4,088 predicted tokens. Per row:
 
     .venv/bin/python scripts/quant_perplexity.py --out bench/results/q1-perplexity.json
     .venv/bin/python scripts/quant_perplexity.py --layer-errors --out bench/results/q1-gptq-layers.json
+    .venv/bin/python scripts/quant_perplexity.py --grid-check --out bench/results/q1-grid-check.json
 
 Checkpoints are written with `loom quantize` into --work (kept, so a rerun only scores), and so
 are the dense model's log-probabilities (one file per window).
@@ -48,6 +49,8 @@ RUNS: list[tuple[str, str | None, str, dict[str, Any]]] = [
     ("RTN int4 g64", "rtn", "auto", {"bits": 4, "group_size": 64}),
     ("GPTQ int4 g64", "gptq", "auto", {"bits": 4, "group_size": 64}),
     ("GPTQ int4 g64 act-order", "gptq", "auto", {"bits": 4, "group_size": 64, "act_order": True}),
+    ("GPTQ int4 g64 12 windows", "gptq", "auto", {"bits": 4, "group_size": 64, "samples": 12}),
+    ("GPTQ int4 g64 sink x64", "gptq", "auto", {"bits": 4, "group_size": 64, "sink_weight": 64.0}),
     ("AWQ int4 g64", "awq", "auto", {"bits": 4, "group_size": 64}),
     ("RTN int4 g32", "rtn", "auto", {"bits": 4, "group_size": 32}),
     ("GPTQ int4 g32", "gptq", "auto", {"bits": 4, "group_size": 32}),
@@ -206,6 +209,42 @@ def layer_errors(args: argparse.Namespace, source: Path, chunks: list[list[int]]
             "groups": len(rows), "gptq_below_rtn": summary, "rows": rows}
 
 
+@torch.no_grad()
+def grid_check(source: Path) -> dict[str, Any]:
+    """Do SmolLM2's "dense" weights (its Q4_1 GGUF dequantized) favour round-to-nearest? For every
+    decoder linear: the relative weight error ``||Q(W) - W|| / ||W||`` of Q4_1's own rounding (per
+    32 inputs, ``min + d * q`` with a float minimum), of RTN with integer zero points (the GPTQ /
+    AWQ formats) at g32 asymmetric and g64 symmetric, and of the same RTNs on a Gaussian matrix
+    of the same shape and spread (a weight on no grid)."""
+    from loom_plugins.quant.make.group_quant import rtn
+    from loom_plugins.quant.make.pipeline import decoder_linears, load_source
+
+    def q4_1(w: torch.Tensor) -> torch.Tensor:
+        blocks = w.view(w.shape[0], -1, 32)
+        lo, hi = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
+        d = ((hi - lo) / 15).clamp(min=1e-12)
+        return (torch.round((blocks - lo) / d).clamp(0, 15) * d + lo).view_as(w)
+
+    def rel(q: torch.Tensor, w: torch.Tensor) -> float:
+        return float((q - w).norm() / w.norm())
+
+    sums: dict[str, float] = {}
+    linears = decoder_linears(load_source(source))
+    g = torch.Generator().manual_seed(0)
+    for linear in linears.values():
+        w = linear.weight.data.float()
+        gauss = torch.randn(w.shape, generator=g) * w.std()
+        figures = {"q4_1_float_minimum": rel(q4_1(w), w), "rtn_g32_asym": rel(rtn(w, 4, 32, False).dequantize(), w),
+                   "rtn_g64_sym": rel(rtn(w, 4, 64, True).dequantize(), w),
+                   "gaussian_rtn_g32_asym": rel(rtn(gauss, 4, 32, False).dequantize(), gauss),
+                   "gaussian_rtn_g64_sym": rel(rtn(gauss, 4, 64, True).dequantize(), gauss)}
+        for k, v in figures.items():
+            sums[k] = sums.get(k, 0.0) + v / len(linears)
+    result = {"linears": len(linears), "mean_relative_weight_error": {k: round(v, 5) for k, v in sums.items()}}
+    print(json.dumps(result, indent=2), flush=True)
+    return result
+
+
 def main() -> int:
     from loom.model_loader import resolve_model_dir
 
@@ -217,6 +256,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     parser.add_argument("--only", default=None, help="comma-separated label prefixes to run (e.g. GPTQ,RTN)")
     parser.add_argument("--layer-errors", action="store_true", help="GPTQ vs RTN layer by layer instead")
+    parser.add_argument("--grid-check", action="store_true",
+                        help="instead: do the Q4_1-derived weights favour round-to-nearest? (weight errors)")
     parser.add_argument("--group-size", type=int, default=64, help="--layer-errors: the group size")
     parser.add_argument("--act-order", action="store_true", help="--layer-errors: GPTQ with act-order")
     parser.add_argument("--damp", type=float, default=0.01, help="--layer-errors: GPTQ's damping (share of mean H_dd)")
@@ -228,7 +269,11 @@ def main() -> int:
     torch.manual_seed(0)
     source = resolve_model_dir(args.model_id)
     chunks = windows(source, args.window, args.windows)
-    if args.layer_errors:
+    if args.grid_check:
+        result = grid_check(source)
+        if args.out:
+            args.out.write_text(json.dumps(result, indent=2) + "\n")
+    elif args.layer_errors:
         result = layer_errors(args, source, chunks)
         if args.out:
             args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -161,3 +161,17 @@ def test_damping_outside_its_range_is_refused_with_exit_2(tiny_with_tokenizer: P
     assert code == 2
     assert "--damp 0.0: expected a share of the Hessian's mean diagonal in (0, 1]" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_sink_weight_counts_the_first_token_of_each_window_more() -> None:
+    from loom_plugins.quant.make.pipeline import QuantizeError, QuantizeRequest, _adder
+
+    x = torch.randn(2, 5, 4, dtype=torch.float64)  # [windows, tokens, inputs]
+    plain, weighted = HessianAccumulator(4), HessianAccumulator(4)
+    _adder(plain)("x", x)
+    _adder(weighted, 9.0)("x", x)
+    flat, first = x.reshape(-1, 4), x[:, 0]
+    assert torch.allclose(plain.h, flat.t() @ flat)
+    assert torch.allclose(weighted.h, flat.t() @ flat + 8 * first.t() @ first)  # 9 times in all
+    with pytest.raises(QuantizeError, match=r"--sink-weight 0\.5: expected at least 1"):
+        QuantizeRequest(method="gptq", sink_weight=0.5).check()
