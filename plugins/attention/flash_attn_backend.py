@@ -12,6 +12,9 @@ Our pool per layer is ``[2, num_blocks, block_size, Hkv, D]``, so ``kv_cache[0]`
 flash-attn's paged mode takes, without a copy. That mode needs the page size to be a multiple of
 256, checked when the pool is allocated.
 
+Soft-capped scores (Gemma 2): flash-attn's ``softcap`` argument (flash-attn >= 2.6), the same
+``cap * tanh(score / cap)``, passed only when a layer caps (older releases lack the argument).
+
 Sliding window: we attend keys ``p > q_pos - window``; flash-attn's ``window_size=(left, right)``
 admits keys in ``[q_pos - left, q_pos + right]``, so ``left = window - 1`` and ``right = 0``.
 """
@@ -60,6 +63,7 @@ class FlashAttentionBackend(AttentionBackend[FlashPlan]):
     """flash-attn 2 (``flash_attn_varlen_func`` / ``flash_attn_with_kvcache``) with paged KV."""
 
     name = "flash"
+    supports_logits_soft_cap = True
     # flash_attn_with_kvcache is capturable in principle, but this path has not been run on a GPU
     # here (no flash-attn wheel on the device machine), so graphs stay off until it is.
     supports_cuda_graphs = False
@@ -99,8 +103,10 @@ class FlashAttentionBackend(AttentionBackend[FlashPlan]):
         plan: FlashPlan,
         scale: float,
         sliding_window: int | None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:  # [T, Hq, D]
         _store_kv(k, v, kv_cache, meta.slot_mapping)
+        extra = {} if logits_soft_cap is None else {"softcap": logits_soft_cap}
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, page, Hkv, D] each
         if meta.is_pure_decode:
             out = self._fa.flash_attn_with_kvcache(
@@ -112,6 +118,7 @@ class FlashAttentionBackend(AttentionBackend[FlashPlan]):
                 softmax_scale=scale,
                 causal=True,
                 window_size=_window(sliding_window),
+                **extra,
             )  # [B, 1, Hq, D]
             return out.squeeze(1)
         return self._fa.flash_attn_varlen_func(
@@ -126,4 +133,5 @@ class FlashAttentionBackend(AttentionBackend[FlashPlan]):
             causal=True,
             window_size=_window(sliding_window),
             block_table=meta.block_tables,
+            **extra,
         )  # [T, Hq, D]

@@ -77,9 +77,13 @@ def _ids_on(ids: list[int], device: torch.device) -> torch.Tensor:
 
 class PagedAttentionBackend(AttentionBackend[PagedPlan]):
     """Triton paged attention: decode with GQA-grouped tiles and split-K, varlen prefill over
-    cached context, sliding windows; bf16/fp16 (fp32 works, with tf32 dots)."""
+    cached context, sliding windows; bf16/fp16 (fp32 works, with IEEE dots). The kernels carry a
+    soft-cap path (Gemma 2) that is not enabled: on the H200 it gave wrong scores
+    (tests/gpu/test_paged_attention.py::test_soft_capped_scores, 12% of elements off by up to
+    0.18 in bf16), so a soft-capping model runs on the torch backend there."""
 
     name = "paged"
+    supports_logits_soft_cap = False
     supports_cuda_graphs = True
     supports_cuda_graphs_multi_token = True  # uniform query lengths: see prepare()
 
@@ -130,6 +134,7 @@ class PagedAttentionBackend(AttentionBackend[PagedPlan]):
         plan: PagedPlan,
         scale: float,
         sliding_window: int | None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:  # [T, Hq, D]
         store_kv(k, v, kv_cache, meta.slot_mapping)
         if q.stride(-1) != 1:
@@ -138,10 +143,11 @@ class PagedAttentionBackend(AttentionBackend[PagedPlan]):
         if plan.num_decode:
             paged_attention(q, kv_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                             num_seqs=plan.num_decode, seq_ids=plan.decode_ids, max_query_len=1,
-                            num_splits=plan.num_splits, scale=scale, sliding_window=sliding_window)
+                            num_splits=plan.num_splits, scale=scale, sliding_window=sliding_window,
+                            logits_soft_cap=logits_soft_cap)
         if plan.num_prefill:
             paged_attention(q, kv_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                             num_seqs=plan.num_prefill, seq_ids=plan.prefill_ids,
                             max_query_len=plan.max_prefill_query_len, scale=scale,
-                            sliding_window=sliding_window)
+                            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
         return out

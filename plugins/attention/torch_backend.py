@@ -16,6 +16,11 @@ the model reuse the plan. Per layer the work is then:
 * each prefill sequence (``query_len > 1``) with its own SDPA call: plain causal when it has no
   cached context, otherwise an explicit bottom-right-aligned causal mask over its gathered K/V.
 
+Soft-capped scores (Gemma 2: ``cap * tanh(scale * q.k / cap)`` before the mask) cannot go
+through SDPA nor the compiled kernel: such layers compute the scores, the cap, the softmax (in
+float32) and the weighted sum with plain matmuls over the same gathered K/V, in transformers'
+order of operations.
+
 A sequence's result does not depend on the rest of the batch beyond float rounding: padding keys
 get weight exactly 0 (the pool holds only finite values, so 0 * stale value is 0), but SDPA's CPU
 kernel may order its sums differently for other batch shapes (differences of ~1 ulp seen).
@@ -191,6 +196,25 @@ def _prefill_mask(
     return mask
 
 
+def _capped_attention(
+    q: torch.Tensor,  # [B, H, Lq, D]
+    keys: torch.Tensor,  # [B, H, Lk, D]
+    values: torch.Tensor,  # [B, H, Lk, D]
+    mask: torch.Tensor | None,  # additive, broadcast to [B, H, Lq, Lk]; None: causal (Lq == Lk)
+    scale: float,
+    cap: float,
+) -> torch.Tensor:  # [B, H, Lq, D]
+    """Attention with soft-capped scores, as transformers' eager Gemma 2 computes it."""
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / cap) * cap
+    if mask is None:
+        lq, lk = scores.shape[-2:]
+        causal = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()
+        mask = torch.zeros(lq, lk, dtype=scores.dtype, device=q.device).masked_fill_(~causal, float("-inf"))
+    probs = torch.softmax(scores + mask, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, values)
+
+
 class TorchAttentionBackend(AttentionBackend[StepPlan]):
     """Paged attention with ``torch.nn.functional.scaled_dot_product_attention``.
 
@@ -199,6 +223,7 @@ class TorchAttentionBackend(AttentionBackend[StepPlan]):
     """
 
     name = "torch"
+    supports_logits_soft_cap = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -224,7 +249,9 @@ class TorchAttentionBackend(AttentionBackend[StepPlan]):
         plan: StepPlan,
         scale: float,
         sliding_window: int | None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:  # [T, Hq, D]
+        cap = logits_soft_cap
         # (1) Write the new K/V: the pool viewed as flat slots [num_blocks * block_size, Hkv, D].
         if self.cpu_kernel:
             cpu_kernels.write_kv(k, v, kv_cache, meta.slot_mapping)
@@ -232,21 +259,21 @@ class TorchAttentionBackend(AttentionBackend[StepPlan]):
             write_kv(k, v, kv_cache, meta.slot_mapping)
 
         if len(plan.decodes) == 1 and not plan.prefills and plan.decodes[0].row_slice == (0, q.shape[0]):
-            return self._decode(q, kv_cache, plan.decodes[0], scale, sliding_window)
+            return self._decode(q, kv_cache, plan.decodes[0], scale, sliding_window, cap)
 
         out = torch.empty_like(q)  # [T, Hq, D]
         for group in plan.decodes:
             if group.row_slice is not None:
                 lo, hi = group.row_slice
-                out[lo:hi] = self._decode(q[lo:hi], kv_cache, group, scale, sliding_window)
+                out[lo:hi] = self._decode(q[lo:hi], kv_cache, group, scale, sliding_window, cap)
             else:
                 assert group.row_index is not None
                 dec_q = q.index_select(0, group.row_index)
                 out.index_copy_(0, group.row_index,
-                                self._decode(dec_q, kv_cache, group, scale, sliding_window))
+                                self._decode(dec_q, kv_cache, group, scale, sliding_window, cap))
         for pre in plan.prefills:
             lo, hi = pre.start, pre.start + pre.query_len
-            out[lo:hi] = self._prefill(q[lo:hi], k[lo:hi], v[lo:hi], kv_cache, pre, scale, sliding_window)
+            out[lo:hi] = self._prefill(q[lo:hi], k[lo:hi], v[lo:hi], kv_cache, pre, scale, sliding_window, cap)
         return out
 
     def _decode(
@@ -256,8 +283,9 @@ class TorchAttentionBackend(AttentionBackend[StepPlan]):
         group: _DecodeGroup,
         scale: float,
         sliding_window: int | None,
+        cap: float | None = None,
     ) -> torch.Tensor:  # [Bd, Hq, D]
-        if self.cpu_kernel:  # fp32 on the CPU (the backend's device and dtype)
+        if self.cpu_kernel and cap is None:  # fp32 on the CPU (the backend's device and dtype)
             return cpu_kernels.paged_decode_attention(q.contiguous(), kv_cache, group.tables,
                                                       group.seq_lens, scale, sliding_window)
         bd, hkv, d, g = group.num_seqs, self.num_kv_heads, self.head_dim, self.group_size
@@ -273,7 +301,10 @@ class TorchAttentionBackend(AttentionBackend[StepPlan]):
         # all rows share the sequence's padding mask.
         qg = q.reshape(bd, hkv, g, d)  # [Bd, Hkv, g, D]
         mask = _decode_mask(group, sliding_window, q.dtype)  # [Bd, 1, 1, L]
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
+        if cap is not None:
+            out = _capped_attention(qg, keys, values, mask, scale, cap)
+        else:
+            out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
         return out.reshape(bd, hkv * g, d)  # [Bd, Hq, D]
 
     def _prefill(
@@ -285,6 +316,7 @@ class TorchAttentionBackend(AttentionBackend[StepPlan]):
         pre: _Prefill,
         scale: float,
         sliding_window: int | None,
+        cap: float | None = None,
     ) -> torch.Tensor:  # [Lq, Hq, D]
         if pre.block_ids is None:
             # No cached context: the new K/V are the whole sequence; no need to read the pool.
@@ -293,13 +325,20 @@ class TorchAttentionBackend(AttentionBackend[StepPlan]):
             kv = kv_cache.index_select(1, pre.block_ids)  # [2, nblk, bs, Hkv, D]
             kv = kv.view(2, -1, self.num_kv_heads, self.head_dim)[:, : pre.seq_len]  # [2, Lk, Hkv, D]
             keys, values = kv[0], kv[1]
+        mask = _prefill_mask(pre, sliding_window, q.dtype, q.device)  # [Lq, Lk] or None
+        if cap is not None:
+            if self.group_size > 1:
+                keys = keys.repeat_interleave(self.group_size, dim=1)  # [Lk, Hq, D]
+                values = values.repeat_interleave(self.group_size, dim=1)
+            out = _capped_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                                    values.transpose(0, 1)[None], mask, scale, cap)  # [1, Hq, Lq, D]
+            return out[0].transpose(0, 1)
         gqa = self.group_size > 1
         if gqa and not _SDPA_HAS_GQA:
             keys = keys.repeat_interleave(self.group_size, dim=1)  # [Lk, Hq, D]
             values = values.repeat_interleave(self.group_size, dim=1)
             gqa = False
         extra = {"enable_gqa": True} if gqa else {}
-        mask = _prefill_mask(pre, sliding_window, q.dtype, q.device)  # [Lq, Lk] or None
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None],  # [1, Hq, Lq, D]
             keys.transpose(0, 1)[None],  # [1, Hkv, Lk, D] (Hq when expanded)

@@ -21,6 +21,10 @@ Two kernels and a reduction:
   tokens (draft verification on cached context) is captured with ``max_query_len = q``; its
   padding sequences (``seq_len`` 0, so ``ctx_len = -q``) see no key and write zeros.
 
+Soft-capped scores (Gemma 2): with ``HAS_SOFT_CAP`` a score is ``cap * tanh(scale * q.k / cap)``
+before the causal/window mask, the tanh computed as ``1 - 2 / (exp(2x) + 1)`` (exact at both
+ends: the exponential saturates to 0 or inf).
+
 Causality is aligned to the end of each sequence: sequence ``b`` has ``L = seq_lens[b]`` tokens of
 which the last ``q = query_len`` are queries, query ``i`` sits at position ``L - q + i`` and sees
 keys ``p <= L - q + i`` (and ``p > L - q + i - window`` with a sliding window). All keys, the new
@@ -120,8 +124,9 @@ def _paged_attn_kernel(
     seq_lens_ptr,  # [B] int32
     bt_ptr,  # [B, max_blocks] int32 block tables
     seq_ids_ptr,  # [n] int32: which sequences this launch serves (when HAS_SEQ_IDS)
-    scale_log2,  # softmax scale * log2(e)
+    qk_scale,  # softmax scale * log2(e); the softmax scale alone with HAS_SOFT_CAP
     window,  # sliding window (keys p > q_pos - window), used when HAS_WINDOW
+    soft_cap,  # score soft cap, used when HAS_SOFT_CAP
     num_q_heads,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kcb, stride_kcs, stride_kch,
@@ -130,6 +135,7 @@ def _paged_attn_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, HAS_SEQ_IDS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFT_CAP: tl.constexpr, PRECISION: tl.constexpr,
 ):
     i = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -180,7 +186,9 @@ def _paged_attn_kernel(
             k_addr = blk * stride_kcb + off * stride_kcs + kvh * stride_kch  # [BLOCK_N]
             kt = tl.load(kc_ptr + k_addr[:, None] + d[None, :],
                          mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-            s = tl.dot(q, tl.trans(kt)) * scale_log2  # [BLOCK_M, BLOCK_N] fp32
+            s = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N] fp32
+            if HAS_SOFT_CAP:  # cap * tanh(s / cap), then into the log2 domain
+                s = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * s / soft_cap) + 1.0)) * 1.4426950408889634
             ok = k_ok[None, :] & (kpos[None, :] <= q_pos[:, None])
             if HAS_WINDOW:
                 ok = ok & (kpos[None, :] > q_pos[:, None] - window)
@@ -194,7 +202,7 @@ def _paged_attn_kernel(
             v_addr = blk * stride_vcb + off * stride_vcs + kvh * stride_vch
             vt = tl.load(vc_ptr + v_addr[:, None] + d[None, :],
                          mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
             m_i = m_new
 
         has = l_i > 0.0
@@ -252,9 +260,10 @@ def paged_attention(
     max_query_len: int,  # upper bound of the served sequences' query lengths
     scale: float,
     sliding_window: int | None,
+    logits_soft_cap: float | None = None,
     num_splits: int = 1,  # > 1 only with max_query_len == 1 (decode)
     block_m: int | None = None,
-    block_n: int = 64,
+    block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> None:
@@ -271,6 +280,14 @@ def paged_attention(
     tok_per_tile = block_m // group
     m_tiles = triton.cdiv(max_query_len, tok_per_tile)
     block_d = _next_pow2(d)
+    if block_d > 128:
+        # Heads of 256 (Gemma 2): halve the key tile and pipeline two stages so K/V tiles fit
+        # shared memory, and give a prefill tile's [64, 256] float32 accumulator eight warps.
+        block_n = block_n or 32
+        num_stages = num_stages or 2
+        if max_query_len > 1:
+            num_warps = num_warps or 8
+    block_n = block_n or 64
     kc, vc = kv_cache[0], kv_cache[1]
     if num_splits > 1:
         part_o = torch.empty((num_seqs, hq, num_splits, block_d), dtype=torch.float32, device=q.device)
@@ -286,14 +303,17 @@ def paged_attention(
     _paged_attn_kernel[(num_seqs, hkv, m_tiles * num_splits)](
         q, kc, vc, out, part_o, part_lse,
         query_start_loc, seq_lens, block_tables, ids,
-        scale * _LOG2E, sliding_window or 0, hq,
+        scale if logits_soft_cap is not None else scale * _LOG2E, sliding_window or 0, logits_soft_cap or 0.0, hq,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2),
         vc.stride(0), vc.stride(1), vc.stride(2),
         block_tables.stride(0),
         HEAD_DIM=d, BLOCK_D=block_d, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n,
         PAGE=kv_cache.shape[2], NUM_SPLITS=num_splits, HAS_SEQ_IDS=seq_ids is not None,
-        HAS_WINDOW=sliding_window is not None,
+        HAS_WINDOW=sliding_window is not None, HAS_SOFT_CAP=logits_soft_cap is not None,
+        # float32 caches (tests, reference runs) get IEEE dots, not TF32: their results then match
+        # the CPU's to float32 rounding; half precision ignores the setting.
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         **extra,
     )
     if num_splits > 1:

@@ -7,6 +7,7 @@ backend, through the step's forward context.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -40,6 +41,11 @@ class LlamaVariant:
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k before RoPE
     sliding_window_rule: SlidingWindowRule = "none"
+    mlp_name: str = "mlp"  # the feed-forward module's name in the checkpoint (Mixtral: block_sparse_moe)
+
+
+# (config, layer index, quantization config, prefix) -> the layer's feed-forward module, [T, H] -> [T, H]
+MlpFactory = Callable[["PretrainedConfig", int, "QuantizationConfig | None", str], nn.Module]
 
 
 class LlamaAttentionBlock(nn.Module):
@@ -95,13 +101,21 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
+def llama_mlp(config: PretrainedConfig, layer_idx: int, quant_config: QuantizationConfig | None,
+              prefix: str) -> nn.Module:
+    return LlamaMLP(config, bool(getattr(config, "mlp_bias", False)), quant_config, prefix)
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_idx: int, variant: LlamaVariant,
-                 sliding_window: int | None, quant_config: QuantizationConfig | None, prefix: str) -> None:
+                 sliding_window: int | None, quant_config: QuantizationConfig | None, prefix: str,
+                 mlp_factory: MlpFactory = llama_mlp) -> None:
         super().__init__()
         self.self_attn = LlamaAttentionBlock(config, layer_idx, variant, sliding_window, quant_config,
                                              f"{prefix}.self_attn")
-        self.mlp = LlamaMLP(config, variant.mlp_bias, quant_config, f"{prefix}.mlp")
+        # Registered under the checkpoint's name for it ("mlp", or Mixtral's "block_sparse_moe").
+        self.mlp_name = variant.mlp_name
+        self.add_module(self.mlp_name, mlp_factory(config, layer_idx, quant_config, f"{prefix}.{self.mlp_name}"))
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -121,18 +135,19 @@ class LlamaDecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm.forward_with_residual(hidden, residual)
         hidden = self.self_attn(positions, hidden, rotary)
         hidden, residual = self.post_attention_layernorm.forward_with_residual(hidden, residual)
-        return self.mlp(hidden), residual
+        mlp: nn.Module = getattr(self, self.mlp_name)
+        return mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
     def __init__(self, config: PretrainedConfig, variant: LlamaVariant, quant_config: QuantizationConfig | None,
-                 prefix: str = "model") -> None:
+                 prefix: str = "model", mlp_factory: MlpFactory = llama_mlp) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
                                                    prefix=f"{prefix}.embed_tokens")
         windows = layer_sliding_windows(config, variant.sliding_window_rule)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, variant, windows[i], quant_config, f"{prefix}.layers.{i}")
+            LlamaDecoderLayer(config, i, variant, windows[i], quant_config, f"{prefix}.layers.{i}", mlp_factory)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -160,10 +175,16 @@ class LlamaForCausalLM(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         return LlamaVariant(qkv_bias=bias, o_bias=bias, mlp_bias=bool(getattr(config, "mlp_bias", False)))
 
+    @classmethod
+    def build_mlp(cls, config: PretrainedConfig, layer_idx: int, quant_config: QuantizationConfig | None,
+                  prefix: str) -> nn.Module:
+        """Layer ``layer_idx``'s feed-forward module (a subclass may return a mixture of experts)."""
+        return LlamaMLP(config, cls.variant(config).mlp_bias, quant_config, prefix)
+
     def __init__(self, config: PretrainedConfig, quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.variant(config), quant_config)
+        self.model = LlamaModel(config, self.variant(config), quant_config, mlp_factory=self.build_mlp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # Tied: the logits reuse the embedding matrix, so no second [V, H] tensor is allocated
         # (a quantization method may still give the head quantized weights of its own).

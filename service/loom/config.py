@@ -55,6 +55,11 @@ class EngineConfig:
     # Seeds the engine's draws of seeds for sampled requests that bring none (each request's
     # seed is reported back); None: from the operating system, different at every start.
     seed: int | None = None
+    # Structured output (loom.structured): a constrained request whose grammar has not compiled
+    # this many seconds after it arrived is refused (INVALID_ARGUMENT); compiled grammars are
+    # cached up to this many MiB.
+    grammar_compile_timeout: float = 10.0
+    grammar_cache_mib: int = 256
     # Speculative decoding (loom/spec/): up to this many draft tokens per sequence and step
     # (TGI's --speculate); 0 is off. The proposer is a speculative-decoder plugin by name.
     speculate: int = 0
@@ -105,6 +110,11 @@ class EngineConfig:
             raise ConfigError("--quantize must be auto, none or a quantizer plugin's name; got an empty value")
         if self.attention_backend is not None and not self.attention_backend.strip():
             raise ConfigError("--attention-backend must be an attention plugin's name; got an empty value")
+        if not (self.grammar_compile_timeout > 0 and self.grammar_compile_timeout < float("inf")):
+            raise ConfigError(f"--grammar-compile-timeout must be a positive number of seconds, got "
+                              f"{self.grammar_compile_timeout}")
+        if self.grammar_cache_mib < 0:
+            raise ConfigError(f"--grammar-cache-mib must be at least 0, got {self.grammar_cache_mib}")
         if self.cpu_kv_cache_sequences < 1:
             raise ConfigError("cpu_kv_cache_sequences must be at least 1")
         if not 0.0 < self.cpu_kv_memory_fraction <= 1.0:

@@ -2,11 +2,15 @@
 
 ``loom serve`` and ``loom bench`` run them before anything loads, so a mistake (an unknown
 ``--quantize`` or ``--attention-backend``, ``--device cuda`` without CUDA, a ``--model-id`` that is
-not there) costs a second and one line naming the flag, not an engine start-up and a traceback.
-What only the model can tell (its positions, its architecture) is checked when it loads.
+not there, a model directory whose architecture no plugin serves) costs a second and one line
+naming the flag, not an engine start-up and a traceback. What only the model can tell (its
+positions) is checked when it loads.
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import torch
 
@@ -30,6 +34,25 @@ def check_engine_config(config: EngineConfig, registry: PluginRegistry | None = 
         _check_checkpoint_quantization(config.model_id, config.quantize, registry)
     except ModelLoadError as exc:
         raise ConfigError(str(exc)) from None
+    _check_architecture(config.model_id, registry)
+
+
+def _check_architecture(model_id: str | None, registry: PluginRegistry) -> None:
+    """A Hugging Face model directory names an architecture some model plugin serves (read from
+    its config.json; the bundled default, GGUF files and random shapes are Loom's own)."""
+    if model_id is None:
+        return
+    config_file = Path(model_id).expanduser() / "config.json"
+    if not config_file.is_file():
+        return
+    try:
+        architectures = json.loads(config_file.read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return  # unreadable: the loader says why, with the path
+    try:
+        registry.model_for_architecture(architectures)
+    except PluginError as exc:
+        raise ConfigError(f"--model-id {model_id}: {exc}") from None
 
 
 def _check_device(device: str) -> str:

@@ -47,20 +47,21 @@ def _seqs(mode: str, rng: random.Random) -> list[tuple[int, int]]:
 
 
 def _check(step: PagedStep, hq: int, hkv: int, d: int, dtype: torch.dtype, window: int | None = None,
-           splits: int | None = None) -> None:
+           splits: int | None = None, soft_cap: float | None = None) -> None:
     scale = d**-0.5
+    extra = {} if soft_cap is None else {"logits_soft_cap": soft_cap}
     ref_cache, torch_cache, cache = step.kv_cache.clone(), step.kv_cache.clone(), step.kv_cache.clone()
     meta = step.meta
     ref = ReferenceAttentionBackend(hq, hkv, d, torch.float32, CUDA).forward(
-        step.q.float(), step.k.float(), step.v.float(), ref_cache.float(), meta, None, scale, window)
+        step.q.float(), step.k.float(), step.v.float(), ref_cache.float(), meta, None, scale, window, **extra)
     torch_backend = TorchAttentionBackend(hq, hkv, d, dtype, CUDA)
     expect = torch_backend.forward(step.q, step.k, step.v, torch_cache, meta, torch_backend.prepare(meta), scale,
-                                   window)
+                                   window, **extra)
     backend = PagedAttentionBackend(hq, hkv, d, dtype, CUDA)
     plan = backend.prepare(meta)
     if splits is not None:
         plan = dataclasses.replace(plan, num_splits=splits)
-    out = backend.forward(step.q, step.k, step.v, cache, meta, plan, scale, window)
+    out = backend.forward(step.q, step.k, step.v, cache, meta, plan, scale, window, **extra)
     torch.cuda.synchronize()
     assert torch.equal(cache, torch_cache), "K/V written to the pool differ from the torch backend's"
     assert torch.isfinite(out).all()
@@ -86,6 +87,21 @@ def test_sliding_window(mode: str) -> None:
     step = make_step(_seqs(mode, rng), num_heads=8, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16,
                      device=CUDA, seed=3)
     _check(step, 8, 2, 128, torch.bfloat16, window=100)
+
+
+@pytest.mark.xfail(strict=True, reason="the paged kernel's soft cap gives wrong scores on the H200 (2026-12-02: "
+                   "12% of elements off by up to 0.18 in bf16); the backend does not declare it, Gemma 2 runs on torch")
+@pytest.mark.parametrize("mode", ["decode", "prefill", "cached", "verify", "mixed"])
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_soft_capped_scores(mode: str, window: int | None, dtype: torch.dtype) -> None:
+    """Gemma 2: scores capped at 50 * tanh(s / 50) (its attn_logit_softcapping), here with queries
+    scaled so that the scores reach the cap's bend; Gemma 2's 8 query heads on 4 KV heads of 256."""
+    rng = random.Random(f"cap{mode}{window}{dtype}")
+    step = make_step(_seqs(mode, rng), num_heads=8, num_kv_heads=4, head_dim=256, dtype=dtype, device=CUDA,
+                     seed=rng.randrange(1 << 30))
+    step.q.mul_(8.0)  # scores of tens: the cap changes them
+    _check(step, 8, 4, 256, dtype, window=window, soft_cap=50.0)
 
 
 @pytest.mark.parametrize("splits", [None, 2, 16])

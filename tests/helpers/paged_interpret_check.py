@@ -41,8 +41,18 @@ CASES: list[tuple[list[tuple[int, int]], int, int, int, str, int | None, int | N
 ]
 
 
+# Gemma 2's soft-capped scores: (sequences, Hq, Hkv, D, dtype, window, forced splits, page, cap)
+SOFT_CAP_CASES: list[tuple[list[tuple[int, int]], int, int, int, str, int | None, int | None, int, float]] = [
+    ([(3, 1), (0, 30), (17, 1), (30, 20)], 4, 2, 32, "float32", None, None, 16, 2.0),  # mixed step
+    ([(3, 1), (0, 30), (17, 1), (30, 20)], 4, 2, 32, "float32", 7, None, 16, 2.0),  # with a window
+    ([(40, 1), (70, 1)], 4, 2, 32, "float32", 9, 2, 16, 1.5),  # split-K decode
+    ([(10, 3), (0, 3), (37, 3)], 8, 2, 32, "float16", None, None, 16, 3.0),  # uniform q = 3, fp16
+    ([(5, 1), (0, 40), (33, 9)], 4, 2, 256, "float32", 6, None, 16, 5.0),  # Gemma 2's heads of 256
+]
+
+
 def run_case(seqs: list[tuple[int, int]], hq: int, hkv: int, d: int, dtype_name: str,
-             window: int | None, splits: int | None, page: int) -> tuple[float, float]:
+             window: int | None, splits: int | None, page: int, cap: float | None = None) -> tuple[float, float]:
     import torch
 
     from helpers.paged_cases import make_step
@@ -52,15 +62,18 @@ def run_case(seqs: list[tuple[int, int]], hq: int, hkv: int, d: int, dtype_name:
     dtype = getattr(torch, dtype_name)
     step = make_step(seqs, num_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=page, dtype=dtype,
                      seed=len(seqs) * 31 + d)
+    if cap is not None:
+        step.q.mul_(3.0)  # scores of several units, where the cap bites
+    extra = {} if cap is None else {"logits_soft_cap": cap}
     cpu = torch.device("cpu")
     ref_cache, cache = step.kv_cache.clone(), step.kv_cache.clone()
     ref = ReferenceAttentionBackend(hq, hkv, d, dtype, cpu).forward(
-        step.q, step.k, step.v, ref_cache, step.meta, None, d**-0.5, window)
+        step.q, step.k, step.v, ref_cache, step.meta, None, d**-0.5, window, **extra)
     backend = PagedAttentionBackend(hq, hkv, d, dtype, cpu)
     plan = backend.prepare(step.meta)
     if splits is not None:
         plan = dataclasses.replace(plan, num_splits=splits)
-    out = backend.forward(step.q, step.k, step.v, cache, step.meta, plan, d**-0.5, window)
+    out = backend.forward(step.q, step.k, step.v, cache, step.meta, plan, d**-0.5, window, **extra)
     return (out.float() - ref.float()).abs().max().item(), (cache.float() - ref_cache.float()).abs().max().item()
 
 
@@ -130,7 +143,7 @@ def run_graph_case(query_len: int, dtype_name: str) -> list[str]:
 def main() -> int:
     _setup()
     failures = 0
-    for case in CASES:
+    for case in [*CASES, *SOFT_CAP_CASES]:
         out_err, cache_err = run_case(*case)
         tol = 5e-3 if case[4] == "float16" else 1e-5  # a few fp16 ulps of outputs ~1
         ok = out_err <= tol and cache_err == 0.0

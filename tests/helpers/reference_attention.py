@@ -16,6 +16,7 @@ from loom.model_loader.hf_config import model_dims
 
 class ReferenceAttentionBackend(AttentionBackend[None]):
     name = "test-reference"
+    supports_logits_soft_cap = True
 
     def prepare(self, meta: AttentionMetadata) -> None:
         return None  # plans nothing: forward reads the metadata directly
@@ -30,6 +31,7 @@ class ReferenceAttentionBackend(AttentionBackend[None]):
         plan: None,
         scale: float,
         sliding_window: int | None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:  # [T, Hq, D]
         bs = meta.block_size
         key_pool = kv_cache[0].view(-1, self.num_kv_heads, self.head_dim)  # [slots, Hkv, D]
@@ -50,6 +52,8 @@ class ReferenceAttentionBackend(AttentionBackend[None]):
                 allowed &= kv_pos[None, :] > q_pos[:, None] - sliding_window
             qi = q[starts[i] : starts[i] + q_len].float()  # [Q, Hq, D]
             scores = torch.einsum("qhd,shd->hqs", qi, keys) * scale
+            if logits_soft_cap is not None:
+                scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
             probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
             out[starts[i] : starts[i] + q_len] = torch.einsum("hqs,shd->qhd", probs, values).to(q.dtype)
         return out

@@ -52,6 +52,62 @@ def _qwen3(**overrides: Any) -> Callable[[], Any]:
     return build
 
 
+def _mixtral() -> Any:
+    from transformers import MixtralConfig
+
+    # 8 experts, 2 per token; every layer slides (window 6).
+    return MixtralConfig(**{**_COMMON, "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 6})
+
+
+def _qwen3_moe(**overrides: Any) -> Callable[[], Any]:
+    def build() -> Any:
+        from transformers import Qwen3MoeConfig
+
+        # 3 layers: 0 and 2 sparse (8 experts, 3 per token), 1 dense (mlp_only_layers).
+        return Qwen3MoeConfig(**{**_COMMON, "num_hidden_layers": 3, "head_dim": 32, "num_experts": 8,
+                                 "num_experts_per_tok": 3, "moe_intermediate_size": 48, "mlp_only_layers": [1],
+                                 **overrides})
+
+    return build
+
+
+def _gemma2() -> Any:
+    from transformers import Gemma2Config
+
+    # Layers 0 and 2 slide (window 5), layer 1 attends fully; caps small enough to bite.
+    return Gemma2Config(**{**_COMMON, "num_hidden_layers": 3, "head_dim": 16, "sliding_window": 5, "tie_word_embeddings": False,
+                           "query_pre_attn_scalar": 24, "attn_logit_softcapping": 4.0,
+                           "final_logit_softcapping": 8.0, "hidden_activation": "gelu_pytorch_tanh"})
+
+
+def _gemma3() -> Any:
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(**{
+        **_COMMON, "num_hidden_layers": 3, "head_dim": 16, "sliding_window": 5, "query_pre_attn_scalar": 16,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}},
+    })
+
+
+def _phi3(**overrides: Any) -> Callable[[], Any]:
+    def build() -> Any:
+        from transformers import Phi3Config
+
+        return Phi3Config(**{**_COMMON, **overrides})
+
+    return build
+
+
+# LongRoPE past position 32, on half of each 16-dim head (4 factors each).
+_PHI3_LONGROPE = dict(
+    max_position_embeddings=128, original_max_position_embeddings=32, partial_rotary_factor=0.5,
+    rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
+                     "partial_rotary_factor": 0.5, "short_factor": [1.0, 1.3, 1.9, 2.5],
+                     "long_factor": [1.5, 2.5, 4.0, 7.0]},
+)
+
 TINY_CONFIGS: dict[str, Callable[[], Any]] = {
     "llama": _llama(),
     "llama-tied-bias": _llama(tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
@@ -70,6 +126,13 @@ TINY_CONFIGS: dict[str, Callable[[], Any]] = {
     "qwen2": _qwen2,
     "qwen3": _qwen3(tie_word_embeddings=True),
     "qwen3-bias": _qwen3(attention_bias=True),
+    "mixtral": _mixtral,
+    "qwen3-moe": _qwen3_moe(),
+    "qwen3-moe-norm-topk": _qwen3_moe(norm_topk_prob=True, tie_word_embeddings=True),
+    "gemma2": _gemma2,
+    "gemma3": _gemma3,
+    "phi3": _phi3(sliding_window=7),
+    "phi3-longrope": _phi3(**_PHI3_LONGROPE),
 }
 
 

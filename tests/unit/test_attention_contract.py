@@ -95,6 +95,38 @@ def test_base_backend_states_its_capabilities() -> None:
         base.init_cuda_graph_state(4, 8, 16, 1)
     torch_backend = TorchAttentionBackend(4, 2, 16, torch.float32, torch.device("cpu"))
     assert not torch_backend.can_capture(1)
+    assert not base.supports_logits_soft_cap and torch_backend.supports_logits_soft_cap
+
+
+def test_a_capped_layer_refuses_a_backend_without_the_cap_and_others_never_pass_it() -> None:
+    """Gemma 2's soft cap reaches backends that declare it; a backend written before it (no
+    ``logits_soft_cap`` parameter) still serves every layer that does not cap."""
+    from loom.layers.attention import Attention, ForwardContext, forward_context
+
+    class OldBackend(TorchAttentionBackend):
+        name = "old"
+        supports_logits_soft_cap = False
+
+        def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,  # type: ignore[override]
+                    meta: AttentionMetadata, plan: Any, scale: float, sliding_window: int | None) -> torch.Tensor:
+            return super().forward(q, k, v, kv_cache, meta, plan, scale, sliding_window)
+
+    step = make_step([(3, 1), (0, 4)], num_heads=4, num_kv_heads=2, head_dim=16)
+    q, k, v = (t.reshape(t.shape[0], -1) for t in (step.q, step.k, step.v))
+    for backend_cls in (OldBackend, TorchAttentionBackend):
+        backend = backend_cls(4, 2, 16, torch.float32, torch.device("cpu"))
+        ctx = ForwardContext(backend, [step.kv_cache.clone()], step.meta, backend.prepare(step.meta))
+        with forward_context(ctx):
+            plain = Attention(0, 4, 2, 16)(q, k, v)
+            assert plain.shape == q.shape
+            capped = Attention(0, 4, 2, 16, logits_soft_cap=1.0)
+            if backend_cls is OldBackend:
+                with pytest.raises(ValueError, match="'old' attention backend does not implement"):
+                    capped(q, k, v)
+            else:
+                assert not torch.allclose(capped(q, k, v), plain)
+    with pytest.raises(ValueError, match="logits_soft_cap must be positive"):
+        Attention(0, 4, 2, 16, logits_soft_cap=0.0)
 
 
 def test_plugin_api_exports_the_contract_without_importing_torch_first() -> None:

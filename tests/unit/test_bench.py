@@ -73,6 +73,60 @@ def test_random_model_dir_holds_a_shape_and_no_weights(random_cache: Path) -> No
         resolve_model_dir("random:nope")
 
 
+def test_random_qwen3_30b_a3b_is_the_published_shape(random_cache: Path) -> None:
+    """Qwen/Qwen3-30B-A3B's config.json: what W1/W2 of issue #22 run."""
+    config = load_hf_config(resolve_model_dir("random:qwen3-30b-a3b"))
+    assert config.architectures == ["Qwen3MoeForCausalLM"] and config.model_type == "qwen3_moe"
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
+            config.head_dim) == (2048, 48, 32, 4, 128)
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size, config.norm_topk_prob,
+            config.vocab_size) == (128, 8, 768, True, 151936)
+    assert config.mlp_only_layers == [] and config.decoder_sparse_step == 1 and not config.tie_word_embeddings
+    assert random_weights_of(config) == RandomWeights()
+
+
+def test_moe_limits_count_what_a_step_reads(random_cache: Path) -> None:
+    """Qwen3-30B-A3B in bf16: 61.06 GB of weights, of which a batch-1 decode step reads its 8 of 128
+    experts a layer, the attention, router, norms and head: 6.08 GB; 256 sequences at once choose
+    nearly every expert."""
+    from loom.bench.limits import model_cost
+
+    cost = model_cost(resolve_model_dir("random:qwen3-30b-a3b"), torch.bfloat16)
+    assert cost.weight_bytes == pytest.approx(61.06e9, rel=1e-3)
+    assert cost.expert_bytes == 48 * 128 * 3 * 2048 * 768 * 2 and cost.embedding_bytes == 151936 * 2048 * 2
+    assert (cost.num_experts, cost.experts_per_token) == (128, 8)
+    one = cost.step_weight_bytes(1)
+    assert one == pytest.approx(cost.weight_bytes - cost.embedding_bytes - cost.expert_bytes * 120 / 128)
+    assert one == pytest.approx(6.08e9, rel=2e-3)
+    assert cost.step_weight_bytes(256) == pytest.approx(cost.weight_bytes - cost.embedding_bytes, rel=1e-6)
+    # FLOPs: a token multiplies by its 8 experts (3.04B parameters with the head, the published "3.3B
+    # activated" counts the embedding too).
+    assert cost.body_matmul_params + cost.head_params == pytest.approx(3.04e9, rel=2e-3)
+    hw = Hardware("cuda", "bfloat16", copy_bytes_per_s=4.3e12, matmul_flop_per_s=790e12)
+    w1 = w1_limit(cost, hw, decode_w1())
+    assert w1["min_decode_step_s"] == pytest.approx((one + cost.kv_bytes_per_token * 512) / 4.3e12)
+    dense = model_cost(resolve_model_dir("random:llama-8b"), torch.bfloat16)
+    assert dense.step_weight_bytes(1) == dense.weight_bytes == 16_060_522_496  # dense: every weight
+
+
+def test_a_random_moe_model_generates_deterministically(random_cache: Path) -> None:
+    from loom.engine.llm_engine import LLMEngine
+    from loom.engine.types import EngineRequest, StoppingParams
+
+    def generate() -> list[float]:
+        engine = LLMEngine(EngineConfig(model_id="random:tiny-moe", device="cpu", max_batch_total_tokens=1024))
+        engine.add_request(EngineRequest("r", tuple(range(10, 40)), stopping=StoppingParams(max_new_tokens=4,
+                                                                                             ignore_eos=True)))
+        logprobs: list[float] = []
+        while engine.has_unfinished():
+            logprobs += [lp for out in engine.step() for lp in out.logprobs]
+        assert engine.info.architecture == "Qwen3MoeForCausalLM"
+        return logprobs
+
+    first = generate()
+    assert len(first) == 4 and generate() == first
+
+
 def _weights(registry: PluginRegistry, path: Path, weights: RandomWeights | None = None) -> dict[str, torch.Tensor]:
     loaded = load_model(path, torch.float32, "cpu", registry)
     if weights is not None:
@@ -168,6 +222,7 @@ def test_cpu_benchmarks_hold_every_request_of_a_workload_in_the_pool() -> None:
     c2 = cpu_workload("C2")
     assert cpu_pool_tokens([c2]) >= sum(len(p) + n for p, n in c2.requests) > 4 * 1024
     args = argparse.Namespace(model_id="random:tiny-llama", dtype="auto", attention_backend=None, quantize="auto",
+                              speculate=None,
                               max_total_tokens=2048, max_batch_prefill_tokens=None, max_batch_total_tokens=None,
                               threads=2, cuda_memory_fraction=None, async_scheduling=None, cuda_graphs=None)
     cfg = engine_config(args, torch.device("cpu"), [w])

@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_SIDE = ["service/loom/engine", "service/loom/worker", "service/loom/sample", "service/loom/layers", "service/loom/model_loader",
-               "service/loom/distributed",
+               "service/loom/distributed", "service/loom/structured",
                "service/loom/plugin_api", "plugins"]
 FORBIDDEN = ("grpc", "grpc_health", "grpc_reflection", "grpc_status", "loom.server", "loom.frontend",
              "loom_client", "google.rpc")
@@ -56,17 +56,21 @@ def test_the_check_itself_catches_a_forbidden_import(tmp_path: Path) -> None:
 ])
 def test_pipe_messages_are_typed_and_survive_pickling(message: str) -> None:
     from loom.engine import types as t
+    from loom.structured.spec import GrammarSpec
 
     examples = {
-        "AddRequest": t.AddRequest(t.EngineRequest("r", (1, 2, 3), t.SamplingParams(do_sample=True, seed=3))),
+        "AddRequest": t.AddRequest(t.EngineRequest("r", (1, 2, 3), t.SamplingParams(
+            do_sample=True, seed=3, constraint=GrammarSpec("json_schema", '{"type": "integer"}', "f")))),
         "AbortRequest": t.AbortRequest("r"),
         "AbortCompletion": t.AbortCompletion("r", 1),
         "StatsQuery": t.StatsQuery(),
         "Shutdown": t.Shutdown(),
         "EngineReady": t.EngineReady(t.EngineInfo("m", "llama", "float32", "cpu", "torch", 16, 4, 64, 64, 320, (2,))),
         "EngineFailed": t.EngineFailed("--quantize x: unknown"),
-        "StepOutputs": t.StepOutputs([t.EngineOutput("r", 0, [5], [-0.5], finish_reason=t.FinishReason.LENGTH)]),
-        "StatsReply": t.StatsReply(t.EngineStats(0, 0, 4, 4, 0, 0)),
+        "StepOutputs": t.StepOutputs([t.EngineOutput("r", 0, [5], [-0.5], finish_reason=t.FinishReason.LENGTH),
+                                      t.EngineOutput("q", 0, [], [], finish_reason=t.FinishReason.ERROR, error="slow",
+                                                     rejection=t.Rejection("INVALID_ARGUMENT", "f", "R"))]),
+        "StatsReply": t.StatsReply(t.EngineStats(0, 0, 4, 4, 0, 0, grammar_compile_buckets=(1, 0))),
     }
     msg = examples[message]
     assert type(msg).__name__ == message

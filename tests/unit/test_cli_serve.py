@@ -83,6 +83,23 @@ def test_configuration_errors_are_one_line_before_loading(
     assert captured.out == ""
 
 
+def test_an_architecture_no_plugin_serves_is_one_line_naming_the_installed_ones(
+        tmp_path: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+    from pathlib import Path
+
+    model = Path(str(tmp_path)) / "foo"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["FooForCausalLM"], "model_type": "foo"}))
+    assert main(["serve", "--port", "0", "--model-id", str(model)]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and captured.out == "", captured.err
+    assert lines[0].startswith(f"loom serve: --model-id {model}: unsupported model architecture FooForCausalLM. "
+                               "Known architectures: Gemma2ForCausalLM, Gemma3ForCausalLM, LlamaForCausalLM"), lines[0]
+    assert "MixtralForCausalLM" in lines[0] and "Phi3ForCausalLM" in lines[0] and "Qwen3MoeForCausalLM" in lines[0]
+
+
 def test_an_unavailable_attention_backend_names_the_reason(capsys: pytest.CaptureFixture[str]) -> None:
     import torch
 

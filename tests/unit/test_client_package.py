@@ -500,3 +500,51 @@ def test_parse_special_tokens_reaches_the_server_for_text_only(fake_server: tupl
         assert code == 0 and not servicer.requests[-1].HasField("parse_special_tokens")
     code, _, err = _cli("--target", target, "generate", "--chat", "x", "--no-parse-special-tokens")
     assert code == 2 and "text prompt only" in err
+
+
+# --- structured output ----------------------------------------------------------------------------
+
+
+def test_constraint_options_fill_the_oneof() -> None:
+    params = build_parameters(json_schema={"type": "object", "properties": {"a": {"type": "integer"}}})
+    assert params.constraint.WhichOneof("kind") == "json_schema"
+    assert json.loads(params.constraint.json_schema) == {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert build_parameters(json_schema='{"type": "string"}').constraint.json_schema == '{"type": "string"}'
+    assert build_parameters(json_object=True).constraint.WhichOneof("kind") == "json_object"
+    assert not build_parameters(json_object=False).HasField("constraint")
+    assert build_parameters(regex=r"\d+").constraint.regex == r"\d+"
+    assert build_parameters(grammar='root ::= "a"').constraint.grammar == 'root ::= "a"'
+    assert list(build_parameters(choice=["yes", "no"]).constraint.choice.choices) == ["yes", "no"]
+    # a keyword option replaces the base's kind: one oneof
+    base = build_parameters(regex="a+", max_new_tokens=4)
+    params = build_parameters(base, choice=["b"])
+    assert params.constraint.WhichOneof("kind") == "choice" and params.stopping.max_new_tokens == 4
+    assert base.constraint.WhichOneof("kind") == "regex"
+
+
+def test_constraint_options_are_checked() -> None:
+    with pytest.raises(ValueError, match="at most one constraint; got regex, choice"):
+        build_parameters(regex="a", choice=["b"])
+    with pytest.raises(TypeError, match="sequence of strings"):
+        build_parameters(choice="yes")
+    with pytest.raises(TypeError, match="takes a bool"):
+        build_parameters(json_object=1)  # type: ignore[arg-type]
+
+
+def test_cli_constraints(fake_server: tuple[str, FakeGeneration], tmp_path: Path) -> None:
+    target, servicer = fake_server
+    schema = tmp_path / "person.schema.json"
+    schema.write_text('{"type": "object", "properties": {"name": {"type": "string"}}}')
+    code, _, err = _cli("--target", target, "generate", "hi", "--json-schema", str(schema))
+    assert code == 0, err
+    assert servicer.requests[-1].parameters.constraint.json_schema == schema.read_text()
+    code, _, _ = _cli("--target", target, "stream", "hi", "--choice", "yes", "--choice", "no")
+    assert code == 0 and list(servicer.requests[-1].parameters.constraint.choice.choices) == ["yes", "no"]
+    code, _, _ = _cli("--target", target, "generate", "hi", "--regex", "[0-9]+")
+    assert code == 0 and servicer.requests[-1].parameters.constraint.regex == "[0-9]+"
+    code, _, _ = _cli("--target", target, "generate", "hi", "--json-object")
+    assert code == 0 and servicer.requests[-1].parameters.constraint.HasField("json_object")
+    code, _, err = _cli("--target", target, "generate", "hi", "--json-schema", str(tmp_path / "missing.json"))
+    assert code == 2 and "--json-schema: cannot read" in err
+    code, _, err = _cli("--target", target, "generate", "hi", "--regex", "a", "--choice", "b")
+    assert code == 2 and "at most one constraint" in err

@@ -90,6 +90,9 @@ def test_decode_call(fake_flash: FakeFlashAttn) -> None:
     assert kw["softmax_scale"] == 0.125 and kw["causal"] is True
     assert kw["window_size"] == (99, 0)
     assert "k" not in kw and "v" not in kw  # the pool already holds the new token
+    assert "softcap" not in kw  # only a capping layer passes it (older flash-attn lacks it)
+    backend.forward(step.q, step.k, step.v, cache, step.meta, plan, 0.125, 100, logits_soft_cap=50.0)
+    assert fake_flash.calls[1][2]["softcap"] == 50.0
     # The new K/V were written before the call.
     flat_k = cache[0].view(-1, 2, 64)
     assert torch.equal(flat_k[step.meta.slot_mapping], step.k)

@@ -20,6 +20,7 @@ from loom.model_loader import (
     eos_token_ids,
     gguf_cache,
     iter_weights,
+    layer_sliding_windows,
     load_hf_config,
     load_model,
     model_dims,
@@ -30,9 +31,9 @@ from loom.plugin_api import PluginError, PluginRegistry
 TinyDir = Callable[[str], Path]
 
 
-def test_registry_lists_the_four_architectures(models_registry: PluginRegistry) -> None:
+def test_registry_lists_every_built_in_architecture(models_registry: PluginRegistry) -> None:
     names = [info.spec.name for info in models_registry.infos("model")]
-    assert names == ["llama", "mistral", "qwen2", "qwen3"]
+    assert names == ["gemma2", "gemma3", "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3-moe"]
     for info in models_registry.infos("model"):
         cls = info.spec.load()
         assert all(hasattr(cls, m) for m in ("forward", "compute_logits", "load_weights"))
@@ -101,6 +102,19 @@ def test_model_dims(tiny_model_dir: TinyDir) -> None:
     assert model_dims(load_hf_config(tiny_model_dir("mistral"))).sliding_window == 5
     # Qwen2 here slides on layers 1-2 only: no bound for the whole sequence.
     assert model_dims(load_hf_config(tiny_model_dir("qwen2"))).sliding_window is None
+    # Every layer slides in Mixtral and Phi-3; Gemma alternates.
+    assert model_dims(load_hf_config(tiny_model_dir("mixtral"))).sliding_window == 6
+    assert model_dims(load_hf_config(tiny_model_dir("phi3"))).sliding_window == 7
+    assert layer_sliding_windows(load_hf_config(tiny_model_dir("gemma2"))) == [5, None, 5]
+    assert model_dims(load_hf_config(tiny_model_dir("gemma2"))).sliding_window is None
+
+
+def test_qwen3_moe_window_follows_use_sliding_window() -> None:
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(model_type="qwen3_moe", num_hidden_layers=2, sliding_window=4096, use_sliding_window=False)
+    assert layer_sliding_windows(cfg) == [None, None]  # a transformers-4 config keeps the number
+    assert layer_sliding_windows(SimpleNamespace(**{**vars(cfg), "use_sliding_window": True})) == [4096, 4096]
 
 
 def test_resolve_model_dir(tiny_model_dir: TinyDir, tmp_path: Path) -> None:

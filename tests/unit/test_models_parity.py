@@ -17,12 +17,15 @@ from loom.plugin_api import PluginRegistry
 
 PROMPT = [1, 17, 42, 99, 3, 250, 7, 7, 128, 64, 5, 300, 12, 77, 31, 200, 9, 4, 180, 66]
 EXPECTED_PLUGIN = {
-    "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+    "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "mixtral",
+    "qwen3-moe": "qwen3-moe", "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3",
 }
 
 
 def _plugin_for(variant: str) -> str:
-    return next(plugin for prefix, plugin in EXPECTED_PLUGIN.items() if variant.startswith(prefix))
+    """The plugin of the longest name the variant starts with (qwen3-moe-norm-topk: qwen3-moe)."""
+    prefix = max((p for p in EXPECTED_PLUGIN if variant.startswith(p)), key=len)
+    return EXPECTED_PLUGIN[prefix]
 
 
 @pytest.mark.parametrize("variant", sorted(TINY_CONFIGS))
@@ -47,7 +50,8 @@ def _backend(name: str) -> type[AttentionBackend]:
 
 
 @pytest.mark.parametrize("backend", ["reference", "torch"])
-@pytest.mark.parametrize("variant", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("variant", ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3-moe", "gemma2",
+                                     "gemma3", "phi3-longrope"])
 def test_chunked_prefill_and_decode_match_one_shot_prefill(
     variant: str, backend: str, tiny_model_dir: Callable[[str], Path], models_registry: PluginRegistry
 ) -> None:

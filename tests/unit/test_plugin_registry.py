@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 
 import pytest
@@ -67,6 +68,23 @@ def test_unavailable_plugin_says_why_and_is_not_chosen() -> None:
         reg.attention_backend("gpu-only")
     assert reg.default_attention_backend("cpu").name == "plain"
     assert "unavailable: needs CUDA" in format_plugins(reg)
+
+
+def test_loom_plugins_lists_the_architectures_each_model_plugin_serves() -> None:
+    class Models:
+        @hookimpl
+        def loom_model_architectures(self) -> Iterable[ModelArchitectureSpec]:
+            return [ModelArchitectureSpec(name="two", summary="", load=lambda: object,
+                                          architectures=("AForCausalLM", "BForCausalLM"))]
+
+    reg = PluginRegistry()
+    reg.register(Models(), "m", "dist")
+    reg.register(_Backends(spec("plain")), "a", "dist")
+    text = format_plugins(reg).splitlines()
+    assert text[0].split() == ["KIND", "NAME", "DISTRIBUTION", "VERSION", "STATUS", "SERVES"]
+    assert text[2].split()[-2:] == ["AForCausalLM,", "BForCausalLM"]
+    rows = {r["name"]: r for r in json.loads(format_plugins(reg, as_json=True))}
+    assert rows["two"]["serves"] == "AForCausalLM, BForCausalLM" and rows["plain"]["serves"] == ""
 
 
 def test_unknown_architecture_lists_known_ones() -> None:

@@ -81,9 +81,11 @@ def test_quantize_round_trip_loads_and_serves(name: str, made: dict[str, Path], 
     config = json.loads((out / "config.json").read_text())
     assert "quantization_config" in config and (out / "tokenizer.json").is_file()
     rel = logit_errors[name]
-    # The tiny model is chaotic on purpose (initializer_range 0.15, peaked logits): FP8's 2.5%
-    # weight rounding moves its logits by ~13%, int4's ~8% by 30-45%; 8-bit per channel stays close.
-    bound = 0.05 if name == "gptq-8bit-per-channel" else 0.2 if name == "fp8" else 0.6
+    # A random tiny model's logits against its dense ones (chaotic on purpose: initializer_range
+    # 0.15, peaked logits): 8-bit integers keep them within 5%; FP8 rounds weights AND activations
+    # (dynamic per token) to e4m3's 3 mantissa bits (up to 6% per element each), 0.127 measured
+    # here, so 0.25; 4-bit schemes within 0.6. Garbage is near 1.
+    bound = 0.05 if name == "gptq-8bit-per-channel" else 0.25 if name == "fp8" else 0.6
     assert 0 < rel < bound, rel  # something was quantized, and not garbage
 
 

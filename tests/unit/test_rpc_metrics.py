@@ -172,6 +172,29 @@ def test_engine_families_from_the_snapshot() -> None:
     assert samples[("loom_request_failure_total", (("err", "deadline"),))] == 0  # every reason from 0
 
 
+def test_grammar_families_from_the_snapshot() -> None:
+    from loom.structured.compiler_pool import COMPILE_TIME_BUCKETS
+
+    metrics = Metrics()
+    buckets = [0] * (len(COMPILE_TIME_BUCKETS) + 1)
+    buckets[0], buckets[3], buckets[-1] = 2, 1, 1  # two under 1 ms, one under 10 ms, one past 30 s
+    metrics.engine.stats = EngineStats(0, 0, 4, 4, 0, 0, grammar_cache_queries=7, grammar_cache_hits=3,
+                                       grammar_compile_timeouts=1, grammar_compile_buckets=tuple(buckets),
+                                       grammar_compile_seconds=31.5)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in metrics.registry.collect() for s in f.samples}
+    assert samples[("loom_grammar_cache_queries_total", ())] == 7
+    assert samples[("loom_grammar_cache_hits_total", ())] == 3
+    assert samples[("loom_grammar_compile_timeouts_total", ())] == 1
+    assert samples[("loom_grammar_compile_seconds_bucket", (("le", "0.001"),))] == 2
+    assert samples[("loom_grammar_compile_seconds_bucket", (("le", "0.005"),))] == 2
+    assert samples[("loom_grammar_compile_seconds_bucket", (("le", "0.01"),))] == 3  # cumulative
+    assert samples[("loom_grammar_compile_seconds_bucket", (("le", "+Inf"),))] == 4
+    assert samples[("loom_grammar_compile_seconds_count", ())] == 4
+    assert samples[("loom_grammar_compile_seconds_sum", ())] == 31.5
+    assert samples[("loom_constrained_requests_total", (("kind", "choice"),))] == 0  # every kind from 0
+
+
 async def _http(port: int, request: bytes) -> bytes:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(request)

@@ -220,3 +220,29 @@ def test_ngram_greedy_on_the_tiny_model_equals_plain(engine_on: Callable[..., LL
     got, _, _ = run(spec, reqs)
     assert got == ref
     assert spec.speculator is not None and spec.speculator.counters.draft_tokens > 0
+
+
+def test_draft_model_proposer_equals_plain_and_keeps_its_kv_in_step(engine_on: Callable[..., LLMEngine],
+                                                                    tiny_model_dir: Callable[[str], Path]) -> None:
+    """The target as its own draft model: every greedy draft is accepted (the same weights in
+    fp32), the outputs are the plain run's, and the draft's KV blocks all come back."""
+    reqs = _requests(6, count=4)
+    ref, _, _ = run(engine_on(), reqs)
+    spec = engine_on(speculate=3, speculator="draft",
+                     speculator_options=(("model_id", str(tiny_model_dir("llama"))), ("kv_tokens", "2048")))
+    got, _, _outs = run(spec, reqs)
+    assert got == ref
+    assert spec.speculator is not None
+    c = spec.speculator.counters
+    assert c.draft_tokens > 0 and c.accepted_tokens >= 0.9 * c.draft_tokens
+    proposer = spec.speculator.proposer
+    assert proposer.num_free_blocks == proposer.num_blocks  # type: ignore[attr-defined]
+
+
+def test_draft_model_options_are_checked() -> None:
+    from loom_plugins.speculative.draft_model import DraftModelProposer
+
+    with pytest.raises(ValueError, match="model_id"):
+        DraftModelProposer.check_options({})
+    with pytest.raises(ValueError, match="unknown option"):
+        DraftModelProposer.check_options({"model_id": "x", "temperature": "1"})

@@ -113,7 +113,8 @@ def to_device(case: Case, device: str) -> Case:
                 case.full_k, case.full_v)
 
 
-def reference(case: Case, scale: float, sliding_window: int | None) -> torch.Tensor:
+def reference(case: Case, scale: float, sliding_window: int | None,
+              soft_cap: float | None = None) -> torch.Tensor:
     """Dense causal attention per sequence on its full K/V, in float64. [T, Hq, D]."""
     meta = case.meta
     outs = []
@@ -129,16 +130,18 @@ def reference(case: Case, scale: float, sliding_window: int | None) -> torch.Ten
         if sliding_window is not None:
             allowed &= k_pos > q_pos - sliding_window  # HF: the last `window` positions, self included
         scores = (q @ k.transpose(1, 2)) * scale  # [Hq, Lq, Lk]
+        if soft_cap is not None:
+            scores = torch.tanh(scores / soft_cap) * soft_cap
         scores = scores.masked_fill(~allowed, float("-inf"))
         outs.append((scores.softmax(-1) @ v).transpose(0, 1))  # [Lq, Hq, D]
     return torch.cat(outs)
 
 
 def run_backend(case: Case, num_heads: int, num_kv_heads: int, head_dim: int,
-                sliding_window: int | None) -> torch.Tensor:
+                sliding_window: int | None, **extra: float) -> torch.Tensor:
     backend = TorchAttentionBackend(num_heads, num_kv_heads, head_dim, case.q.dtype, case.q.device)
     out = backend.forward(case.q, case.k, case.v, case.kv_cache, case.meta, backend.prepare(case.meta),
-                          head_dim**-0.5, sliding_window)
+                          head_dim**-0.5, sliding_window, **extra)
     return out.cpu()
 
 
@@ -200,6 +203,22 @@ def test_prefill_only(seqs: list[tuple[int, int]], sliding_window: int | None, d
     case = make_case(seqs, block_size=8, num_heads=9, num_kv_heads=3, head_dim=64, seed=5, device=device)
     out = run_backend(case, 9, 3, 64, sliding_window)
     torch.testing.assert_close(out.double(), reference(case, 64**-0.5, sliding_window), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 7])
+@pytest.mark.parametrize("seqs", [MIXED, [(c, 1) for c in (0, 3, 40, 100)], [(0, 33)]],
+                         ids=["mixed", "decode", "prefill"])
+def test_soft_capped_scores_match_reference(seqs: list[tuple[int, int]], sliding_window: int | None) -> None:
+    """Gemma 2's cap * tanh(score / cap), on every path (decode groups, in-place kernel's steps,
+    prefills with and without context), 8x8 heads and GQA."""
+    for heads, kv_heads in ((4, 4), (9, 3)):
+        case = make_case(seqs, block_size=8, num_heads=heads, num_kv_heads=kv_heads, head_dim=32, seed=11)
+        case.q.mul_(4.0)  # scores of several units: the cap changes them
+        out = run_backend(case, heads, kv_heads, 32, sliding_window, logits_soft_cap=2.0)
+        expected = reference(case, 32**-0.5, sliding_window, soft_cap=2.0)
+        torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+        uncapped = reference(case, 32**-0.5, sliding_window)
+        assert (expected - uncapped).abs().max() > 0.05  # the cap matters at these scores
 
 
 def test_sliding_window_matches_hf_semantic() -> None:

@@ -38,6 +38,7 @@ CPU_WORKLOADS = ("C0", "C1", "C2")
 MODEL_WORKLOADS = ("W1", "W2")
 SERVING_WORKLOADS = ("W3",)
 PREFIX_WORKLOADS = ("W4",)
+STRUCTURED_WORKLOADS = ("S1",)
 SPECULATION_WORKLOADS = ("C3",)
 
 
@@ -46,7 +47,7 @@ def add_bench_command(sub: Any) -> None:
     p.add_argument("--workloads", default="C0,C1,C2",
                    help="comma-separated: C0,C1,C2 (CPU, SmolLM2), W1,W2 (decode latency, offline "
                         "throughput), W3 (serving through gRPC), W4 (prefix cache), C3 (speculation on copy-heavy "
-                        "chat requests, SmolLM2; --device cuda --dtype bfloat16 makes it W5 a)")
+                        "chat requests, SmolLM2; --device cuda --dtype bfloat16 makes it W5 a), S1 (structured output)")
     p.add_argument("--peer", choices=["none", "hf"], default="none", help="also run this peer in the same run")
     p.add_argument("--model-id", default=None,
                    help="model dir, .gguf or random:NAME (random:llama-8b, random:llama-1b, ...); "
@@ -83,6 +84,13 @@ def add_bench_command(sub: Any) -> None:
     g.add_argument("--request-rate", type=float, default=math.inf,
                    help="W3 Poisson arrival rate in requests/s; inf (default): all at once")
     g.add_argument("--seed", type=int, default=0, help="W3 arrival seed")
+    g.add_argument("--s1-requests", type=int, default=None, help="S1 request count; unset: 64 (8 with --quick)")
+    g.add_argument("--s1-new-tokens", type=int, default=None,
+                   help="S1 most new tokens per request; unset: 128 (16 with --quick)")
+    g.add_argument("--s1-variants", type=int, default=None,
+                   help="S1 renamed copies of each schema compiled cold; unset: 8 (2 with --quick)")
+    g.add_argument("--s1-repeats", type=int, default=1,
+                   help="S1: run the with/without-grammar pair this many times and average the ratio")
     g.add_argument("--speculate", type=int, default=None,
                    help="draft tokens per step (n-gram): C3's speculating run (default 4); W1/W2 with it set "
                         "run the engine with --speculate (default: off)")
@@ -212,7 +220,7 @@ def engine_config(args: argparse.Namespace, device: torch.device, workloads: lis
         kwargs["cuda_memory_fraction"] = args.cuda_memory_fraction
     if args.async_scheduling is not None:
         kwargs["async_scheduling"] = args.async_scheduling
-    if args.speculate:
+    if getattr(args, "speculate", None):
         kwargs["speculate"] = args.speculate
     fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
     if args.cuda_graphs is not None:
@@ -264,8 +272,9 @@ def _run_model_workloads(args: argparse.Namespace, names: list[str], device: tor
     served = served_cost(cost, int(memory["weight_bytes"]))
     quantized = memory["quantization"] is not None
     result["limits"] = {"hardware": hw.as_dict(), "model": cost.as_dict(),
-                        "weight_read": weight_read_limit(served.weight_bytes, hw),
-                        "dense_weight_read": weight_read_limit(cost.weight_bytes, hw)}
+                        # what a batch-1 decode step reads (an MoE model: its chosen experts only)
+                        "weight_read": weight_read_limit(int(served.step_weight_bytes(1)), hw),
+                        "dense_weight_read": weight_read_limit(int(cost.step_weight_bytes(1)), hw)}
     print(f"weights {served.weight_bytes / 2**30:.2f} GiB ({memory['quantization'] or 'dense'}), KV pool "
           f"{pool_tokens} tokens ({pool_tokens * cost.kv_bytes_per_token / 2**30:.2f} GiB); weight-read limit "
           f"{result['limits']['weight_read']['max_decode_tok_s']:.0f} decode steps/s", flush=True)
@@ -341,6 +350,26 @@ def _run_prefix_cache(args: argparse.Namespace, device: torch.device, result: di
           f"{off['out_tok_s']:.1f}", flush=True)
 
 
+def _run_structured(args: argparse.Namespace, device: torch.device, result: dict[str, Any]) -> None:
+    """S1: grammar compile times (cold, cached), the mask's cost, tok/s with grammars against without."""
+    from .structured import run_s1
+
+    requests = args.s1_requests or (8 if args.quick else 64)
+    new = args.s1_new_tokens or (16 if args.quick else 128)
+    variants = args.s1_variants or (2 if args.quick else 8)
+    placeholder = Workload("S1", [([0] * 80, new)] * requests, "")  # sizes the pool for 80-token prompts
+    cfg = engine_config(args, device, [placeholder])
+    entry = run_s1(cfg, requests, new, variants, args.s1_repeats)
+    entry["engine_config"] = dataclasses.asdict(cfg)
+    result["workloads"]["S1"] = entry
+    c, t, v = entry["compile"], entry["throughput"], entry["validity"]
+    print(f"S1: compile cold p50 {c['cold']['p50_ms']:.2f} ms p99 {c['cold']['p99_ms']:.2f} ms "
+          f"(10 optional properties: p50 {c['optional10_cold']['p50_ms']:.2f} ms), cached p50 "
+          f"{c['cached']['p50_us']:.1f} us; 64-row mask fill {c['mask_64_rows']['fill_us_median']:.0f} us, apply "
+          f"{c['mask_64_rows']['apply_us_median']:.0f} us; out tok/s with grammars "
+          f"{t['with_grammar_out_tok_s_mean']:.1f} vs without {t['without_out_tok_s_mean']:.1f} "
+          f"({t['ratio_mean']:.3f}x); {v['valid_of_eos']}/{v['ended_by_eos']} outputs ended by EOS are valid",
+          flush=True)
 def _run_speculation(args: argparse.Namespace, result: dict[str, Any]) -> None:
     """C3 (CPU) / W5 (a) (with --device cuda --dtype bfloat16): the same copy-heavy requests
     with and without --speculate, batch 1 and all at once (loom/bench/speculation.py)."""
@@ -371,7 +400,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     names = [n.strip().upper() for n in args.workloads.split(",") if n.strip()]
-    known = CPU_WORKLOADS + MODEL_WORKLOADS + SERVING_WORKLOADS + PREFIX_WORKLOADS + SPECULATION_WORKLOADS
+    known = (CPU_WORKLOADS + MODEL_WORKLOADS + SERVING_WORKLOADS + PREFIX_WORKLOADS + SPECULATION_WORKLOADS
+             + STRUCTURED_WORKLOADS)
     unknown = [n for n in names if n not in known]
     if unknown:
         print(f"loom bench: unknown workload(s) {', '.join(unknown)}; choose from {', '.join(known)}",
@@ -392,7 +422,7 @@ def run_bench(args: argparse.Namespace) -> int:
     try:
         if cpu_names:
             _run_cpu_workloads(args, cpu_names, result)
-        if model_names or "W3" in names or "W4" in names:
+        if model_names or "W3" in names or "W4" in names or "S1" in names:
             device = resolve_device(args.device)
             result["machine"].update(software_info(device))
             if model_names:
@@ -401,6 +431,8 @@ def run_bench(args: argparse.Namespace) -> int:
                 _run_serving(args, device, result)
             if "W4" in names:
                 _run_prefix_cache(args, device, result)
+            if "S1" in names:
+                _run_structured(args, device, result)
         if "C3" in names:
             _run_speculation(args, result)
     except ConfigError as exc:

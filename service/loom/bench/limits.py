@@ -14,6 +14,13 @@ time its unavoidable work takes at those rates:
 Counting every weight byte per step (embedding and head included) follows WORKLOADS.md's
 "16.06 GB / 4.3 TB/s = 3.7 ms a step" for llama-8b.
 
+A Mixture-of-Experts model (issue #22) is held to what a step actually reads: the attention,
+the router, the norms, the head and the experts its tokens chose, not the experts no token chose
+nor the embedding table (a step reads a few of its rows). A batch of ``b`` tokens each choosing
+``k`` of ``E`` experts is counted as reading ``E * (1 - (1 - k / E) ** b)`` experts per layer,
+the expected number of distinct experts under uniform routing (exactly ``k`` for one token); its
+FLOPs count each token's ``k`` experts.
+
 A quantized model reads its packed weights instead (W6: int4 GPTQ / AWQ, FP8, NF4): the limits
 then take the weight bytes the engine actually holds (``weight_memory``), so ``ratio_to_limit``
 is the share of the int4 (or FP8...) weight-read limit; :func:`weight_read_limit` is that limit
@@ -22,6 +29,7 @@ alone (one decode step that only reads the weights).
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -92,19 +100,38 @@ class ModelCost:
     """The work one token costs, from the model's shape (counted on the meta device)."""
 
     weight_bytes: int  # every parameter once (tied ones once)
-    body_matmul_params: int  # 2-D weights a processed token multiplies by (no embedding, no head)
+    body_matmul_params: int  # weights a processed token multiplies by (no embedding, no head; its k experts)
     head_params: int  # the logits projection, applied once per generated token
     num_layers: int
     num_heads: int
     head_dim: int
     kv_bytes_per_token: int  # K and V of all layers
+    # Mixture of experts (0 for a dense model):
+    expert_bytes: int = 0  # every expert of every layer
+    num_experts: int = 0  # E per MoE layer
+    experts_per_token: int = 0  # k
+    embedding_bytes: int = 0  # the input embedding table when it is not the head's
 
     def attention_flops(self, context: int) -> int:
         """QK^T and PV of one query token over ``context`` keys, all layers and heads."""
         return 4 * self.num_layers * self.num_heads * self.head_dim * context
 
+    def active_expert_fraction(self, tokens: int) -> float:
+        """The expected share of each layer's experts that ``tokens`` tokens choose (uniform routing)."""
+        if not self.num_experts:
+            return 1.0
+        return 1.0 - (1.0 - self.experts_per_token / self.num_experts) ** max(1, tokens)
+
+    def step_weight_bytes(self, tokens: int = 1) -> float:
+        """Weight bytes a forward of ``tokens`` tokens reads: every weight for a dense model (the
+        WORKLOADS.md convention); for an MoE model all but the unchosen experts and the embedding."""
+        if not self.num_experts:
+            return float(self.weight_bytes)
+        idle = self.expert_bytes * (1.0 - self.active_expert_fraction(tokens))
+        return self.weight_bytes - self.embedding_bytes - idle
+
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "decode_step_weight_bytes_batch_1": self.step_weight_bytes(1)}
 
 
 def model_cost(model_dir: Path, dtype: torch.dtype) -> ModelCost:
@@ -116,19 +143,33 @@ def model_cost(model_dir: Path, dtype: torch.dtype) -> ModelCost:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     elem = torch.empty((), dtype=dtype).element_size()
-    weight_bytes = body = head = 0
+    weight_bytes = body = head = expert_params = 0
     embed = model.get_input_embeddings().weight
     out = model.get_output_embeddings()
     head_weight = out.weight if out is not None else embed
-    for p in model.parameters():  # tied parameters appear once
+    num_experts = int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0)
+    top_k = int(getattr(config, "num_experts_per_tok", 0) or 0) if num_experts else 0
+    for name, p in model.named_parameters():  # tied parameters appear once
         weight_bytes += p.numel() * elem
-        if p.dim() == 2 and p is not embed and p is not head_weight:
+        if num_experts and _is_expert_weight(name, p):
+            expert_params += p.numel()
+        elif p.dim() == 2 and p is not embed and p is not head_weight:
             body += p.numel()
     head = head_weight.numel()
+    if num_experts:  # a token multiplies by its k experts only
+        body += expert_params * top_k // num_experts
     dims = model_dims(config)
     return ModelCost(weight_bytes=weight_bytes, body_matmul_params=body, head_params=head,
                      num_layers=dims.num_layers, num_heads=dims.num_heads, head_dim=dims.head_dim,
-                     kv_bytes_per_token=2 * dims.num_layers * dims.num_kv_heads * dims.head_dim * elem)
+                     kv_bytes_per_token=2 * dims.num_layers * dims.num_kv_heads * dims.head_dim * elem,
+                     expert_bytes=expert_params * elem, num_experts=num_experts, experts_per_token=top_k,
+                     embedding_bytes=embed.numel() * elem if embed is not head_weight else 0)
+
+
+def _is_expert_weight(name: str, param: torch.Tensor) -> bool:
+    """transformers 5 stacks each layer's experts (``experts.gate_up_proj [E, 2I, H]``); 4 kept
+    one module per expert (``experts.3.w1.weight``)."""
+    return param.dim() == 3 or re.search(r"\.experts\.\d+\.", name) is not None
 
 
 def served_cost(cost: ModelCost, weight_bytes: int) -> ModelCost:
@@ -165,10 +206,11 @@ def w1_limit(cost: ModelCost, hw: Hardware, w: Workload) -> dict[str, float]:
     prefill_flops = 2.0 * cost.body_matmul_params * prompt + 2.0 * cost.head_params
     prefill_flops += cost.attention_flops(1) * prompt * (prompt + 1) / 2
     prefill_s = max(prefill_flops / hw.matmul_flop_per_s,
-                    (cost.weight_bytes + cost.kv_bytes_per_token * prompt) / hw.copy_bytes_per_s)
-    decode_bytes = sum(cost.weight_bytes + cost.kv_bytes_per_token * (prompt + i) for i in range(1, new))
+                    (cost.step_weight_bytes(prompt) + cost.kv_bytes_per_token * prompt) / hw.copy_bytes_per_s)
+    step_weights = cost.step_weight_bytes(1)
+    decode_bytes = sum(step_weights + cost.kv_bytes_per_token * (prompt + i) for i in range(1, new))
     decode_s = decode_bytes / hw.copy_bytes_per_s
-    step_s = (cost.weight_bytes + cost.kv_bytes_per_token * prompt) / hw.copy_bytes_per_s
+    step_s = (step_weights + cost.kv_bytes_per_token * prompt) / hw.copy_bytes_per_s
     return {
         "min_s": prefill_s + decode_s,
         "max_out_tok_s": new / (prefill_s + decode_s),
@@ -185,7 +227,8 @@ def w2_limit(cost: ModelCost, hw: Hardware, w: Workload) -> dict[str, float]:
         flops += f
         kv_bytes += b
     steps = max(n for _, n in w.requests)  # a request's tokens come one forward pass apart
-    total_bytes = kv_bytes + steps * cost.weight_bytes
+    # Each step at best carries every request (an MoE step then reads the experts they choose).
+    total_bytes = kv_bytes + steps * cost.step_weight_bytes(len(w.requests))
     flop_s = flops / hw.matmul_flop_per_s
     byte_s = total_bytes / hw.copy_bytes_per_s
     min_s = max(flop_s, byte_s)

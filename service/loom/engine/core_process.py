@@ -52,6 +52,8 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
+_GRAMMAR_POLL_S = 0.002
+
 
 class EngineDeadError(RuntimeError):
     """The engine process exited; no request can be served until the server restarts."""
@@ -106,9 +108,12 @@ def run_engine_core(config: EngineConfig, conn: Connection, log_json: bool = Fal
 def _serve_pipe(engine: LLMEngine, conn: Connection) -> None:
     """The step loop: requests and aborts in between steps, outputs after each, until "shutdown"."""
     while True:
-        # Block only when idle; otherwise pick up whatever arrived during the last step.
+        # Block only when idle; otherwise pick up whatever arrived during the last step. While the
+        # only requests wait for their grammars to compile, look again every few milliseconds.
         if not engine.has_unfinished():
             conn.poll(None)
+        elif not engine.has_schedulable():
+            conn.poll(_GRAMMAR_POLL_S)
         while conn.poll(0):
             msg: ToEngine = conn.recv()
             if isinstance(msg, AddRequest):

@@ -15,8 +15,8 @@ import os
 import random
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
-from typing import TextIO
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, TextIO
 
 import structlog
 import torch
@@ -39,19 +39,24 @@ from .types import (
     EngineRequest,
     EngineStats,
     FinishReason,
+    Rejection,
     SamplingParams,
     StoppingParams,
 )
+
+if TYPE_CHECKING:
+    from loom.structured.driver import StructuredOutput
 
 log = structlog.get_logger(__name__)
 
 
 def _needs_host_tokens(seq: Sequence) -> bool:
-    """Penalties read the output so far, and prompt logprobs are read back at once: such a
-    sequence's next step cannot be prepared while its last token is still on the device."""
+    """Penalties read the output so far, prompt logprobs are read back at once, and a grammar's
+    matcher must see the last token before it fills the next mask: such a sequence's next step
+    cannot be prepared while its last token is still on the device."""
     sp = seq.sampling
     return (sp.repetition_penalty != 1.0 or sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0
-            or (sp.prompt_logprobs and not seq.prompt_logprobs_sent))
+            or (sp.prompt_logprobs and not seq.prompt_logprobs_sent) or sp.constraint is not None)
 
 
 class _RepeatLastToken(Proposer):
@@ -83,6 +88,8 @@ class LLMEngine:
         self.eos_token_ids = model.eos_token_ids
         self.vocab_size = model.vocab_size
         self.requests: dict[str, list[Sequence]] = {}
+        # Structured output, made on the first constrained request (see _structured_output).
+        self._structured: StructuredOutput | None = None
         self._rng = random.Random(config.seed)  # None: seeded from the OS
         self.num_steps = 0
         self._inflight: _Launched | None = None  # a launched step whose results are not read yet
@@ -206,6 +213,7 @@ class LLMEngine:
         )
         self.outputs = OutputProcessor(self.scheduler, self.block_manager, self.requests, self.eos_token_ids,
                                        self.max_model_len)
+        self.outputs.grammars = self._structured
 
     def _warmup_tokens(self) -> int:
         """GPU: the largest prefill the budgets allow (it sets the activation peak); CPU: a short
@@ -310,6 +318,10 @@ class LLMEngine:
         for seq in seqs:
             seq.max_model_len = self.max_model_len
         self.requests[request.request_id] = seqs
+        if request.sampling.constraint is not None:
+            # Not schedulable until its grammar compiles (off this loop): see _admit_constrained.
+            self._structured_output().hold(request.request_id, request.sampling.constraint, seqs)
+            return
         self.scheduler.add(seqs[0], seqs[1:])
 
     def abort(self, request_id: str) -> None:
@@ -329,10 +341,14 @@ class LLMEngine:
             self.requests.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
+        return self.has_schedulable() or (self._structured is not None and self._structured.num_held > 0)
+
+    def has_schedulable(self) -> bool:
+        """Whether a step has work: False while the only requests wait for their grammars."""
         return self._inflight is not None or self.scheduler.has_unfinished()
 
     def stats(self) -> EngineStats:
-        return EngineStats(
+        stats = EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_free_blocks=self.block_manager.num_free_blocks,
@@ -343,6 +359,45 @@ class LLMEngine:
             prefix_cache_queries=self.block_manager.stats.queries,
             prefix_cache_hits=self.block_manager.stats.hits,
         )
+        return self._with_grammar_stats(stats)
+
+    # -- structured output (loom.structured) ----------------------------------------------------------
+    def _structured_output(self) -> StructuredOutput:
+        """The structured-output driver, made on first use: its workers describe the vocabulary
+        and compile grammars on their own threads."""
+        if self._structured is None:
+            from loom.structured.compiler_pool import GrammarCompilerPool
+            from loom.structured.driver import StructuredOutput
+            from loom.structured.vocabulary import vocabulary_from_model_dir
+
+            model_dir, vocab, eos = self.worker.info.model_dir, self.vocab_size, self.eos_token_ids
+            threads = max(1, min(8, (os.cpu_count() or 2) // 2))
+            pool = GrammarCompilerPool(lambda: vocabulary_from_model_dir(model_dir, vocab, eos), workers=2,
+                                       cache_bytes=self.config.grammar_cache_mib << 20, compiler_threads=threads)
+            self._structured = StructuredOutput(pool, vocab, eos, self.config.grammar_compile_timeout)
+            self.outputs.grammars = self._structured
+        return self._structured
+
+    def _admit_constrained(self) -> list[EngineOutput]:
+        """Requests whose grammar compiled join the scheduler; refused ones fail (at step start)."""
+        if self._structured is None or not self._structured.num_held:
+            return []
+        ready, refused = self._structured.take_ready()
+        for seqs in ready:
+            self.scheduler.add(seqs[0], seqs[1:])
+        outputs: list[EngineOutput] = []
+        for r in refused:
+            log.info("constrained request refused", request_id=r.request_id, reason=r.rejection.reason, error=r.message)
+            outputs += self.fail_request(r.request_id, r.message, r.rejection)
+        return outputs
+
+    def _with_grammar_stats(self, stats: EngineStats) -> EngineStats:
+        if self._structured is None:
+            return stats
+        s = self._structured.pool.snapshot()
+        return replace(stats, grammar_cache_queries=s.queries, grammar_cache_hits=s.hits,
+                       grammar_compile_timeouts=s.timeouts, grammar_compile_buckets=tuple(s.buckets),
+                       grammar_compile_seconds=s.seconds_sum)
 
     # -- the step -----------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
@@ -353,9 +408,10 @@ class LLMEngine:
         step N+1 while the device computes step N, and step N+1 takes N's sampled tokens as
         input straight from the device. A sequence that step N finishes (EOS, stop token) has
         computed one row too many in step N+1, which is dropped. Steps that need every token on
-        the host (penalties, prompt logprobs) run synchronously.
+        the host (penalties, prompt logprobs, grammars) run synchronously. Constrained requests
+        whose grammar has compiled join the scheduler first (:meth:`_admit_constrained`).
         """
-        outputs: list[EngineOutput] = []
+        outputs: list[EngineOutput] = self._admit_constrained()
         prev, self._inflight = self._inflight, None
         overlap = self._overlap_helps() and not self._needs_sync()
         if prev is not None and not overlap:
@@ -433,6 +489,13 @@ class LLMEngine:
         tokens, and a placeholder for each token being sampled (the output processor corrects
         the computed count of a sequence that verified drafts)."""
         planned = plan_step(sched, self.config.block_size, self.vocab_size, self.eos_token_ids, drafts)
+        if self._structured is not None:  # the grammar rows of the sampled sequences, in the plan
+            plan = planned.plan
+            guesses = None
+            if plan.num_drafts is not None:  # each sampled sequence's drafts, as the plan lays them out
+                flat = iter(plan.draft_token_ids)
+                guesses = [[next(flat) for _ in range(m)] for m in plan.num_drafts]
+            plan.sampling.bitmask = self._structured.bitmask_rows(planned.sample_seqs, guesses)
         step = self.worker.execute(planned.plan)
         self.block_manager.commit_pending()
         for seq, n in zip(sched.seqs, sched.num_new_tokens, strict=True):
@@ -458,6 +521,7 @@ class LLMEngine:
             for seq, m, tokens in zip(launched.planned.sample_seqs, num_drafts, result.token_ids, strict=True):
                 if m and seq.seq_id not in result.failed:
                     self.speculator.observe(seq, m, len(tokens) - 1)
+            self.speculator.release_finished()
         return outputs
 
     def _isolate(self, sched: SchedulerOutput, outputs: list[EngineOutput],
@@ -488,6 +552,7 @@ class LLMEngine:
                 log.error("request failed in the model step", request_id=seq.request_id, error=repr(exc))
                 outputs += self.fail_request(seq.request_id, f"model step failed: {type(exc).__name__}: {exc}")
 
-    def fail_request(self, request_id: str, message: str) -> list[EngineOutput]:
-        """End every completion of ``request_id`` with an error; its blocks are freed."""
-        return self.outputs.fail_request(request_id, message)
+    def fail_request(self, request_id: str, message: str, rejection: Rejection | None = None) -> list[EngineOutput]:
+        """End every completion of ``request_id`` with an error (a ``rejection`` when the request
+        is refused rather than failed); its blocks are freed."""
+        return self.outputs.fail_request(request_id, message, rejection)

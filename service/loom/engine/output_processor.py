@@ -9,13 +9,18 @@ tokens after its last one and frees its blocks.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from loom.worker.step_plan import StepOutput
 
 from .block_manager import BlockManager
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
 from .step_planner import PlannedStep
-from .types import EngineOutput, FinishReason
+from .types import EngineOutput, FinishReason, Rejection
+
+if TYPE_CHECKING:
+    from loom.structured.driver import StructuredOutput
 
 
 class OutputProcessor:
@@ -26,6 +31,8 @@ class OutputProcessor:
         self.requests = requests  # the engine's: request id -> its completions
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        # structured output's matchers (set by the engine once a request has a grammar)
+        self.grammars: StructuredOutput | None = None
 
     def process(self, planned: PlannedStep, positions: list[int], result: StepOutput,
                 scheduled: list[Sequence]) -> list[EngineOutput]:
@@ -41,6 +48,12 @@ class OutputProcessor:
                 seq.token_ids[positions[i]] = result.token_ids[i][0]
                 seq.num_pending_tokens -= 1
                 outputs += self.fail_request(seq.request_id, error)
+                continue
+            refusal = self.grammars.accept_tokens(seq, result.token_ids[i]) if self.grammars is not None else None
+            if refusal is not None:  # its grammar's matcher could not follow
+                seq.token_ids[positions[i]] = result.token_ids[i][0]
+                seq.num_pending_tokens -= 1
+                outputs += self.fail_request(seq.request_id, refusal.message, refusal.rejection)
                 continue
             top = result.top_tokens[i] if result.top_tokens is not None else None
             out = self._accept(seq, positions[i], result.token_ids[i], result.logprobs[i], top)
@@ -113,6 +126,8 @@ class OutputProcessor:
     def finish_reason(self, seq: Sequence, token: int, pos: int) -> FinishReason | None:
         """Why ``seq`` ends with ``token`` at position ``pos`` (None: it goes on)."""
         st = seq.stopping
+        if token in self.eos_token_ids and self.grammars is not None and self.grammars.terminated(seq):
+            return FinishReason.EOS_TOKEN  # its grammar matched a whole sentence, then EOS
         num_output = pos + 1 - seq.num_prompt_tokens
         past_min = num_output >= st.min_new_tokens
         if past_min and not st.ignore_eos and token in self.eos_token_ids:
@@ -130,13 +145,15 @@ class OutputProcessor:
         if all(s.status is SequenceStatus.FINISHED for s in seqs):
             self.requests.pop(seq.request_id, None)
 
-    def fail_request(self, request_id: str, message: str) -> list[EngineOutput]:
-        """End every completion of ``request_id`` with an error; its blocks are freed."""
+    def fail_request(self, request_id: str, message: str, rejection: Rejection | None = None) -> list[EngineOutput]:
+        """End every completion of ``request_id`` with an error (a ``rejection`` when the request
+        is refused rather than failed); its blocks are freed."""
         outs = []
         for seq in self.requests.pop(request_id, []):
             if not seq.is_finished:
                 outs.append(EngineOutput(seq.request_id, seq.index, [], [], finish_reason=FinishReason.ERROR,
-                                         error=message, seed=seq.seed, num_prompt_tokens=seq.num_prompt_tokens))
+                                         error=message, rejection=rejection, seed=seq.seed,
+                                         num_prompt_tokens=seq.num_prompt_tokens))
                 seq.finish_reason = FinishReason.ERROR
                 self.scheduler.remove(seq)
         return outs

@@ -134,8 +134,10 @@ def sampling_plan(seqs: list[Sequence], vocab_size: int, eos_token_ids: tuple[in
     flags = 0
     for r in rows:
         flags |= r[2]
-    # EOS / stop ids of rows before their min_new_tokens, as flat indices row * V + token.
-    banned = [i * vocab_size + t for i, s in enumerate(seqs) if s.num_output_tokens < s.stopping.min_new_tokens
+    # EOS / stop ids of rows before their min_new_tokens, as flat indices row * V + token (a
+    # grammar's row has them in its mask instead: loom.structured.driver).
+    banned = [i * vocab_size + t for i, s in enumerate(seqs)
+              if s.num_output_tokens < s.stopping.min_new_tokens and s.sampling.constraint is None
               for t in (*eos_token_ids, *s.stopping.stop_token_ids) if 0 <= t < vocab_size]
     return SamplingPlan(
         floats=[r[0] for r in rows],
@@ -163,7 +165,7 @@ def _sampling_plan_with_drafts(seqs: list[Sequence], vocab_size: int, eos_token_
         stop = (*eos_token_ids, *seq.stopping.stop_token_ids)
         for j in range(1 + len(guess)):
             step = seq.num_output_tokens + j
-            if step < seq.stopping.min_new_tokens:
+            if step < seq.stopping.min_new_tokens and seq.sampling.constraint is None:
                 banned += [len(floats) * vocab_size + t for t in stop if 0 <= t < vocab_size]
             floats.append(row[0])
             ints.append((*row[1], step))

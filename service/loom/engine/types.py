@@ -11,6 +11,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from loom.structured.spec import GrammarSpec
+
 
 class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_new_tokens or the model's max_total_tokens reached
@@ -38,6 +40,8 @@ class SamplingParams:
     top_n_tokens: int = 0  # alternatives reported per generated token
     prompt_logprobs: bool = False
     speculate: bool = True  # False: never draft for this request (when the server speculates)
+    # structured output: the grammar every completion must follow (see loom.structured)
+    constraint: GrammarSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,17 @@ class EngineRequest:
     arrival_time: float = field(default_factory=time.monotonic)
 
 
+@dataclass(frozen=True)
+class Rejection:
+    """Why the engine refused a request for a reason that is not a server failure, for the front
+    end to answer with this status instead of INTERNAL (e.g. a grammar that does not compile in
+    time: INVALID_ARGUMENT naming ``field``)."""
+
+    status: str  # a gRPC status code name: "INVALID_ARGUMENT", "FAILED_PRECONDITION", "INTERNAL"
+    field: str  # the request field at fault ("parameters.constraint.json_schema")
+    reason: str  # a google.rpc.ErrorInfo reason ("GRAMMAR_COMPILE_TIMEOUT")
+
+
 @dataclass
 class EngineOutput:
     """New tokens of one completion of one request, produced by one engine step."""
@@ -73,6 +88,7 @@ class EngineOutput:
     prompt_logprobs: list[float | None] | None = None
     finish_reason: FinishReason | None = None
     error: str | None = None
+    rejection: Rejection | None = None  # with error: the request was refused, not failed
     seed: int | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -118,6 +134,14 @@ class EngineStats:
     num_prefill_chunks: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of which served from it
+    # structured output (loom.structured.compiler_pool.CompileStats): compile requests, cache hits
+    grammar_cache_queries: int = 0
+    grammar_cache_hits: int = 0
+    grammar_compile_timeouts: int = 0  # requests refused: their compile ran past the time limit
+    # compiles per bucket of COMPILE_TIME_BUCKETS (not cumulative; the last past the largest), and
+    # the seconds they took in all
+    grammar_compile_buckets: tuple[int, ...] = ()
+    grammar_compile_seconds: float = 0.0
 
 
 # -- Messages over the pipe between the front end and the engine process --------------------------

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from loom.engine.types import EngineOutput, FinishReason
+from loom.engine.types import EngineOutput, FinishReason, Rejection
 
 from .detokenizer import IncrementalDetokenizer
 from .stop_strings import StopStringMatcher
@@ -19,7 +19,13 @@ from .tokenizer import Tokenizer
 
 
 class EngineRequestError(RuntimeError):
-    """The engine failed this request (the message says why); other requests are unaffected."""
+    """The engine failed this request (the message says why); other requests are unaffected.
+    ``rejection``: the engine refused it for the request's own sake (e.g. its grammar did not
+    compile in time), with the status to answer."""
+
+    def __init__(self, message: str, rejection: Rejection | None = None) -> None:
+        super().__init__(message)
+        self.rejection = rejection
 
 
 @dataclass(frozen=True)
@@ -108,7 +114,7 @@ class CompletionState:
         if self.finished:
             return None  # e.g. a stop string ended it; the engine's later tokens are dropped
         if out.finish_reason is FinishReason.ERROR:
-            raise EngineRequestError(out.error or "the engine failed this request")
+            raise EngineRequestError(out.error or "the engine failed this request", out.rejection)
         if out.finish_reason is FinishReason.ABORTED:
             raise EngineRequestError("the engine aborted this request")
         if out.seed is not None:

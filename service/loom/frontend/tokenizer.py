@@ -50,6 +50,11 @@ class Tokenizer:
 
     # -- facts --------------------------------------------------------------------------------
     @property
+    def hf_tokenizer(self) -> Any:
+        """The transformers tokenizer itself (structured output describes its vocabulary)."""
+        return self._hf
+
+    @property
     def vocab_size(self) -> int:
         """Ids the tokenizer can decode (the model's embedding may be larger)."""
         return len(self._hf)

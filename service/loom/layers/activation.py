@@ -20,3 +20,11 @@ class SiluAndMul(nn.Module):
         d = x.shape[-1] // 2
         # in place on silu's fresh output: one [T, I] allocation fewer, the same rounding
         return F.silu(x[..., :d]).mul_(x[..., d:])
+
+
+class GeluTanhAndMul(nn.Module):
+    """``gelu_tanh(gate) * up`` (transformers' ``gelu_pytorch_tanh``: Gemma) on ``[gate | up]``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, 2*I] -> [T, I]
+        d = x.shape[-1] // 2
+        return F.gelu(x[..., :d], approximate="tanh").mul_(x[..., d:])

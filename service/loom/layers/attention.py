@@ -87,6 +87,10 @@ class AttentionBackend(Generic[PlanT]):
     # of q - 1 draft tokens on cached context): prepare() and forward() read no per-sequence
     # host list (query_lens_cpu, seq_lens_cpu hold capture-time placeholders in a graph).
     supports_cuda_graphs_multi_token: bool = False
+    # True when forward() takes ``logits_soft_cap`` (Gemma 2): scores become
+    # ``cap * tanh(scale * q.k / cap)`` before the mask and softmax. A model whose layers cap
+    # their scores refuses a backend without it (see Attention.forward).
+    supports_logits_soft_cap: bool = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -117,8 +121,10 @@ class AttentionBackend(Generic[PlanT]):
         plan: PlanT,  # what prepare(meta) returned
         scale: float,
         sliding_window: int | None,
+        logits_soft_cap: float | None = None,  # passed only when set, and only if supported
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        """Write the new K/V into the pool at ``meta.slot_mapping``, then attend causally."""
+        """Write the new K/V into the pool at ``meta.slot_mapping``, then attend causally: query
+        ``i`` of a sequence of ``L`` tokens (position ``p``) sees keys ``p - window < key <= p``."""
         raise NotImplementedError
 
     # -- CUDA graphs ------------------------------------------------------------------------------
@@ -186,10 +192,15 @@ def get_forward_context() -> ForwardContext:
 
 
 class Attention(nn.Module):
-    """Paged causal self-attention over the step's flattened tokens (no parameters)."""
+    """Paged causal self-attention over the step's flattened tokens (no parameters).
+
+    ``sliding_window``: this layer's window (None: the whole context); ``logits_soft_cap``:
+    Gemma 2's ``cap * tanh(score / cap)`` on the scaled scores (None: no cap).
+    """
 
     def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 scale: float | None = None, sliding_window: int | None = None) -> None:
+                 scale: float | None = None, sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = num_heads
@@ -197,11 +208,19 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale if scale is not None else head_dim**-0.5
         self.sliding_window = sliding_window
+        if logits_soft_cap is not None and logits_soft_cap <= 0:
+            raise ValueError(f"logits_soft_cap must be positive, got {logits_soft_cap}")
+        self.logits_soft_cap = logits_soft_cap
+        # Only a capped layer passes the argument: backends written before it keep working.
+        self._extra: dict[str, float] = {} if logits_soft_cap is None else {"logits_soft_cap": logits_soft_cap}
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, Hq*D], k/v: [T, Hkv*D] -> [T, Hq*D]."""
         ctx = get_forward_context()
         T = q.shape[0]
+        if self._extra and not ctx.backend.supports_logits_soft_cap:
+            raise ValueError(f"this model caps attention scores (Gemma 2's attn_logit_softcapping), which the "
+                             f"{ctx.backend.name!r} attention backend does not implement; choose torch or paged")
         out = ctx.backend.forward(
             q.view(T, self.num_heads, self.head_dim),
             k.view(T, self.num_kv_heads, self.head_dim),
@@ -211,5 +230,6 @@ class Attention(nn.Module):
             ctx.plan,
             self.scale,
             self.sliding_window,
+            **self._extra,
         )
         return out.reshape(T, self.num_heads * self.head_dim)

@@ -53,3 +53,25 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: ``normalise(x) * (1 + weight)``, all in float32, cast back at the end.
+
+    The checkpoint stores ``weight`` as an offset from 1 (zeros are the identity). Unlike
+    :class:`RMSNorm`, transformers multiplies by the weight *before* casting to the input dtype;
+    this matches it (the torch path on every device).
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., H]
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"

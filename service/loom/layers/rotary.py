@@ -1,10 +1,24 @@
 """Rotary position embeddings (rotate-half / NeoX layout, as HF Llama), built from a HF config.
 
 Reads both config styles: transformers 4 (``rope_theta`` + ``rope_scaling``) and transformers 5
-(``rope_parameters = {"rope_theta": ..., "rope_type": ...}``). Supported types: default, linear,
-dynamic, llama3, yarn. cos/sin are cached in float32 for every position up to the model's
-maximum, so applying RoPE is a gather plus elementwise math (no per-step trig). On CUDA that math
-is one fused kernel for q and k (``fused_ops.rotary``), rounding as the torch code here does.
+(``rope_parameters = {"rope_theta": ..., "rope_type": ...}``), and transformers 5's per-layer-type
+dicts (Gemma 3: ``{"sliding_attention": {...}, "full_attention": {...}}``, one table each, chosen
+by ``layer_type``). Supported types: default, linear, dynamic, llama3, yarn, longrope (``su``).
+cos/sin are cached in float32 for every position up to the model's maximum, so applying RoPE is a
+gather plus elementwise math (no per-step trig). On CUDA that math is one fused kernel for q and k
+(``fused_ops.rotary``), rounding as the torch code here does.
+
+``partial_rotary_factor`` < 1 (Phi-4-mini) rotates only the first ``head_dim * factor`` dimensions
+of each head (the torch path; the fused kernels rotate whole heads).
+
+LongRoPE (Phi-3 ``longrope``/``su``): transformers rotates a whole sequence with the long factors
+once it is longer than ``original_max_position_embeddings`` (Phi-3's ``generate`` even drops its
+cache and re-encodes the sequence at that point), and with the short ones before. Here the
+choice is per position: rows of the table below that length use the short factors, the others
+the long ones, so a token's keys never depend on the batch nor on how long its sequence grows.
+That equals transformers for every sequence within the original length (the usual 4k of Phi-3
+128k); a longer sequence keeps its first positions' short-factor keys where transformers would
+re-encode them.
 """
 
 from __future__ import annotations
@@ -17,21 +31,32 @@ from torch import nn
 
 from loom.layers import cpu_fused, fused_ops
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
-def rope_parameters(config: Any) -> dict[str, Any]:
-    """One flat dict with at least ``rope_type`` and ``rope_theta``, whatever the config style."""
+def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any]:
+    """One flat dict with at least ``rope_type`` and ``rope_theta``, whatever the config style.
+
+    Per-layer-type parameters (a dict of dicts) are read for ``layer_type``; a flat dict serves
+    every layer type.
+    """
     params: dict[str, Any] = {}
     for attr in ("rope_scaling", "rope_parameters"):  # in transformers 5 these are the same dict
         value = getattr(config, attr, None)
         if isinstance(value, dict):
             params.update(value)
     if any(isinstance(v, dict) for v in params.values()):
-        raise ValueError("per-layer-type RoPE parameters are not supported by Loom's rotary embedding")
+        if layer_type is None or not isinstance(params.get(layer_type), dict):
+            raise ValueError(f"the RoPE parameters are per layer type ({', '.join(sorted(params))}); "
+                             f"layer type {layer_type!r} has none")
+        params = dict(params[layer_type])
     params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    if params["rope_type"] == "su":  # Phi-3's first name for LongRoPE
+        params["rope_type"] = "longrope"
     params["rope_theta"] = float(params.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0)
-    if params["rope_type"] in ("llama3", "yarn"):
+    if "partial_rotary_factor" not in params:
+        params["partial_rotary_factor"] = float(getattr(config, "partial_rotary_factor", None) or 1.0)
+    if params["rope_type"] in ("llama3", "yarn", "longrope"):
         # HF's rule: a top-level original_max_position_embeddings (Phi-3 style) wins; otherwise
         # the pre-training length defaults to the (extended) max_position_embeddings.
         top_level = getattr(config, "original_max_position_embeddings", None)
@@ -98,6 +123,25 @@ def _yarn_inv_freq(
     return inv_freq, float(attention_factor)
 
 
+def _longrope_inv_freqs(params: dict[str, Any], dim: int,
+                        max_position_embeddings: int) -> tuple[torch.Tensor, torch.Tensor, float, int]:
+    """(short inverse frequencies, long ones [D/2] float32, cos/sin scaling, the first position
+    of the long ones), as transformers computes LongRoPE's."""
+    theta = params["rope_theta"]
+    orig_len = int(params["original_max_position_embeddings"])
+    short = torch.tensor(params["short_factor"], dtype=torch.float32)
+    long = torch.tensor(params["long_factor"], dtype=torch.float32)
+    if short.shape != (dim // 2,) or long.shape != (dim // 2,):
+        raise ValueError(f"LongRoPE needs {dim // 2} short and long factors, got {short.numel()} and {long.numel()}")
+    factor = params.get("factor") or max_position_embeddings / orig_len
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig_len))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    base = theta**exponents
+    return 1.0 / (short * base), 1.0 / (long * base), float(attention_factor), orig_len
+
+
 def compute_inv_freq(
     params: dict[str, Any], head_dim: int, max_position_embeddings: int
 ) -> tuple[torch.Tensor, float]:
@@ -117,54 +161,80 @@ def compute_inv_freq(
         return _llama3_inv_freq(base, params), 1.0
     if rope_type == "yarn":
         return _yarn_inv_freq(params, head_dim, max_position_embeddings)
+    if rope_type == "longrope":  # the short factors; get_rope adds the long ones past their start
+        short, _, scaling, _ = _longrope_inv_freqs(params, head_dim, max_position_embeddings)
+        return short, scaling
     raise ValueError(
         f"unsupported RoPE type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
     )
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` at ``positions [T]``."""
+    """Applies RoPE to ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` at ``positions [T]``.
+
+    ``rotary_dim`` (default ``head_dim``): how many leading dimensions of a head rotate.
+    ``long_inv_freq`` / ``long_from``: positions from ``long_from`` on use these frequencies
+    instead (LongRoPE).
+    """
 
     cos_cached: torch.Tensor
     sin_cached: torch.Tensor
 
     def __init__(self, head_dim: int, max_positions: int, inv_freq: torch.Tensor,
-                 attention_scaling: float = 1.0) -> None:
+                 attention_scaling: float = 1.0, *, rotary_dim: int | None = None,
+                 long_inv_freq: torch.Tensor | None = None, long_from: int | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
+        self.rotary_dim = rotary_dim or head_dim
+        if self.rotary_dim % 2 or self.rotary_dim > head_dim:
+            raise ValueError(f"rotary dimension {self.rotary_dim} must be even and at most head_dim {head_dim}")
         self.max_positions = max_positions
         # Built on CPU in float32 whatever the default device/dtype, so every device gets
         # bit-identical tables; HF computes them in float32 too.
         positions = torch.arange(max_positions, dtype=torch.float32, device="cpu")
-        freqs = positions[:, None] * inv_freq.to("cpu", torch.float32)[None, :]  # [P, D/2]
+        freqs = positions[:, None] * inv_freq.to("cpu", torch.float32)[None, :]  # [P, R/2]
+        if long_inv_freq is not None and long_from is not None and long_from < max_positions:
+            long = positions[long_from:, None] * long_inv_freq.to("cpu", torch.float32)[None, :]
+            freqs = torch.cat((freqs[:long_from], long))
         device = torch.get_default_device()
         self.register_buffer("cos_cached", (freqs.cos() * attention_scaling).to(device), persistent=False)
         self.register_buffer("sin_cached", (freqs.sin() * attention_scaling).to(device), persistent=False)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = self.head_dim // 2
-        x1, x2 = x[..., :half], x[..., half:]  # [T, H, D/2] each
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        half = self.rotary_dim // 2
+        x1, x2 = x[..., :half], x[..., half:self.rotary_dim]  # [T, H, R/2] each
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        if self.rotary_dim == self.head_dim:
+            return rotated
+        return torch.cat((rotated, x[..., self.rotary_dim:]), dim=-1)  # the rest passes through
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if fused_ops.rotary_supported(positions, q, k):  # CUDA: q and k in one kernel
-            return fused_ops.rotary(positions, q, k, self.cos_cached, self.sin_cached)
-        if cpu_fused.rotary_supported(positions, q, k):  # CPU float32: one C++ operator
-            return cpu_fused.rotary(positions, q, k, self.cos_cached, self.sin_cached)
-        cos = self.cos_cached[positions].unsqueeze(1)  # [T, 1, D/2]
+        if self.rotary_dim == self.head_dim:
+            if fused_ops.rotary_supported(positions, q, k):  # CUDA: q and k in one kernel
+                return fused_ops.rotary(positions, q, k, self.cos_cached, self.sin_cached)
+            if cpu_fused.rotary_supported(positions, q, k):  # CPU float32: one C++ operator
+                return cpu_fused.rotary(positions, q, k, self.cos_cached, self.sin_cached)
+        cos = self.cos_cached[positions].unsqueeze(1)  # [T, 1, R/2]
         sin = self.sin_cached[positions].unsqueeze(1)
         # Cast to the activation dtype first, as HF does, so half precision rounds the same way.
         cos_q, sin_q = cos.to(q.dtype), sin.to(q.dtype)
         return self._rotate(q, cos_q, sin_q), self._rotate(k, cos_q.to(k.dtype), sin_q.to(k.dtype))
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, max_positions={self.max_positions}"
+        return f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, max_positions={self.max_positions}"
 
 
-def get_rope(config: Any, head_dim: int, max_positions: int | None = None) -> RotaryEmbedding:
-    """The rotary embedding a HF config describes, cached for ``max_positions`` positions."""
-    params = rope_parameters(config)
+def get_rope(config: Any, head_dim: int, max_positions: int | None = None,
+             layer_type: str | None = None) -> RotaryEmbedding:
+    """The rotary embedding a HF config describes (for the layers of ``layer_type`` when its
+    parameters are per layer type), cached for ``max_positions`` positions."""
+    params = rope_parameters(config, layer_type)
     max_pos = int(config.max_position_embeddings)
-    inv_freq, scaling = compute_inv_freq(params, head_dim, max_pos)
-    return RotaryEmbedding(head_dim, max_positions or max_pos, inv_freq, scaling)
+    rotary_dim = int(head_dim * float(params["partial_rotary_factor"]))
+    if params["rope_type"] == "longrope":
+        short, long, scaling, long_from = _longrope_inv_freqs(params, rotary_dim, max_pos)
+        return RotaryEmbedding(head_dim, max_positions or max_pos, short, scaling, rotary_dim=rotary_dim,
+                               long_inv_freq=long, long_from=long_from)
+    inv_freq, scaling = compute_inv_freq(params, rotary_dim, max_pos)
+    return RotaryEmbedding(head_dim, max_positions or max_pos, inv_freq, scaling, rotary_dim=rotary_dim)

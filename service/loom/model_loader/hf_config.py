@@ -7,8 +7,8 @@ from typing import Any, Literal
 
 # How an architecture uses ``config.sliding_window``:
 #   "none": never (Llama ignores the field);
-#   "all": every layer (Mistral);
-#   "per_layer": from ``layer_types``, or Qwen2's use_sliding_window + max_window_layers rule.
+#   "all": every layer (Mistral, Mixtral, Qwen3-MoE, Phi-3);
+#   "per_layer": from ``layer_types`` (Gemma 2/3), or Qwen2's use_sliding_window + max_window_layers rule.
 SlidingWindowRule = Literal["none", "all", "per_layer"]
 
 
@@ -35,9 +35,9 @@ def num_kv_heads_of(config: Any) -> int:
 
 def _default_rule(config: Any) -> SlidingWindowRule:
     model_type = getattr(config, "model_type", "")
-    if model_type == "mistral":
+    if model_type in ("mistral", "mixtral", "qwen3_moe", "phi3"):
         return "all"
-    if model_type in ("qwen2", "qwen3"):
+    if model_type in ("qwen2", "qwen3", "gemma2", "gemma3_text"):
         return "per_layer"
     return "none"
 
@@ -50,6 +50,8 @@ def layer_sliding_windows(config: Any, rule: SlidingWindowRule | None = None) ->
     if rule == "none" or not window:
         return [None] * num_layers
     if rule == "all":
+        if getattr(config, "use_sliding_window", True) is False:  # Qwen3-MoE: the window is off
+            return [None] * num_layers
         return [int(window)] * num_layers
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:

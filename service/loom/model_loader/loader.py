@@ -95,6 +95,8 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str,
 
     An unknown architecture raises the registry's PluginError, which lists the known ones.
     """
+    from loom.layers.fused_moe import UnquantizedFusedMoEMethod  # the dense experts: not "served"
+
     config = load_hf_config(model_dir)
     architectures = list(getattr(config, "architectures", None) or ())
     spec = registry.model_for_architecture(architectures)
@@ -111,7 +113,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str,
         except QuantizationError as exc:  # a layer the checkpoint's format cannot serve as it is
             raise ModelLoadError(f"quantizer {name}: {exc}") from None
         served = sum(1 for m in model.modules() if not isinstance(
-            getattr(m, "quant_method", None), (type(None), UnquantizedLinearMethod)))
+            getattr(m, "quant_method", None), (type(None), UnquantizedLinearMethod, UnquantizedFusedMoEMethod)))
         if served:
             quant_config, quantization = candidate, name
             log.info("quantized linear layers", quantizer=name, layers=served, **candidate.settings())

@@ -8,7 +8,9 @@ and draws every parameter in place, on the target device and in the target dtype
 generator on that device: no host copy, no fp32 detour, and the same seed gives the same model.
 
 The shapes are those of ../shared/bench/WORKLOADS.md (the Hugging Face LlamaConfig fields the
-peer benchmark uses), plus small ones for CPU runs and tests.
+peer benchmark uses), plus small ones for CPU runs and tests. A shape of another architecture
+names its ``model_type`` and ``architectures`` (``random:qwen3-30b-a3b``: Qwen3-30B-A3B's
+published config.json, a Mixture-of-Experts model of 30.5B parameters, 3.3B active).
 """
 
 from __future__ import annotations
@@ -52,7 +54,22 @@ SHAPES: dict[str, dict[str, Any]] = {
     "tiny-llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, vocab_size=1024, rope_theta=10000.0,
                        max_position_embeddings=2048, rms_norm_eps=1e-5),
+    # Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B config.json): 48 layers of 128 experts, 8 chosen per token,
+    # each expert 768 wide; 32 query heads and 4 KV heads of 128. 61.1 GB in bf16; a batch-1 decode
+    # step reads 6.1 GB of it (its 8 experts a layer, the attention, the router and the head).
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], hidden_size=2048,
+                          intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                          num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                          vocab_size=151936, rope_theta=1000000.0, max_position_embeddings=40960,
+                          rms_norm_eps=1e-6, tie_word_embeddings=False),
+    # The same architecture in miniature, for tests.
+    "tiny-moe": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], hidden_size=64,
+                     intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                     vocab_size=1024, rope_theta=10000.0, max_position_embeddings=2048, rms_norm_eps=1e-6),
 }
+_ARCHITECTURE_FIELDS = ("model_type", "architectures")
 
 
 @dataclass(frozen=True)
@@ -66,7 +83,8 @@ def is_random_model_id(model_id: str | None) -> bool:
 
 
 def random_shape(model_id: str) -> dict[str, Any]:
-    """The LlamaConfig fields of ``random:NAME`` (or of a bare NAME)."""
+    """The config fields of ``random:NAME`` (or of a bare NAME); ``model_type`` and
+    ``architectures`` when it is not a Llama."""
     name = model_id.removeprefix(PREFIX)
     if name not in SHAPES:
         raise ModelLoadError(f"--model-id {model_id!r}: unknown random-weight shape {name!r}; "
@@ -101,12 +119,14 @@ def _write_tokenizer(vocab_size: int, out: Path) -> None:
 
 
 def _write_model_dir(model_id: str, out: Path, weights: RandomWeights) -> None:
-    from transformers import GenerationConfig, LlamaConfig
+    from transformers import AutoConfig, GenerationConfig
 
     shape = random_shape(model_id)
-    fields: dict[str, Any] = {**shape, "architectures": ["LlamaForCausalLM"], "dtype": "bfloat16",
-                              MARKER: {"seed": weights.seed, "std": weights.std}}
-    config = LlamaConfig(**fields)
+    model_type = shape.get("model_type", "llama")
+    fields: dict[str, Any] = {k: v for k, v in shape.items() if k not in _ARCHITECTURE_FIELDS}
+    fields.update(architectures=shape.get("architectures", ["LlamaForCausalLM"]), dtype="bfloat16",
+                  **{MARKER: {"seed": weights.seed, "std": weights.std}})
+    config = AutoConfig.for_model(model_type, **fields)
     config.save_pretrained(str(out))
     GenerationConfig(**_SPECIAL_IDS).save_pretrained(str(out))
     _write_tokenizer(int(shape["vocab_size"]), out)

@@ -4,7 +4,7 @@ Every contract a plugin implements lives here: models (``CausalLM``, ``ModelArch
 speculative proposers (``Proposer``, see ``loom.plugin_api.speculative``), the attention backend
 contract (``AttentionBackend``, ``AttentionMetadata``, ...) and the linear
 quantization contract (``LinearMethod``, ``QuantizationConfig``, ...: see
-``loom.plugin_api.quantization``) need torch, so they are loaded on first use: ``loom plugins``
+``loom.plugin_api.quantization``; ``FusedMoEMethod`` for experts, ``loom.plugin_api.moe``) need torch, so they are loaded on first use: ``loom plugins``
 lists plugins without importing torch.
 """
 
@@ -27,6 +27,7 @@ from .speculative import DraftRequest, Proposer, ProposerContext
 
 if TYPE_CHECKING:
     from .attention import AttentionBackend, AttentionMetadata, StaticAttentionBuffers, write_kv
+    from .moe import FusedMoEMethod
     from .quantization import (
         LinearMethod,
         QuantizationConfig,
@@ -40,6 +41,7 @@ _LAZY = {name: ".attention" for name in ("AttentionBackend", "AttentionMetadata"
                                          "write_kv")}
 _LAZY |= {name: ".quantization" for name in ("LinearMethod", "QuantizationConfig", "QuantizationError",
                                              "UnquantizedLinearMethod", "WeightLoader", "set_weight_attrs")}
+_LAZY["FusedMoEMethod"] = ".moe"
 
 
 def __getattr__(name: str) -> Any:
@@ -56,6 +58,7 @@ __all__ = [
     "AttentionMetadata",
     "CausalLM",
     "DraftRequest",
+    "FusedMoEMethod",
     "LinearMethod",
     "ModelArchitectureSpec",
     "PluginError",

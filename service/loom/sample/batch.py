@@ -16,6 +16,7 @@ from .processors import (
     RepetitionPenalty,
     Suppression,
     Temperature,
+    TokenBitmask,
     TopK,
     TopP,
     TypicalP,
@@ -42,6 +43,21 @@ SAMPLE, TOP_K, TOP_P, TYPICAL, MIN_P, REPETITION, FREQUENCY = (1 << i for i in r
 
 
 @dataclass(slots=True)
+class TokenBitmaskRows:
+    """Structured output's masks for a step, as plain data: the bitmask rows of the sampling rows
+    in ``rows`` (ascending), ``words`` int32 words each (bit j of word w: token 32w + j allowed),
+    in ``data`` as bytes (native order); the worker makes them a :class:`TokenBitmask`."""
+
+    rows: list[int]  # [G] sampling rows that have a grammar
+    words: int  # ceil(V / 32)
+    data: bytes  # [G, words] int32
+
+    def tensor(self) -> torch.Tensor:
+        """The rows as a [G, words] int32 host tensor."""
+        return torch.frombuffer(bytearray(self.data), dtype=torch.int32).view(len(self.rows), self.words)
+
+
+@dataclass(slots=True)
 class SamplingPlan:
     """One step's sampling parameters as plain numbers, built by the engine core from its
     sequences (``loom.engine.step_planner``) and turned into tensors by the worker. N rows."""
@@ -55,6 +71,7 @@ class SamplingPlan:
     top_n: list[int]  # [N] alternatives to report per row
     seen_token_ids: list[list[int]] | None = None  # [N] every token so far (repetition penalty)
     output_token_ids: list[list[int]] | None = None  # [N] output tokens (frequency / presence)
+    bitmask: TokenBitmaskRows | None = None  # grammar rows (structured output); None: no row has one
 
     @property
     def num_rows(self) -> int:
@@ -73,6 +90,10 @@ def build_sampling_batch(plan: SamplingPlan, vocab_size: int, device: torch.devi
     floats = stage.to_device(plan.floats, torch.float32).view(n, 8)
     ints = stage.to_device(plan.ints, torch.int64).view(n, 3)
     processors: list[LogitsProcessor] = []
+    if plan.bitmask is not None:  # first: the penalties and temperature see the constrained rows
+        masks = plan.bitmask
+        processors.append(TokenBitmask(stage.to_device(masks.tensor(), torch.int32),
+                                       stage.to_device(masks.rows, torch.int64), masks.rows))
     if plan.banned:
         processors.append(Suppression(stage.to_device(plan.banned, torch.int64)))
     if flags & REPETITION:

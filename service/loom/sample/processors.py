@@ -2,14 +2,15 @@
 
 Each is built for a step only when some row needs it, from that step's per-row tensors, and
 leaves the rows that do not use it bit-identical. Two lists run, in order (see
-:mod:`loom.sample.sampler`): the *processors* shape the distribution that is reported (EOS / stop
-suppression, repetition, frequency and presence penalties, temperature; a grammar's token
-bitmask belongs here too), the *filters* then narrow what sampled rows draw from (top_k, top_p,
-typical_p, min_p). A new processor is a new class appended to a list; the sampler stays as it is.
+:mod:`loom.sample.sampler`): the *processors* shape the distribution that is reported (a
+grammar's token bitmask, EOS / stop suppression, repetition, frequency and presence penalties,
+temperature), the *filters* then narrow what sampled rows draw from (top_k, top_p, typical_p,
+min_p). A new processor is a new class appended to a list; the sampler stays as it is.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -59,6 +60,93 @@ class FrequencyPresencePenalty:
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         logits = logits - self.frequency * self.counts
         return logits - self.presence * (self.counts > 0).to(logits.dtype)
+
+
+class TokenBitmask:
+    """A grammar's allowed tokens (structured output): in logits rows ``rows``, every token whose
+    bit is 0 in its ``bitmask`` row gets -inf; other rows are untouched and cost nothing.
+
+    Bit j of int32 word w of a row stands for token 32w + j (xgrammar's layout). Masks in place,
+    with xgrammar's kernel for the device (C++ on the CPU, Triton on CUDA; plain torch where
+    neither runs): one pass over the masked rows and no copy of the logits (a copy cost as much as
+    the masking itself on the CPU). It is the first processor, so what it masks is the step's own
+    logits tensor, which nothing else reads. Masking commutes with the penalties and temperature,
+    and the reported logprobs are those of the constrained distribution.
+    """
+
+    def __init__(self, bitmask: torch.Tensor, rows: torch.Tensor, row_list: list[int]) -> None:
+        self.bitmask = bitmask  # [G, ceil(V / 32)] int32, on the logits' device
+        self.rows = rows  # [G] int64 on the device: the logits row of each bitmask row, ascending
+        self.row_list = row_list  # the same on the host
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        n, words = logits.shape[0], self.bitmask.shape[1]
+        if len(self.row_list) == n:  # every row: rows are 0..N-1 in order
+            bitmask_inplace(logits, self.bitmask, None, None)
+            return logits
+        # xgrammar's kernels read the bitmask row of each logits row they mask: spread the G rows
+        # into an [N, W] bitmask (N x W int32: small next to the logits).
+        full = torch.full((n, words), -1, dtype=torch.int32, device=logits.device)
+        full.index_copy_(0, self.rows, self.bitmask)
+        bitmask_inplace(logits, full, self.rows, self.row_list)
+        return logits
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[G, ceil(V / 32)] int32 -> [G, V] bool: True where the token is allowed."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [G, W, 32]; >> is arithmetic, & 1 keeps bit j
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+_Kernel = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", "list[int] | None"], None]
+
+
+def _torch_kernel(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None,
+                  row_list: list[int] | None) -> None:
+    vocab = logits.shape[-1]
+    if rows is None:
+        logits.masked_fill_(~unpack_bitmask(bitmask, vocab), float("-inf"))
+    else:
+        sub = logits.index_select(0, rows).masked_fill_(~unpack_bitmask(bitmask.index_select(0, rows), vocab),
+                                                        float("-inf"))
+        logits.index_copy_(0, rows, sub)
+
+
+_KERNELS: dict[str, _Kernel] = {}
+
+
+def bitmask_kernel(device_type: str) -> _Kernel:
+    """In-place masking of [N, V] float32 logits by an [N, W] bitmask on ``device_type``, of the
+    rows given (all when None): xgrammar's kernel when it loads (imported on first use), else torch."""
+    kernel = _KERNELS.get(device_type)
+    if kernel is not None:
+        return kernel
+    kernel = _torch_kernel
+    try:
+        if device_type == "cpu":
+            from xgrammar.kernels.apply_token_bitmask_inplace_cpu import apply_token_bitmask_inplace_cpu
+
+            def kernel(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None,
+                       row_list: list[int] | None) -> None:
+                apply_token_bitmask_inplace_cpu(logits, bitmask, logits.shape[-1], row_list)
+        elif device_type == "cuda":
+            from xgrammar.kernels.apply_token_bitmask_inplace_triton import apply_token_bitmask_inplace_triton
+
+            def kernel(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None,
+                       row_list: list[int] | None) -> None:
+                apply_token_bitmask_inplace_triton(logits, bitmask, logits.shape[-1], rows)
+    except ImportError:
+        kernel = _torch_kernel
+    _KERNELS[device_type] = kernel
+    return kernel
+
+
+def bitmask_inplace(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None,
+                    row_list: list[int] | None = None) -> None:
+    """-inf where the bit is 0, in place: [N, V] float32 logits, an [N, ceil(V / 32)] int32 bitmask
+    on the same device; only ``rows`` (device tensor and host list alike) when given."""
+    bitmask_kernel(logits.device.type)(logits, bitmask, rows, row_list)
 
 
 class Temperature:

@@ -101,7 +101,7 @@ class ServiceError(Exception):
 class ValidationError(ServiceError):
     """INVALID_ARGUMENT: one or more fields of the request break a documented rule."""
 
-    def __init__(self, violations: Iterable[FieldViolation]) -> None:
+    def __init__(self, violations: Iterable[FieldViolation], reason: str = "INVALID_ARGUMENT") -> None:
         found = [FieldViolation(_clip(v.field, MAX_DESCRIPTION_CHARS), _clip(v.description, MAX_DESCRIPTION_CHARS))
                  for v in violations]
         self.violations: list[FieldViolation] = []
@@ -115,7 +115,7 @@ class ValidationError(ServiceError):
         listed = "; ".join(f"{v.field}: {v.description}" for v in self.violations) or "invalid request"
         more = f" (and {self.omitted} more violations, too many to list)" if self.omitted else ""
         message = clip_message(listed, MAX_MESSAGE_WIRE_BYTES - len(more)) + more
-        super().__init__(grpc.StatusCode.INVALID_ARGUMENT, message, "INVALID_ARGUMENT")
+        super().__init__(grpc.StatusCode.INVALID_ARGUMENT, message, reason)
 
     def details(self) -> list[object]:
         bad = error_details_pb2.BadRequest(

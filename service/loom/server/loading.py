@@ -14,6 +14,7 @@ from loom.engine.types import EngineInfo, EngineRequest, StoppingParams
 from loom.frontend.generation import GenerationPlan, collect_completions, generate_chunks
 from loom.frontend.tokenizer import Tokenizer
 from loom.process_tuning import freeze_startup_objects
+from loom.structured.checks import ConstraintChecker
 
 from .model_info import model_info_response, plugins_in_use
 from .servicer import Backend
@@ -65,6 +66,12 @@ async def load_backend(settings: ServerSettings, engine: AsyncEngineClient) -> B
     tokenizer_task = loop.run_in_executor(None, Tokenizer.from_model_dir, model_dir)
     info = await engine.start()  # on failure the caller shuts the engine down
     tokenizer = await tokenizer_task
+    # Whether this vocabulary can be described to xgrammar, decided once (imports xgrammar, ~1 s).
+    constraints = await loop.run_in_executor(None, ConstraintChecker.for_tokenizer, tokenizer.hf_tokenizer,
+                                             info.vocab_size, info.eos_token_ids)
+    if constraints.unavailable is not None:
+        log.warning("structured output unavailable: constrained requests get FAILED_PRECONDITION",
+                    reason=constraints.unavailable)
     limits = request_limits(settings, info)
     if settings.warmup:
         await warm_up(engine, tokenizer)
@@ -72,4 +79,4 @@ async def load_backend(settings: ServerSettings, engine: AsyncEngineClient) -> B
     freeze_startup_objects()  # the tokenizer and protobuf state live as long as the server
     log.info("model loaded", model_id=info.model_id, duration_s=round(time.monotonic() - started, 2),
              max_input_tokens=limits.max_input_tokens, max_total_tokens=limits.max_total_tokens)
-    return Backend(engine, tokenizer, limits, info, model_info)
+    return Backend(engine, tokenizer, limits, info, model_info, constraints)

@@ -26,11 +26,20 @@ from loom.frontend.coalesce import coalesced
 from loom.frontend.completion import EngineRequestError
 from loom.frontend.generation import EngineClient, GenerationPlan, collect_completions, generate_chunks
 from loom.frontend.tokenizer import Tokenizer
+from loom.structured.checks import ConstraintChecker
 from loom_client.v1 import generation_pb2 as pb
 from loom_client.v1 import generation_pb2_grpc as pb_grpc
 
 from .admission import Admission
-from .errors import ServiceError, ValidationError, internal, invalid, unavailable
+from .errors import (
+    FieldViolation,
+    ServiceError,
+    ValidationError,
+    failed_precondition,
+    internal,
+    invalid,
+    unavailable,
+)
 from .prompt_input import (
     check_chat,
     check_size,
@@ -54,13 +63,19 @@ class Backend:
     limits: RequestLimits
     info: EngineInfo
     model_info: pb.GetModelInfoResponse
+    constraints: ConstraintChecker | None = None  # structured output's checks (None: not served)
 
 
 def to_service_error(exc: BaseException) -> ServiceError:
     if isinstance(exc, ServiceError):
         return exc
     if isinstance(exc, EngineRequestError):
-        return internal(f"generation failed: {exc}", "GENERATION_FAILED")
+        r = exc.rejection  # refused by the engine for the request's own sake (a grammar's compile)
+        if r is not None and r.status == "INVALID_ARGUMENT":
+            return ValidationError([FieldViolation(r.field, str(exc))], reason=r.reason)
+        if r is not None and r.status == "FAILED_PRECONDITION":
+            return failed_precondition(str(exc), r.reason)
+        return internal(f"generation failed: {exc}", r.reason if r is not None else "GENERATION_FAILED")
     if isinstance(exc, RequestEndedError):  # the server's shutdown ended it, not the request's fault
         return unavailable(f"{exc}; retry on another replica", "SHUTDOWN")
     if isinstance(exc, EngineDeadError):
@@ -102,7 +117,7 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
     def _plan(self, request: pb.GenerateRequest | pb.GenerateStreamRequest, rid: str, engine_id: str,
               streaming: bool, arrival: float) -> GenerationPlan:
         b = self._backend()
-        plan = validate_generate(request, engine_id, b.tokenizer, b.limits, streaming, arrival)
+        plan = validate_generate(request, engine_id, b.tokenizer, b.limits, streaming, arrival, b.constraints)
         log.info("request admitted", prompt_tokens=len(plan.engine_request.prompt_token_ids),
                  max_new_tokens=plan.engine_request.stopping.max_new_tokens, n=plan.n, best_of=plan.best_of,
                  do_sample=plan.engine_request.sampling.do_sample, stream=streaming)

@@ -102,6 +102,9 @@ class RequestTelemetry:
         self._m.request_validation_duration.observe(now - self.arrival)
         self._m.request_input_length.observe(self.prompt_tokens)
         self._m.request_max_new_tokens.observe(req.stopping.max_new_tokens)
+        constraint = req.sampling.constraint
+        if constraint is not None:  # its field names the kind: parameters.constraint.<kind>
+            self._m.constrained_requests.labels(kind=constraint.field.rsplit(".", 1)[-1]).inc()
 
     def observe(self, engine: EngineClient) -> EngineClient:
         """``engine`` with every output of this request seen by :meth:`output` on its way."""

@@ -16,8 +16,10 @@ from loom.engine.types import EngineRequest, SamplingParams, StoppingParams
 from loom.frontend.completion import TextOptions
 from loom.frontend.generation import GenerationPlan
 from loom.frontend.tokenizer import Tokenizer
+from loom.structured.checks import ConstraintChecker
 from loom_client.v1 import generation_pb2 as pb
 
+from .constraint import check_constraint, read_constraint
 from .errors import FieldViolation, ValidationError, in_all
 from .prompt_input import check_input, check_size, check_special_token_parsing, tokenize_prompt
 
@@ -166,7 +168,10 @@ def validate_generate(
     limits: RequestLimits,
     streaming: bool,
     arrival: float | None = None,
+    constraints: ConstraintChecker | None = None,
 ) -> GenerationPlan:
+    """``constraints``: the server's structured-output checks (None: constrained requests are
+    answered FAILED_PRECONDITION)."""
     arrival = time.monotonic() if arrival is None else arrival
     c = _Checker()
     if len(request.request_id.encode()) > MAX_REQUEST_ID_BYTES:
@@ -178,8 +183,14 @@ def validate_generate(
     sampling = _check_penalties(c, p.penalties, sampling)
     _check_stopping(c, p.stopping, limits)
     n, best_of = _check_counts(c, p, limits, sampling.do_sample, streaming)
+    constraint, shape_violations = read_constraint(p)
+    c.violations.extend(shape_violations)
     if c.violations:
         raise ValidationError(c.violations)
+    if constraint is not None:
+        violations = check_constraint(constraint, constraints)
+        if violations:
+            raise ValidationError(violations)
 
     prompt = tokenize_prompt(request, tokenizer)
     ids = prompt.token_ids
@@ -212,7 +223,8 @@ def validate_generate(
         request_id=request_id,
         prompt_token_ids=tuple(ids),
         sampling=replace(sampling, top_n_tokens=resp.top_n_tokens, prompt_logprobs=resp.prompt_logprobs,
-                         speculate=not p.HasField("speculation") or p.speculation),
+                         speculate=not p.HasField("speculation") or p.speculation,
+                         constraint=constraint),
         stopping=StoppingParams(max_new_tokens=max_new, min_new_tokens=st.min_new_tokens,
                                 stop_token_ids=tuple(st.stop_token_ids), ignore_eos=st.ignore_eos),
         priority=p.priority,

@@ -18,7 +18,7 @@ from typing import Any, cast
 import structlog
 import torch
 
-from loom.config import EngineConfig
+from loom.config import ConfigError, EngineConfig
 from loom.plugin_api import PluginRegistry
 from loom.process_tuning import keep_freed_memory
 
@@ -102,6 +102,14 @@ class Worker:
             backend_spec = registry.attention_backend(config.attention_backend)
         else:
             backend_spec = registry.default_attention_backend(self.device.type, config.block_size)
+        capped = any(getattr(m, "logits_soft_cap", None) for m in loaded.model.modules())
+        if capped and not getattr(backend_spec.load(), "supports_logits_soft_cap", False):
+            if config.attention_backend:
+                raise ConfigError(f"--attention-backend {backend_spec.name} cannot serve this model: it caps "
+                                  "attention scores (Gemma 2's attn_logit_softcapping); use --attention-backend torch")
+            log.info("attention backend: torch, the default one cannot cap attention scores (Gemma 2)",
+                     default=backend_spec.name)
+            backend_spec = registry.attention_backend("torch")
         self.backend = backend_spec.load()(shape.num_heads, shape.num_kv_heads, shape.head_dim, self.dtype,
                                            self.device)
         self.model = cast(CausalLM, loaded.model)

@@ -3,6 +3,7 @@
     loom-client info
     loom-client generate "The capital of France is" --max-new-tokens 8
     loom-client stream --chat "Write a haiku about looms" --temperature 0.7
+    loom-client generate --chat "Describe a cat" --json-schema cat.schema.json
     echo "some text" | loom-client tokenize - --offsets --json
 
 Exit status: 0 on success, 1 when the server returns an error, 2 for bad arguments, 130 when
@@ -181,6 +182,31 @@ def _add_generation(parser: argparse.ArgumentParser) -> None:
             )
         else:
             group.add_argument(*flags, dest=name, type=kind, default=None, help=help_text)
+    group = parser.add_argument_group("structured output (at most one)")
+    group.add_argument(
+        "--json-schema",
+        dest="json_schema_file",
+        metavar="FILE",
+        help="the output must validate against this JSON Schema file",
+    )
+    group.add_argument(
+        "--json-object",
+        dest="json_object",
+        action="store_const",
+        const=True,
+        default=None,
+        help="the output is a JSON object",
+    )
+    group.add_argument("--regex", metavar="REGEX", help="the output must match this regular expression")
+    group.add_argument(
+        "--grammar",
+        dest="grammar_file",
+        metavar="FILE",
+        help="the output must match this EBNF grammar file (start rule: root)",
+    )
+    group.add_argument(
+        "--choice", action="append", metavar="TEXT", help="the output is exactly one of these (repeatable)"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -250,10 +276,22 @@ def _prompt(args: argparse.Namespace) -> dict[str, Any]:
     return {"messages": messages, "add_generation_prompt": args.add_generation_prompt}
 
 
+def _read_text(path: str, flag: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        raise UsageError(f"{flag}: cannot read {path}: {exc.strerror}") from exc
+
+
 def _options(args: argparse.Namespace) -> ParameterOptions:
     options: dict[str, Any] = {
         name: getattr(args, name) for name in PARAMETER_FIELDS if getattr(args, name, None) is not None
     }
+    if getattr(args, "json_schema_file", None) is not None:
+        options["json_schema"] = _read_text(args.json_schema_file, "--json-schema")
+    if getattr(args, "grammar_file", None) is not None:
+        options["grammar"] = _read_text(args.grammar_file, "--grammar")
     return options  # type: ignore[return-value]  # keys are PARAMETER_FIELDS, checked again when built
 
 

@@ -1,9 +1,11 @@
 """Build a ``loom.v1.Parameters`` message from flat keyword arguments.
 
 Every option is named after its proto field (``max_new_tokens``, ``temperature``...), whichever
-sub-message (``sampling``, ``stopping``, ``penalties``, ``response``) holds it. An option that is
-not passed, or passed as ``None``, is left unset, so the server applies its default: ``optional``
-proto fields keep "unset" distinct from zero, and sub-messages no option touched stay absent.
+sub-message (``sampling``, ``stopping``, ``penalties``, ``response``, ``constraint``) holds it. An
+option that is not passed, or passed as ``None``, is left unset, so the server applies its
+default: ``optional`` proto fields keep "unset" distinct from zero, and sub-messages no option
+touched stay absent. The constraint options (``json_schema``, ``json_object``, ``regex``,
+``grammar``, ``choice``) are one field of a oneof: give at most one.
 
     >>> params = build_parameters(max_new_tokens=32, temperature=0.7)
     >>> params.stopping.max_new_tokens, params.HasField("penalties")
@@ -12,6 +14,7 @@ proto fields keep "unset" distinct from zero, and sub-messages no option touched
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypedDict
 
@@ -57,6 +60,13 @@ class ParameterOptions(TypedDict, total=False):
     n: int | None
     best_of: int | None
     priority: int | None
+    speculation: bool | None  # False: no drafts for this request when the server speculates
+    # Parameters.constraint (structured output): at most one
+    json_schema: str | Mapping[str, Any] | None  # a JSON text, or a mapping sent as JSON
+    json_object: bool | None  # True: any JSON object
+    regex: str | None
+    grammar: str | None  # EBNF as xgrammar reads it; the start rule is `root`
+    choice: Sequence[str] | None
 
 
 # option name -> (sub-message field of Parameters, or None for Parameters itself; field name)
@@ -82,7 +92,8 @@ PARAMETER_FIELDS: Mapping[str, tuple[str | None, str]] = {
         name: ("response", name)
         for name in ("tokens", "logprobs", "top_n_tokens", "prompt_logprobs", "return_full_text")
     },
-    **{name: (None, name) for name in ("truncate_input_tokens", "n", "best_of", "priority")},
+    **{name: (None, name) for name in ("truncate_input_tokens", "n", "best_of", "priority", "speculation")},
+    **{name: ("constraint", name) for name in ("json_schema", "json_object", "regex", "grammar", "choice")},
 }
 
 _REPEATED = frozenset({"stop_sequences", "stop_token_ids"})
@@ -100,9 +111,32 @@ def build_parameters(
     params = pb.Parameters()
     if base is not None:
         params.CopyFrom(base)
+    constraints = [name for name, value in options.items()
+                   if PARAMETER_FIELDS.get(name, ("", ""))[0] == "constraint" and value not in (None, False)]
+    if len(constraints) > 1:
+        raise ValueError(f"give at most one constraint; got {', '.join(constraints)}")
     for name, value in options.items():
         _set_option(params, name, value)
     return params
+
+
+def _set_constraint(constraint: pb.Constraint, name: str, value: Any) -> None:
+    """One kind of the constraint oneof (setting it replaces any other kind the base had)."""
+    if name == "json_object":
+        if not isinstance(value, bool):
+            raise TypeError(f"generation parameter 'json_object' takes a bool, not {value!r}")
+        if value:
+            constraint.json_object.SetInParent()
+    elif name == "choice":
+        if isinstance(value, str):
+            raise TypeError("generation parameter 'choice' takes a sequence of strings, not one string")
+        constraint.choice.SetInParent()
+        del constraint.choice.choices[:]
+        constraint.choice.choices.extend(value)
+    elif name == "json_schema" and isinstance(value, Mapping):
+        constraint.json_schema = json.dumps(value)
+    else:
+        setattr(constraint, name, value)
 
 
 def _set_option(params: pb.Parameters, name: str, value: Any) -> None:
@@ -112,6 +146,9 @@ def _set_option(params: pb.Parameters, name: str, value: Any) -> None:
         known = ", ".join(sorted(PARAMETER_FIELDS))
         raise TypeError(f"unknown generation parameter {name!r}; known: {known}") from None
     if value is None:
+        return
+    if group == "constraint":
+        _set_constraint(params.constraint, name, value)
         return
     target: Any = params if group is None else getattr(params, group)
     if name in _REPEATED:

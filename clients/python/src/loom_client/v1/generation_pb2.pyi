@@ -424,6 +424,7 @@ class Parameters(_message.Message):
     N_FIELD_NUMBER: _builtins.int
     BEST_OF_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
+    CONSTRAINT_FIELD_NUMBER: _builtins.int
     SPECULATION_FIELD_NUMBER: _builtins.int
     truncate_input_tokens: _builtins.int
     """Keep only the last this many prompt tokens (after special tokens and chat templating). Unset:
@@ -466,6 +467,19 @@ class Parameters(_message.Message):
     def response(self) -> Global___ResponseParameters:
         """What the response reports besides text. Unset: text only."""
 
+    @_builtins.property
+    def constraint(self) -> Global___Constraint:
+        """Constrains the generated text to a JSON schema, any JSON, a regular expression, a grammar or
+        a list of choices (structured output). Unset: no constraint. A constrained completion that
+        ends with FINISH_REASON_EOS_TOKEN is complete: it matches the constraint (for a JSON schema it
+        parses and validates). One that ends for another reason (max_new_tokens,
+        a stop sequence, the time limit) may be incomplete. An invalid constraint, or a JSON schema
+        that uses a feature the server cannot enforce, fails with INVALID_ARGUMENT naming the field
+        (e.g. "parameters.constraint.json_schema") before the request is queued; so does one that
+        does not compile within the server's --grammar-compile-timeout. A model whose vocabulary
+        cannot be described to the grammar engine answers FAILED_PRECONDITION.
+        """
+
     def __init__(
         self,
         *,
@@ -477,11 +491,12 @@ class Parameters(_message.Message):
         n: _builtins.int | None = ...,
         best_of: _builtins.int | None = ...,
         priority: _builtins.int = ...,
+        constraint: Global___Constraint | None = ...,
         speculation: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_best_of", b"_best_of", "_n", b"_n", "_speculation", b"_speculation", "_truncate_input_tokens", b"_truncate_input_tokens", "best_of", b"best_of", "n", b"n", "penalties", b"penalties", "response", b"response", "sampling", b"sampling", "speculation", b"speculation", "stopping", b"stopping", "truncate_input_tokens", b"truncate_input_tokens"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_best_of", b"_best_of", "_n", b"_n", "_speculation", b"_speculation", "_truncate_input_tokens", b"_truncate_input_tokens", "best_of", b"best_of", "constraint", b"constraint", "n", b"n", "penalties", b"penalties", "response", b"response", "sampling", b"sampling", "speculation", b"speculation", "stopping", b"stopping", "truncate_input_tokens", b"truncate_input_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_best_of", b"_best_of", "_n", b"_n", "_speculation", b"_speculation", "_truncate_input_tokens", b"_truncate_input_tokens", "best_of", b"best_of", "n", b"n", "penalties", b"penalties", "priority", b"priority", "response", b"response", "sampling", b"sampling", "speculation", b"speculation", "stopping", b"stopping", "truncate_input_tokens", b"truncate_input_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_best_of", b"_best_of", "_n", b"_n", "_speculation", b"_speculation", "_truncate_input_tokens", b"_truncate_input_tokens", "best_of", b"best_of", "constraint", b"constraint", "n", b"n", "penalties", b"penalties", "priority", b"priority", "response", b"response", "sampling", b"sampling", "speculation", b"speculation", "stopping", b"stopping", "truncate_input_tokens", b"truncate_input_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__best_of: _TypeAlias = _typing.Literal["best_of"]  # noqa: Y015
     _WhichOneofArgType__best_of: _TypeAlias = _typing.Literal["_best_of", b"_best_of"]  # noqa: Y015
@@ -501,6 +516,111 @@ class Parameters(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__truncate_input_tokens) -> _WhichOneofReturnType__truncate_input_tokens | None: ...
 
 Global___Parameters: _TypeAlias = Parameters  # noqa: Y015
+
+@_typing.final
+class Constraint(_message.Message):
+    """What a completion must match. Exactly one kind. The completion's tokens are restricted, step by
+    step, to those that keep its text a prefix of a match, and EOS is allowed only where a match
+    is complete; when the match can go no further the completion ends with
+    FINISH_REASON_EOS_TOKEN, even before min_new_tokens and with ignore_eos set. Tokens' logprobs
+    (and top_tokens) are those of the constrained distribution: tokens the constraint forbids have
+    probability 0 and are never listed.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JSON_SCHEMA_FIELD_NUMBER: _builtins.int
+    JSON_OBJECT_FIELD_NUMBER: _builtins.int
+    REGEX_FIELD_NUMBER: _builtins.int
+    GRAMMAR_FIELD_NUMBER: _builtins.int
+    CHOICE_FIELD_NUMBER: _builtins.int
+    json_schema: _builtins.str
+    """A JSON Schema (draft 2020-12), as a JSON text. The output is one line of JSON with the
+    separators ", " and ": ", properties in the schema's order; properties the schema does not
+    list are generated only where additionalProperties allows them. Keywords the server cannot
+    enforce are refused (INVALID_ARGUMENT naming each and where it is) rather than ignored:
+    uniqueItems, contains, minContains, maxContains, not, if/then/else, dependentRequired,
+    dependentSchemas; allOf with more than one schema; a $ref outside the schema; any
+    constraint beside $ref, const, enum, anyOf, oneOf or allOf (a schema with one of these is
+    that keyword alone); number and string keywords without a type; pattern together with
+    minLength or maxLength; multipleOf other than an integer step on an integer; and string
+    formats other than date-time, date, time, duration, email, hostname, ipv4, ipv6, uri,
+    uri-reference, uri-template, uuid, json-pointer and relative-json-pointer. oneOf is
+    generated as anyOf (an output may match more than one of its schemas).
+    """
+    regex: _builtins.str
+    """A regular expression the whole output must match (no anchors needed)."""
+    grammar: _builtins.str
+    """A grammar in the EBNF dialect of xgrammar (GBNF-like: `root ::= "yes" | "no"`); its start
+    rule is `root`.
+    """
+    @_builtins.property
+    def json_object(self) -> Global___JsonObject:
+        """Any JSON object."""
+
+    @_builtins.property
+    def choice(self) -> Global___Choice:
+        """The output is exactly one of these strings."""
+
+    def __init__(
+        self,
+        *,
+        json_schema: _builtins.str = ...,
+        json_object: Global___JsonObject | None = ...,
+        regex: _builtins.str = ...,
+        grammar: _builtins.str = ...,
+        choice: Global___Choice | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "kind", b"kind", "regex", b"regex"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "kind", b"kind", "regex", b"regex"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["json_schema", "json_object", "regex", "grammar", "choice"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___Constraint: _TypeAlias = Constraint  # noqa: Y015
+
+@_typing.final
+class JsonObject(_message.Message):
+    """Asks for any JSON object; has no fields."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JsonObject: _TypeAlias = JsonObject  # noqa: Y015
+
+@_typing.final
+class Choice(_message.Message):
+    """A list of allowed outputs."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHOICES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def choices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The allowed outputs. At least one; none empty."""
+
+    def __init__(
+        self,
+        *,
+        choices: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Choice: _TypeAlias = Choice  # noqa: Y015
 
 @_typing.final
 class SamplingParameters(_message.Message):

@@ -1,0 +1,274 @@
+"""A Mixture-of-Experts feed-forward layer: a router picks ``k`` experts per token, the experts
+run grouped by expert, and their outputs are summed with the routing weights.
+
+* :func:`select_experts`: softmax over the router logits in float32, top-k, renormalised to sum
+  to 1 when the model says so (Mixtral always, Qwen3-MoE with ``norm_topk_prob``); the weights
+  stay float32 (Mixtral) or take the logits' dtype (Qwen3-MoE), as transformers computes them.
+* :class:`FusedMoE`: the experts, stacked: ``w13_weight [E, 2 * I, H]`` (each expert's gate rows
+  then up rows) and ``w2_weight [E, H, I]``. Its ``weight_loader`` puts a checkpoint's
+  per-expert tensors (``experts.N.w1/w3/w2`` for Mixtral, ``experts.N.gate_proj/up_proj/
+  down_proj`` for Qwen3-MoE) or transformers 5's stacked ones (``experts.gate_up_proj``,
+  ``experts.down_proj``) into this rank's slice; its method (``loom.plugin_api.moe``; the dense
+  :class:`UnquantizedFusedMoEMethod` unless a quantization config serves the layer) keeps and
+  applies them.
+* :class:`SparseMoeBlock`: the router (``gate``, a dense linear layer) and the experts.
+
+The dense experts run on CUDA as the Triton kernels of ``fused_moe_triton`` (one launch for
+every expert's gate/up GEMM and one for the down GEMM, CUDA-graph capturable), elsewhere as
+:func:`fused_experts_torch`: the (token, expert) rows are sorted by expert and each expert with
+rows runs once on all of them, in the same order of operations as transformers.
+
+Tensor parallelism splits the intermediate dimension: each rank holds ``I / ranks`` of every
+expert's gate, up and down, and the block sums its output over ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loom import kernel_switches
+from loom.distributed.parallel_state import all_reduce, get_tp_rank, get_tp_size
+from loom.plugin_api.moe import FusedMoEMethod
+from loom.plugin_api.quantization import QuantizationConfig, WeightLoader, set_weight_attrs
+
+from . import fused_moe_triton
+from .activation import SiluAndMul
+from .linear import ReplicatedLinear, WeightShapeError, default_weight_loader, divide, load_slice
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                   weights_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``router_logits [T, E]`` -> ``(weights [T, k], expert ids [T, k] int64)``.
+
+    transformers' order: softmax in float32, top-k of the probabilities (ties as ``torch.topk``),
+    divide by their sum when ``renormalize``; then cast to ``weights_dtype`` (None: float32).
+    """
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if weights_dtype is not None:
+        weights = weights.to(weights_dtype)
+    return weights, ids
+
+
+def sort_rows_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``topk_ids [T, k]`` -> ``(order [T * k], counts [E])``: the flat (token, expert) rows
+    ``i = t * k + j`` ordered by expert (rows of one expert in increasing ``i``), and how many
+    rows each expert has. The grouping the Triton kernels do on the device, in torch."""
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    return order, counts
+
+
+def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor) -> torch.Tensor:
+    """``x [T, H]`` through each token's experts, weighted and summed -> ``[T, H]``.
+
+    Each expert that has rows runs once on all of them (two matrix products); transformers'
+    rounding order: ``down(silu(gate) * up)`` in the activation dtype, times the weight (which
+    may be float32), cast back, and added to the token's output expert by expert in increasing
+    expert order. Reads the row counts on the host: not for CUDA graphs.
+    """
+    k = topk_ids.shape[1]
+    order, counts = sort_rows_by_expert(topk_ids, w13.shape[0])
+    token = order // k  # [T * k]: the token of each sorted row
+    xs = x.index_select(0, token)  # [T * k, H]
+    ys = torch.empty_like(xs)
+    act = SiluAndMul()
+    start = 0
+    for expert, n in enumerate(counts.tolist()):
+        if n:
+            rows = slice(start, start + n)
+            ys[rows] = F.linear(act(F.linear(xs[rows], w13[expert])), w2[expert])
+            start += n
+    weighted = (ys * topk_weights.reshape(-1)[order].unsqueeze(-1)).to(x.dtype)  # [T * k, H]
+    out = torch.zeros_like(x)
+    out.index_add_(0, token, weighted)
+    return out
+
+
+def triton_experts_supported(x: torch.Tensor) -> bool:
+    """Whether the Triton kernels serve ``x`` (CUDA, triton installed, fused kernels on)."""
+    return (x.is_cuda and fused_moe_triton.HAS_TRITON and kernel_switches.fused_kernels
+            and x.dtype in (torch.float16, torch.bfloat16, torch.float32))
+
+
+class UnquantizedFusedMoEMethod(FusedMoEMethod):
+    """Dense experts in the model's dtype: ``w13_weight [E, 2I, H]``, ``w2_weight [E, H, I]``."""
+
+    def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int,
+                       intermediate_size_per_partition: int, params_dtype: torch.dtype,
+                       weight_loader: WeightLoader) -> None:
+        inter = intermediate_size_per_partition
+        w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size, dtype=params_dtype), requires_grad=False)
+        set_weight_attrs(w13, output_dim=0, weight_loader=weight_loader)  # dims of one expert's [2I, H]
+        layer.register_parameter("w13_weight", w13)
+        w2 = nn.Parameter(torch.empty(num_experts, hidden_size, inter, dtype=params_dtype), requires_grad=False)
+        set_weight_attrs(w2, input_dim=1, weight_loader=weight_loader)  # dims of one expert's [H, I]
+        layer.register_parameter("w2_weight", w2)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        w13, w2 = layer.w13_weight, layer.w2_weight
+        if triton_experts_supported(x):
+            return fused_moe_triton.fused_experts_triton(x, w13, w2, topk_weights, topk_ids)  # type: ignore[arg-type]
+        return fused_experts_torch(x, w13, w2, topk_weights, topk_ids)  # type: ignore[arg-type]
+
+
+def _stored(param: torch.Tensor, dim: int, n: int) -> int:
+    """``n`` logical values along ``dim`` of one expert -> elements of ``param`` holding them."""
+    if getattr(param, "packed_dim", None) != dim:
+        return n
+    factor = int(param.packed_factor)  # type: ignore[attr-defined]
+    if n % factor:
+        raise ValueError(f"{n} values along dimension {dim} do not fill whole packs of {factor}")
+    return n // factor
+
+
+# (parameter name in the layer, part of w13 (0 gate, 1 up) or None, expert or None for all)
+CheckpointTarget = tuple[str, Any, int | None]
+
+
+class FusedMoE(nn.Module):
+    """The experts of one MoE layer, stacked, built for one tensor-parallel rank.
+
+    ``checkpoint_names``: the checkpoint's module names of an expert's gate, up and down
+    projections (``("w1", "w3", "w2")`` for Mixtral). The model's loader asks
+    :meth:`checkpoint_targets` which checkpoint tensor goes where.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *,
+                 checkpoint_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                 quant_config: QuantizationConfig | None = None, prefix: str = "",
+                 params_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.prefix = prefix
+        self.checkpoint_names = checkpoint_names
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.intermediate_size_per_partition = divide(intermediate_size, self.tp_size,
+                                                      f"{prefix or 'an MoE layer'}'s intermediate size")
+        getter = getattr(quant_config, "get_moe_method", None)
+        method: FusedMoEMethod | None = getter(self, prefix) if getter is not None else None
+        self.quant_method: FusedMoEMethod = method or UnquantizedFusedMoEMethod()
+        self.quant_method.create_weights(self, num_experts, hidden_size, self.intermediate_size_per_partition,
+                                         params_dtype or torch.get_default_dtype(), self.weight_loader)
+
+    # -- loading ------------------------------------------------------------------------------------
+
+    def checkpoint_targets(self, prefix: str) -> tuple[dict[str, CheckpointTarget],
+                                                       dict[str, tuple[CheckpointTarget, list[str]]]]:
+        """(required, alternatives) for this layer registered at ``prefix``.
+
+        ``required``: every per-expert checkpoint name -> where it loads (``experts.3.w1.weight``
+        -> ``("w13_weight", 0, 3)``). ``alternatives``: transformers 5's stacked names
+        (``gate_up_proj`` ``[E, 2I, H]``, ``down_proj`` ``[E, H, I]``) -> where they load and the
+        required names each stands for.
+        """
+        gate, up, down = self.checkpoint_names
+        required: dict[str, CheckpointTarget] = {}
+        per_param: dict[str, list[str]] = {}
+        for name, _ in self.named_parameters(recurse=False):
+            part, _, leaf = name.partition("_")
+            names = per_param.setdefault(name, [])
+            for e in range(self.num_experts):
+                if part == "w13":
+                    for shard, module in ((0, gate), (1, up)):
+                        key = f"{prefix}.{e}.{module}.{leaf}"
+                        required[key] = (name, shard, e)
+                        names.append(key)
+                elif part == "w2":
+                    key = f"{prefix}.{e}.{down}.{leaf}"
+                    required[key] = (name, None, e)
+                    names.append(key)
+                else:
+                    raise ValueError(f"{prefix}: MoE parameter {name!r} is neither w13_* nor w2_*")
+        alternatives: dict[str, tuple[CheckpointTarget, list[str]]] = {}
+        if "w13_weight" in per_param:
+            alternatives[f"{prefix}.gate_up_proj"] = (("w13_weight", None, None), per_param["w13_weight"])
+        if "w2_weight" in per_param:
+            alternatives[f"{prefix}.down_proj"] = (("w2_weight", None, None), per_param["w2_weight"])
+        return required, alternatives
+
+    def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: object = None,
+                      expert_id: int | None = None) -> None:
+        """A checkpoint tensor into this rank's slice of ``param``.
+
+        ``expert_id`` None: ``loaded_weight`` holds every expert (``[E, ...]``). For ``w13_*``,
+        ``shard_id`` 0 (gate) or 1 (up) loads one part, None both (``[gate | up]`` rows).
+        """
+        if expert_id is None:
+            if loaded_weight.dim() == 0 or loaded_weight.shape[0] != self.num_experts:
+                raise WeightShapeError(tuple(loaded_weight.shape), tuple(param.shape))
+            for e in range(self.num_experts):
+                self.weight_loader(param, loaded_weight[e], shard_id, e)
+            return
+        if not 0 <= expert_id < self.num_experts:
+            raise ValueError(f"{self.prefix}: expert {expert_id} is not below {self.num_experts}")
+        dst = param.data[expert_id]  # one expert's slice
+        inter, inter_p = self.intermediate_size, self.intermediate_size_per_partition
+        out_dim, in_dim = getattr(param, "output_dim", None), getattr(param, "input_dim", None)
+        if out_dim is not None:  # w13: gate and up rows
+            if shard_id is None:
+                stored = _stored(param, out_dim, inter)
+                if loaded_weight.shape[out_dim] != 2 * stored:
+                    raise WeightShapeError(tuple(loaded_weight.shape), tuple(param.shape[1:]))
+                for shard, part in enumerate(loaded_weight.split(stored, dim=out_dim)):
+                    self.weight_loader(param, part, shard, expert_id)
+                return
+            if shard_id not in (0, 1):
+                raise ValueError(f"{self.prefix}: shard id {shard_id!r} is not 0 (gate) or 1 (up)")
+            rows = dst.narrow(out_dim, _stored(param, out_dim, int(shard_id) * inter_p), _stored(param, out_dim, inter_p))
+            load_slice(rows, loaded_weight, out_dim, _stored(param, out_dim, self.tp_rank * inter_p),
+                       _stored(param, out_dim, inter))
+        elif in_dim is not None:  # w2: this rank's columns of the down projection
+            load_slice(dst, loaded_weight, in_dim, _stored(param, in_dim, self.tp_rank * inter_p),
+                       _stored(param, in_dim, inter))
+        else:  # a per-expert value, the same on every rank
+            default_weight_loader(dst, loaded_weight.reshape(dst.shape) if loaded_weight.numel() == dst.numel()
+                                  else loaded_weight)
+
+    # -- forward ------------------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H], this rank's part
+        return self.quant_method.apply(self, x, topk_weights, topk_ids)
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, hidden={self.hidden_size}, "
+                f"intermediate={self.intermediate_size_per_partition}, tp={self.tp_rank}/{self.tp_size}, "
+                f"method={type(self.quant_method).__name__}")
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + experts: ``x [T, H] -> [T, H]``.
+
+    ``weights_in_logits_dtype``: cast the routing weights to the router logits' dtype (Qwen3-MoE)
+    instead of keeping them in float32 (Mixtral).
+    """
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, *,
+                 renormalize: bool, weights_in_logits_dtype: bool = False,
+                 checkpoint_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"{prefix}: top_k {top_k} is not between 1 and the {num_experts} experts")
+        self.top_k, self.renormalize = top_k, renormalize
+        self.weights_in_logits_dtype = weights_in_logits_dtype
+        # The router stays dense: quantizers leave it alone (it is small and decides everything).
+        self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False, quant_config=None, prefix=f"{prefix}.gate")
+        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, checkpoint_names=checkpoint_names,
+                                quant_config=quant_config, prefix=f"{prefix}.experts")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        router_logits = self.gate(x)  # [T, E], in the model's dtype
+        weights, ids = select_experts(router_logits, self.top_k, self.renormalize,
+                                      router_logits.dtype if self.weights_in_logits_dtype else None)
+        return all_reduce(self.experts(x, weights, ids))

@@ -1,0 +1,323 @@
+"""Triton kernels of the fused Mixture-of-Experts layer (CUDA), and their launchers.
+
+A step's tokens each pick ``k`` experts: ``N = T * k`` (token, expert) rows, numbered
+``i = t * k + j``. The experts run as grouped GEMMs over those rows, four launches per layer
+whatever the number of experts:
+
+1. ``_count_kernel`` (one program per expert) counts the rows routed to its expert.
+2. ``_place_kernel`` (one program per expert) lays the rows out expert by expert: each expert's
+   rows (in increasing ``i``) start at its offset, a multiple of ``BLOCK_M``, and are padded to a
+   whole number of ``BLOCK_M``-row blocks with the sentinel ``N``. It writes ``sorted_ids
+   [NB * BLOCK_M]`` (a row index or ``N``), ``block_expert [NB]`` (the expert of each block) and
+   ``num_padded [1]`` (rows in use, padding included). Blocks past ``num_padded`` are not
+   written: every later kernel stops there.
+3. ``_gate_up_kernel``: one launch for all experts; a program multiplies one block of rows by
+   one column tile of its expert's gate and up matrices (``w13 [E, 2I, H]``) and writes
+   ``silu(gate) * up`` (``act [N, I]``, row ``i`` at ``i``): the activation is its epilogue.
+4. ``_down_kernel``: the same grouping over ``w2 [E, H, I]``: ``y [N, H]``.
+5. ``_combine_kernel``: ``out[t] = sum_j w[t, j] * y[t * k + j]`` in float32, in ``j`` order.
+
+Shapes depend only on ``T`` (and the model): ``NB`` blocks (:func:`num_blocks_bound`) hold any
+routing, the grids are fixed, and the device-side ``num_padded`` tells programs
+past the real blocks to return. No host sync, no data-dependent allocation: the layer can be
+captured in a CUDA graph per batch size.
+
+The order of rows inside an expert's group is increasing ``i`` (deterministic), and a row's
+result does not depend on the other rows of its block, so a token's output is the same whatever
+else is in the batch (up to the block size choice, which depends on ``N``).
+
+Triton is optional: without it this module imports (kernels stay plain functions) and
+``HAS_TRITON`` is False.
+"""
+
+# mypy: disable-error-code="no-untyped-def"
+# (Triton kernels take untyped pointer arguments; annotations there would change their meaning.)
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:
+    HAS_TRITON = False
+
+
+def _jit(*unspecialized: str) -> Callable[[Callable[..., Any]], Any]:
+    """``triton.jit``, not specializing on the named integer arguments (the row count changes
+    with every batch: one compiled variant serves them all, so a new batch size never compiles
+    mid-serving); without triton the kernels stay plain functions, never launched."""
+
+    def wrap(fn: Callable[..., Any]) -> Any:
+        return triton.jit(fn, do_not_specialize=list(unspecialized)) if HAS_TRITON else fn
+
+    return wrap
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def num_blocks_bound(num_rows: int, num_experts: int, block_m: int) -> int:
+    """Blocks of ``block_m`` rows enough for any routing of ``num_rows`` rows over the experts:
+    each active expert (at most ``a = min(num_rows, num_experts)``) pads at most ``block_m - 1``
+    rows, and takes at most one block more than its whole blocks (``a + num_rows // block_m``)."""
+    active = min(num_rows, num_experts)
+    return min(_cdiv(num_rows + active * (block_m - 1), block_m), active + num_rows // block_m)
+
+
+@dataclass(frozen=True)
+class MoeBlockConfig:
+    """Tile sizes of the two grouped GEMMs (rows, output columns, reduction) and launch options."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def block_config(num_rows: int, num_experts: int, dtype: torch.dtype) -> MoeBlockConfig:
+    """Tiles for ``num_rows = T * k`` rows over ``num_experts`` experts.
+
+    Few rows per expert (decode): 16-row blocks (the smallest ``tl.dot`` takes), so the weights
+    dominate and each is read once; many rows per expert (prefill): larger blocks reuse each
+    weight tile over more rows. float32 tiles are halved along the reduction to fit shared memory.
+    Not tuned on a GPU yet: these are conventional starting points.
+    """
+    per_expert = num_rows / max(1, num_experts)
+    if per_expert <= 4:
+        cfg = MoeBlockConfig(16, 64, 128, 4, 4)
+    elif per_expert <= 32:
+        cfg = MoeBlockConfig(32, 64, 64, 4, 4)
+    else:
+        cfg = MoeBlockConfig(64, 128, 64, 8, 3)
+    if dtype == torch.float32:
+        cfg = MoeBlockConfig(cfg.block_m, min(cfg.block_n, 64), 32, cfg.num_warps, 2)
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------------
+# Sorting rows by expert
+# ------------------------------------------------------------------------------------------------
+
+
+@_jit("N")
+def _count_kernel(ids_ptr, counts_ptr, N, BLOCK: tl.constexpr):
+    # Program e counts the rows routed to expert e (ids: [N] flat expert ids).
+    e = tl.program_id(0)
+    total = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, N, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        ids = tl.load(ids_ptr + i, mask=i < N, other=-1)
+        total += (ids == e).to(tl.int32)
+    tl.store(counts_ptr + e, tl.sum(total, axis=0))
+
+
+@_jit("N")
+def _place_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, N, E,
+                  BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr):
+    # Program e writes its expert's rows and padding into sorted_ids and its blocks' expert id.
+    e = tl.program_id(0)
+    experts = tl.arange(0, BLOCK_E)
+    counts = tl.load(counts_ptr + experts, mask=experts < E, other=0)  # [BLOCK_E]
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # each expert's rows, padded
+    offset = tl.sum(tl.where(experts < e, padded, 0), axis=0)  # where expert e's rows start
+    mine = tl.sum(tl.where(experts == e, counts, 0), axis=0)
+    mine_padded = tl.sum(tl.where(experts == e, padded, 0), axis=0)
+    if e == 0:
+        tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+    running = offset
+    for start in range(0, N, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        ids = tl.load(ids_ptr + i, mask=i < N, other=-1)
+        hit = (ids == e).to(tl.int32)
+        pos = running + tl.cumsum(hit, axis=0) - 1  # each hit's place, in increasing i
+        tl.store(sorted_ptr + pos, i, mask=hit > 0)
+        running += tl.sum(hit, axis=0)
+    pad = tl.arange(0, BLOCK_M)
+    tl.store(sorted_ptr + offset + mine + pad, N, mask=pad < mine_padded - mine)
+    first_block = offset // BLOCK_M
+    for b in range(0, mine_padded // BLOCK_M, BLOCK):
+        j = b + tl.arange(0, BLOCK)
+        tl.store(block_expert_ptr + first_block + j, e, mask=j < mine_padded // BLOCK_M)
+
+
+def align_rows_by_expert(topk_ids: torch.Tensor, num_experts: int,
+                         block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``topk_ids [T, k]`` -> ``(sorted_ids [NB * block_m] int32, block_expert [NB] int32,
+    num_padded [1] int32)`` as described in the module docstring (entries past ``num_padded``
+    are unwritten)."""
+    ids = topk_ids.reshape(-1)
+    if ids.dtype != torch.int32:
+        ids = ids.to(torch.int32)
+    n = ids.shape[0]
+    nb = num_blocks_bound(n, num_experts, block_m)
+    dev = ids.device
+    sorted_ids = torch.empty(nb * block_m, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(nb, dtype=torch.int32, device=dev)
+    num_padded = torch.empty(1, dtype=torch.int32, device=dev)
+    counts = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    block = 1024  # one compiled variant for every batch (a decode step's few rows leave it mostly masked)
+    _count_kernel[(num_experts,)](ids, counts, n, BLOCK=block)
+    _place_kernel[(num_experts,)](ids, counts, sorted_ids, block_expert, num_padded, n, num_experts,
+                                  BLOCK=block, BLOCK_E=max(16, _next_pow2(num_experts)), BLOCK_M=block_m)
+    return sorted_ids, block_expert, num_padded
+
+
+# ------------------------------------------------------------------------------------------------
+# Grouped GEMMs
+# ------------------------------------------------------------------------------------------------
+
+
+@_jit("N")
+def _gate_up_kernel(
+    x_ptr,  # [T, H]
+    w_ptr,  # [E, 2I, H]: gate rows 0..I-1, up rows I..2I-1
+    out_ptr,  # [N, I]: silu(gate) * up, row i at i
+    sorted_ptr, block_expert_ptr, num_padded_ptr,
+    N, K, INTER,  # INTER: I
+    stride_xt, stride_we, stride_wn, stride_wk, stride_ot,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(INTER, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    if pid_m * BLOCK_M < tl.load(num_padded_ptr):
+        rows = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # [BM]
+        row_ok = rows < N
+        tok = rows // TOP_K
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < INTER
+        k = tl.arange(0, BLOCK_K)
+        a_ptrs = x_ptr + tok[:, None] * stride_xt + k[None, :]  # [BM, BK]
+        g_ptrs = w_ptr + expert * stride_we + n[None, :] * stride_wn + k[:, None] * stride_wk  # [BK, BN]
+        u_ptrs = g_ptrs + INTER * stride_wn
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = k + k0 < K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+            a_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K * stride_wk
+            u_ptrs += BLOCK_K * stride_wk
+        # As the torch path rounds: gate and up in the activation dtype, silu(gate) rounded,
+        # then the product.
+        dtype = out_ptr.dtype.element_ty
+        gate = acc_g.to(dtype).to(tl.float32)
+        up = acc_u.to(dtype).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        tl.store(out_ptr + rows[:, None] * stride_ot + n[None, :], (act * up).to(dtype),
+                 mask=row_ok[:, None] & n_ok[None, :])
+
+
+@_jit("N")
+def _down_kernel(
+    a_ptr,  # [N, I]
+    w_ptr,  # [E, H, I]
+    out_ptr,  # [N, H], row i at i
+    sorted_ptr, block_expert_ptr, num_padded_ptr,
+    N, K, H,
+    stride_at, stride_we, stride_wn, stride_wk, stride_ot,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(H, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    if pid_m * BLOCK_M < tl.load(num_padded_ptr):
+        rows = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        row_ok = rows < N
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < H
+        k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + rows[:, None] * stride_at + k[None, :]
+        b_ptrs = w_ptr + expert * stride_we + n[None, :] * stride_wn + k[:, None] * stride_wk
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = k + k0 < K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K * stride_wk
+        tl.store(out_ptr + rows[:, None] * stride_ot + n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & n_ok[None, :])
+
+
+@_jit()
+def _combine_kernel(y_ptr, w_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    # out[t, cols] = sum_j w[t, j] * y[t * k + j, cols]; in float32, j in order.
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < H
+    dtype = out_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in range(TOP_K):
+        w = tl.load(w_ptr + t * TOP_K + j).to(tl.float32)
+        y = tl.load(y_ptr + (t * TOP_K + j) * H + cols, mask=mask, other=0.0).to(tl.float32)
+        acc += (y * w).to(dtype).to(tl.float32)  # each weighted expert output in the dtype, as HF adds them
+    tl.store(out_ptr + t * H + cols, acc.to(dtype), mask=mask)
+
+
+def fused_experts_triton(
+    x: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2I, H]
+    w2: torch.Tensor,  # [E, H, I]
+    topk_weights: torch.Tensor,  # [T, k]
+    topk_ids: torch.Tensor,  # [T, k]
+    config: MoeBlockConfig | None = None,
+) -> torch.Tensor:  # [T, H]
+    """Every token's ``k`` experts, weighted and summed: four launches plus the sort's two."""
+    T, H = x.shape
+    k = topk_ids.shape[1]
+    E, two_i, _ = w13.shape
+    inter = two_i // 2
+    out = torch.empty((T, H), dtype=x.dtype, device=x.device)  # row-major, as the combine writes it
+    if T == 0:
+        return out
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    n = T * k
+    cfg = config or block_config(n, E, x.dtype)
+    sorted_ids, block_expert, num_padded = align_rows_by_expert(topk_ids, E, cfg.block_m)
+    nb = block_expert.shape[0]
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # ignored for half-precision inputs
+    act = torch.empty((n, inter), dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(nb * _cdiv(inter, cfg.block_n),)](
+        x, w13, act, sorted_ids, block_expert, num_padded,
+        n, H, inter,
+        x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0),
+        TOP_K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    y = torch.empty((n, H), dtype=x.dtype, device=x.device)
+    _down_kernel[(nb * _cdiv(H, cfg.block_n),)](
+        act, w2, y, sorted_ids, block_expert, num_padded,
+        n, inter, H,
+        act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), y.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    weights = topk_weights.contiguous()
+    block = min(1024, _next_pow2(H))
+    _combine_kernel[(T, _cdiv(H, block))](y, weights, out, H, TOP_K=k, BLOCK=block)
+    return out

@@ -1,0 +1,251 @@
+"""The engine's side of structured output: requests wait for their grammar, matchers follow tokens.
+
+The engine talks to one :class:`StructuredOutput` at four points, and nowhere else:
+
+1. :meth:`~StructuredOutput.hold` when a constrained request arrives: its compile starts on a
+   worker thread and its sequences wait here, outside the scheduler, so the batch never waits
+   for a grammar;
+2. :meth:`~StructuredOutput.take_ready` at the start of each step: requests whose grammar is
+   compiled join the scheduler (one matcher per completion), those whose grammar failed or ran
+   past ``--grammar-compile-timeout`` are refused;
+3. :meth:`~StructuredOutput.bitmask_rows` as the step is planned: the bitmask rows of the
+   sampled rows that have a matcher (draft rows too), plain data in the step plan that the
+   worker turns into one logits processor (:class:`loom.sample.processors.TokenBitmask`);
+4. :meth:`~StructuredOutput.accept_tokens` for the tokens read back (the output processor): the
+   matcher advances; when it has matched a whole sentence and its EOS, the completion ends
+   (FINISH_REASON_EOS_TOKEN).
+
+A constrained sequence needs its last token on the host before its next mask can be filled, so
+the engine runs steps that hold one synchronously (as it does for penalties).
+
+``min_new_tokens`` for a constrained row is applied here, on its mask, rather than by the
+sampler's EOS suppression: EOS and stop ids are cleared from the row until then, unless the
+grammar allows nothing else (a complete match that cannot grow), where the grammar wins.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from loom.engine.sequence import Sequence
+from loom.engine.types import Rejection
+from loom.sample.batch import TokenBitmaskRows
+
+from .compiler_pool import GrammarCompilerPool
+from .grammars import GrammarError
+from .spec import GrammarSpec
+from .vocabulary import VocabularyError
+
+if TYPE_CHECKING:
+    import xgrammar
+
+
+@dataclass
+class _Held:
+    spec: GrammarSpec
+    future: Future[xgrammar.CompiledGrammar]
+    seqs: list[Sequence]
+    arrived: float
+
+
+@dataclass
+class _Matched:
+    seq: Sequence
+    matcher: xgrammar.GrammarMatcher
+    field: str  # the request field of its constraint
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A request refused (its grammar did not compile, or a matcher could not follow a token):
+    the engine fails it with this message and rejection."""
+
+    request_id: str
+    message: str
+    rejection: Rejection
+
+
+class StructuredOutput:
+    def __init__(self, pool: GrammarCompilerPool, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 compile_timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.pool = pool
+        self.vocab_size = vocab_size
+        self.words = -(-vocab_size // 32)  # int32 words per bitmask row
+        self.eos_token_ids = eos_token_ids
+        self.compile_timeout_s = compile_timeout_s
+        self.clock = clock
+        self._held: dict[str, _Held] = {}
+        self._ready_since: float | None = None  # when the pool was first seen ready (self.clock)
+        self._matchers: dict[int, _Matched] = {}  # seq_id -> its matcher
+        self._dead_ends: dict[int, str] = {}  # seq_id -> why no token could follow
+        self._bitmask = torch.empty(0, self.words, dtype=torch.int32)  # host rows, grown on demand
+
+    # -- requests -----------------------------------------------------------------------------------
+    def hold(self, request_id: str, spec: GrammarSpec, seqs: list[Sequence]) -> None:
+        """Start compiling ``spec`` for ``seqs`` (all completions of one request) and keep them."""
+        self._held[request_id] = _Held(spec, self.pool.compile(spec), seqs, self.clock())
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    def take_ready(self) -> tuple[list[list[Sequence]], list[Refusal]]:
+        """Requests whose grammar is ready (their sequences, each now with a matcher) and requests
+        refused; held requests aborted meanwhile are dropped. Also forgets finished sequences."""
+        self._sweep()
+        ready: list[list[Sequence]] = []
+        refused: list[Refusal] = []
+        for request_id, held in list(self._held.items()):
+            if all(s.is_finished for s in held.seqs):  # aborted while its grammar compiled
+                del self._held[request_id]
+            elif held.future.done():
+                del self._held[request_id]
+                error = held.future.exception()
+                if error is None:
+                    self._attach(held.seqs, held.future.result(), held.spec.field)
+                    ready.append(held.seqs)
+                else:
+                    refused.append(self._refusal(request_id, held.spec, error))
+            elif self._past_time_limit(held):
+                del self._held[request_id]
+                self.pool.mark_timed_out(held.spec)
+                refused.append(Refusal(request_id, (
+                    f"the constraint did not compile within --grammar-compile-timeout "
+                    f"({self.compile_timeout_s:g} s); simplify it (fewer optional properties, smaller "
+                    "repetition bounds) or ask the operator for a longer limit"),
+                    Rejection("INVALID_ARGUMENT", held.spec.field, "GRAMMAR_COMPILE_TIMEOUT")))
+        return ready, refused
+
+    def _past_time_limit(self, held: _Held) -> bool:
+        if self.pool.timed_out(held.spec):
+            return True  # the same text already ran past the limit and is still compiling
+        if self._ready_since is None:
+            if self.pool.ready_at is None:
+                return False  # the one-time vocabulary description is not counted
+            self._ready_since = self.clock()  # (seen at the first look after it: within a step)
+        return self.clock() - max(held.arrived, self._ready_since) > self.compile_timeout_s
+
+    @staticmethod
+    def _refusal(request_id: str, spec: GrammarSpec, error: BaseException) -> Refusal:
+        if isinstance(error, VocabularyError):
+            return Refusal(request_id, f"structured output is not available for this model: {error}",
+                           Rejection("FAILED_PRECONDITION", spec.field, "GRAMMAR_VOCABULARY"))
+        if isinstance(error, GrammarError):
+            return Refusal(request_id, f"the constraint does not compile: {error}",
+                           Rejection("INVALID_ARGUMENT", spec.field, "GRAMMAR_INVALID"))
+        return Refusal(request_id, f"compiling the constraint failed: {type(error).__name__}: {error}",
+                       Rejection("INTERNAL", spec.field, "GRAMMAR_COMPILE_FAILED"))
+
+    def _attach(self, seqs: list[Sequence], compiled: xgrammar.CompiledGrammar, field: str) -> None:
+        import xgrammar as xg
+
+        for seq in seqs:  # one matcher per completion: each follows its own tokens
+            matcher = xg.GrammarMatcher(compiled, override_stop_tokens=list(self.eos_token_ids))
+            self._matchers[seq.seq_id] = _Matched(seq, matcher, field)
+
+    def _sweep(self) -> None:
+        done = [sid for sid, m in self._matchers.items() if m.seq.is_finished]
+        for sid in done:
+            del self._matchers[sid]
+            self._dead_ends.pop(sid, None)
+
+    # -- steps --------------------------------------------------------------------------------------
+    def bitmask_rows(self, seqs: Seq[Sequence], drafts: Seq[Seq[int]] | None = None) -> TokenBitmaskRows | None:
+        """The step's grammar rows for its sampled sequences ``seqs`` (plan order; sequence i has
+        1 + len(drafts[i]) sampling rows), or None when none has a matcher: unconstrained steps pay
+        nothing. Rows are filled on the host. A sequence verifying drafts gets a mask per row: its
+        matcher walks the drafts (row k is the mask after drafts[:k]) and is rolled back after; rows
+        past a draft the grammar refuses are left open, since verification stops at that draft.
+        A first row whose grammar allows no token at all is left open and its sequence marked, for
+        :meth:`accept` to refuse."""
+        rows: list[int] = []
+        entries: list[tuple[Sequence, Seq[int]]] = []
+        row = 0
+        for i, seq in enumerate(seqs):
+            guess = drafts[i] if drafts is not None else ()
+            if seq.seq_id in self._matchers:
+                rows.extend(range(row, row + 1 + len(guess)))
+                entries.append((seq, guess))
+            row += 1 + len(guess)
+        if not rows:
+            return None
+        if self._bitmask.shape[0] < len(rows):
+            self._bitmask = torch.empty(max(len(rows), 2 * self._bitmask.shape[0]), self.words, dtype=torch.int32)
+        bitmask = self._bitmask[: len(rows)]  # [G, ceil(V / 32)]
+        first_rows: list[tuple[int, Sequence]] = []
+        j = 0
+        for seq, guess in entries:
+            matcher = self._matchers[seq.seq_id].matcher
+            walked = 0
+            for k in range(1 + len(guess)):
+                if k and walked == k - 1 and not matcher.is_terminated() and matcher.accept_token(guess[k - 1]):
+                    walked += 1
+                if walked == k:
+                    matcher.fill_next_token_bitmask(bitmask, j)
+                    if seq.num_output_tokens + k < seq.stopping.min_new_tokens:
+                        self._hold_back_stops(bitmask[j], seq)
+                else:
+                    bitmask[j].fill_(-1)
+                if k == 0:
+                    first_rows.append((j, seq))
+                j += 1
+            if walked:
+                matcher.rollback(walked)
+        empty = (bitmask == 0).all(dim=1).tolist()  # one pass: rows that allow no token
+        for g, seq in first_rows:
+            if empty[g]:
+                self._dead_ends[seq.seq_id] = (
+                    f"no token of the model's vocabulary continues the constraint after "
+                    f"{seq.num_output_tokens} generated tokens")
+                bitmask[g].fill_(-1)  # sample anything: the token is refused in accept()
+        for g in range(len(rows)):
+            if empty[g]:
+                bitmask[g].fill_(-1)
+        return TokenBitmaskRows(rows, self.words, bitmask.numpy().tobytes())
+
+    def _hold_back_stops(self, row: torch.Tensor, seq: Sequence) -> None:
+        """Clear EOS and stop ids from ``row`` before min_new_tokens, unless nothing else is allowed."""
+        stops = [t for t in (*self.eos_token_ids, *seq.stopping.stop_token_ids) if 0 <= t < self.vocab_size]
+        saved = row.clone()
+        for t in stops:
+            row[t // 32] &= ~(1 << (t % 32)) if t % 32 != 31 else 0x7FFFFFFF
+        if not bool(row.any()):
+            row.copy_(saved)  # the grammar can only end here: it wins over min_new_tokens
+
+    def accept(self, seq: Sequence, token: int) -> Refusal | None:
+        """Advance ``seq``'s matcher by ``token``; why the request must fail, or None."""
+        entry = self._matchers.get(seq.seq_id)
+        if entry is None:
+            return None
+        dead_end = self._dead_ends.pop(seq.seq_id, None)
+        if dead_end is not None:  # the vocabulary cannot spell what the grammar needs next
+            return Refusal(seq.request_id, dead_end, Rejection("FAILED_PRECONDITION", entry.field, "GRAMMAR_DEAD_END"))
+        if not entry.matcher.accept_token(token):  # the mask allowed it: a fault of ours
+            return Refusal(seq.request_id, f"token {token} does not match the constraint after "
+                           f"{seq.num_output_tokens - 1} generated tokens",
+                           Rejection("INTERNAL", entry.field, "GRAMMAR_TOKEN_REJECTED"))
+        return None
+
+    def accept_tokens(self, seq: Sequence, tokens: Seq[int]) -> Refusal | None:
+        """:meth:`accept` for a step's tokens of ``seq`` in order (accepted drafts, then the token
+        after them), up to the EOS that terminates its grammar."""
+        for token in tokens:
+            refusal = self.accept(seq, token)
+            if refusal is not None or self.terminated(seq):
+                return refusal
+        return None
+
+    def terminated(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s matcher has matched a whole sentence and accepted its EOS."""
+        entry = self._matchers.get(seq.seq_id)
+        return entry is not None and entry.matcher.is_terminated()
+
+    def has_matcher(self, seq: Sequence) -> bool:
+        return seq.seq_id in self._matchers

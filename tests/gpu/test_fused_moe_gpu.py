@@ -1,0 +1,187 @@
+"""The fused MoE layer's Triton kernels on a CUDA GPU against the torch path, and inside a CUDA graph.
+
+Tolerances (stated per dtype): both paths are compared with a float32 computation of the same
+routing on the same (rounded) weights. float32: the kernels run IEEE dots, so the outputs agree
+to float32 rounding (``atol = rtol = 1e-4``; the gate/up/down chain sums a few hundred products).
+bf16 / fp16: the relative error of the whole output (norm of the difference / norm of the
+reference) stays under ``1.5e-2`` (bf16) / ``4e-3`` (fp16): a few half-precision roundings of
+each intermediate (about 0.4% for bf16), as the torch path has too, which is checked against
+the same bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from helpers.moe_interpret_check import expected_layout
+
+from loom.layers.fused_moe import SparseMoeBlock, fused_experts_torch, select_experts
+from loom.layers.fused_moe_triton import (
+    MoeBlockConfig,
+    align_rows_by_expert,
+    block_config,
+    fused_experts_triton,
+    num_blocks_bound,
+)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+CUDA = torch.device("cuda")
+REL_NORM = {torch.bfloat16: 1.5e-2, torch.float16: 4e-3}
+
+# (name, hidden, intermediate, experts, top-k)
+SHAPES = [
+    ("qwen3-30b-a3b", 2048, 768, 128, 8),
+    ("mixtral-like", 1024, 1792, 8, 2),
+    ("ragged", 320, 200, 12, 3),  # no dimension a multiple of the tiles
+]
+
+
+def _inputs(t: int, h: int, inter: int, e: int, k: int, dtype: torch.dtype,
+            seed: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator(device=CUDA).manual_seed(seed)
+    x = torch.randn(t, h, device=CUDA, generator=gen).to(dtype)
+    w13 = (torch.randn(e, 2 * inter, h, device=CUDA, generator=gen) / h**0.5).to(dtype)
+    w2 = (torch.randn(e, h, inter, device=CUDA, generator=gen) / inter**0.5).to(dtype)
+    weights, ids = select_experts(torch.randn(t, e, device=CUDA, generator=gen), k, renormalize=True)
+    return x, w13, w2, weights, ids
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a.float() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize(("name", "h", "inter", "e", "k"), SHAPES, ids=[s[0] for s in SHAPES])
+@pytest.mark.parametrize("t", [1, 7, 64, 513])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_triton_experts_match_the_torch_path(name: str, h: int, inter: int, e: int, k: int, t: int,
+                                              dtype: torch.dtype) -> None:
+    x, w13, w2, weights, ids = _inputs(t, h, inter, e, k, dtype, seed=t * 7 + e)
+    ref = fused_experts_torch(x.float(), w13.float(), w2.float(), weights, ids)  # float32 on the same weights
+    got = fused_experts_triton(x, w13, w2, weights, ids)
+    torch_path = fused_experts_torch(x, w13, w2, weights, ids)
+    torch.cuda.synchronize()
+    assert got.shape == x.shape and got.dtype == dtype and torch.isfinite(got).all()
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+        return
+    assert _rel(got, ref) < REL_NORM[dtype], f"Triton: {_rel(got, ref):.2e}"
+    assert _rel(torch_path, ref) < REL_NORM[dtype], f"torch: {_rel(torch_path, ref):.2e}"
+
+
+@pytest.mark.parametrize(("t", "k", "e", "block_m"), [(1, 8, 128, 16), (37, 2, 8, 16), (300, 8, 128, 64),
+                                                      (4096, 8, 128, 64)])
+def test_sort_by_expert_on_the_gpu(t: int, k: int, e: int, block_m: int) -> None:
+    gen = torch.Generator(device=CUDA).manual_seed(t)
+    ids = torch.rand(t, e, device=CUDA, generator=gen).topk(k, dim=-1).indices
+    sorted_ids, block_expert, num_padded = align_rows_by_expert(ids, e, block_m)
+    want_ids, want_blocks = expected_layout(ids.tolist(), e, block_m)
+    total = int(num_padded.item())
+    assert total == len(want_ids) and block_expert.shape[0] == num_blocks_bound(t * k, e, block_m)
+    assert sorted_ids[:total].tolist() == want_ids
+    assert block_expert[: total // block_m].tolist() == want_blocks
+
+
+def test_no_host_sync_and_a_cuda_graph_replays_any_routing() -> None:
+    """The layer (router, top-k, sort, GEMMs) never waits for the device, and a graph captured
+    with one routing replays others exactly as eager runs compute them."""
+    h, inter, e, k, t = 512, 256, 32, 4, 16
+    torch.manual_seed(0)
+    with torch.device(CUDA):
+        block = SparseMoeBlock(e, k, h, inter, renormalize=True).to(torch.bfloat16)
+    for p in block.parameters():
+        p.data.normal_(0, 0.05)
+    x = torch.randn(t, h, device=CUDA).to(torch.bfloat16)
+    block(x)  # compile the kernels first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        block(x)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+    static_x = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        block(static_x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = block(static_x)
+    for seed in (1, 2, 3):
+        fresh = torch.randn(t, h, device=CUDA, generator=torch.Generator(device=CUDA).manual_seed(seed))
+        if seed == 3:
+            fresh[:] = fresh[0]  # every token routed the same: one expert group holds all rows
+        static_x.copy_(fresh.to(torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, block(static_x)), f"replay {seed} differs from eager"
+
+
+def test_block_configs_fit_the_shapes() -> None:
+    for n in (1, 8, 64, 512, 4096, 65536):
+        for dtype in (torch.bfloat16, torch.float32):
+            cfg = block_config(n, 128, dtype)
+            assert cfg.block_m >= 16 and cfg.block_n >= 16 and cfg.block_k >= 16
+    x, w13, w2, weights, ids = _inputs(33, 256, 128, 8, 2, torch.bfloat16, seed=5)
+    ref = fused_experts_torch(x.float(), w13.float(), w2.float(), weights, ids)
+    for cfg in (MoeBlockConfig(16, 32, 64, 4, 2), MoeBlockConfig(64, 64, 32, 4, 3), MoeBlockConfig(128, 128, 64, 8, 3)):
+        assert _rel(fused_experts_triton(x, w13, w2, weights, ids, cfg), ref) < REL_NORM[torch.bfloat16], cfg
+
+
+# -- the models on the GPU --------------------------------------------------------------------------------
+
+# Teacher-forced on the engine's tokens, transformers (float32, CPU) must rank each chosen token
+# within TIE_TOL of its best logit, and agree on its log-probability within LOGPROB_TOL. The GPU
+# path runs float32 throughout (IEEE dots in the paged and MoE kernels, no TF32 in cuBLAS), so
+# it differs from the CPU by float32 reordering only (~1e-5); the bounds leave room for the GPU's
+# fast exp2 in attention.
+TIE_TOL = 2e-3
+LOGPROB_TOL = 2e-3
+
+
+@pytest.mark.parametrize("variant", ["mixtral", "qwen3-moe", "gemma2", "gemma3", "phi3"])
+def test_models_on_cuda_with_graphs_agree_with_transformers(variant: str,
+                                                            tiny_model_dir: Callable[[str], Path]) -> None:
+    """The paged backend (windows, Gemma 2's soft cap), the MoE kernels and CUDA-graph decode."""
+    import random
+
+    from helpers.tiny_models import load_hf_reference
+
+    from loom.config import EngineConfig
+    from loom.engine.llm_engine import LLMEngine
+    from loom.engine.types import EngineRequest, SamplingParams, StoppingParams
+
+    path = tiny_model_dir(variant)
+    engine = LLMEngine(EngineConfig(model_id=str(path), device="cuda", dtype="float32", attention_backend="paged",
+                                    block_size=16, max_batch_total_tokens=4096, cuda_graphs=(1, 2, 4, 8)))
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (40, 9, 3, 21)]
+    for i, p in enumerate(prompts):
+        engine.add_request(EngineRequest(f"r{i}", tuple(p), SamplingParams(),
+                                         StoppingParams(max_new_tokens=20, ignore_eos=True)))
+    outs: dict[str, list[Any]] = {f"r{i}": [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs[o.request_id].append(o)
+    runner: Any = engine.worker.runner
+    assert runner.cuda_graphs is not None and runner.cuda_graphs.num_replays > 0
+    hf = load_hf_reference(path)
+    for i, p in enumerate(prompts):
+        tokens = [t for o in outs[f"r{i}"] for t in o.token_ids]
+        logprobs = [lp for o in outs[f"r{i}"] for lp in o.logprobs]
+        with torch.no_grad():
+            logits = hf(torch.tensor([p + tokens])).logits[0, len(p) - 1: -1].float()  # [20, V]
+        best = logits.max(-1).values
+        chosen = logits[torch.arange(len(tokens)), tokens]
+        assert (best - chosen).max().item() <= TIE_TOL, f"{variant} r{i}: a chosen token is not an argmax"
+        ref = logits.log_softmax(-1)[torch.arange(len(tokens)), tokens]
+        assert torch.allclose(torch.tensor(logprobs), ref, atol=LOGPROB_TOL), f"{variant} r{i}: logprobs"

@@ -1,0 +1,177 @@
+"""Structured output through the in-process engine (a random-weight Llama with SmolLM2's
+vocabulary): outputs that end by EOS match their constraint, n > 1 and seeds, min_new_tokens,
+constrained logprobs, async scheduling, aborts while compiling, and rows without a grammar exactly
+as they are alone."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loom.config import EngineConfig
+from loom.engine.llm_engine import LLMEngine
+from loom.engine.types import EngineOutput, EngineRequest, FinishReason, SamplingParams, StoppingParams
+from loom.frontend.tokenizer import Tokenizer
+from loom.structured.grammars import choice_to_ebnf
+from loom.structured.spec import GrammarSpec
+
+jsonschema = pytest.importorskip("jsonschema")
+
+SCHEMA = {"type": "object", "properties": {
+    "ok": {"type": "boolean"},
+    "n": {"type": "integer", "minimum": 0, "maximum": 9},
+    "color": {"enum": ["red", "green"]},
+    "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+}, "required": ["ok", "n", "color"]}
+JSON_SPEC = GrammarSpec("json_schema", json.dumps(SCHEMA), "parameters.constraint.json_schema")
+REGEX = GrammarSpec("regex", "[a-c]{2,4}", "parameters.constraint.regex")
+CHOICE = GrammarSpec("ebnf", choice_to_ebnf(["yes", "no", "maybe"]), "parameters.constraint.choice")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    from helpers.tiny_models import save_tiny_llama_with_vocab_of
+
+    return save_tiny_llama_with_vocab_of(default_model_dir, tmp_path_factory.mktemp("tiny-structured"))
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_model_dir(model_dir)
+
+
+def make_engine(model_dir: Path, **overrides: Any) -> LLMEngine:
+    return LLMEngine(EngineConfig(model_id=str(model_dir), max_batch_total_tokens=4096, warmup=False, **overrides))
+
+
+def request(rid: str, spec: GrammarSpec | None, new: int = 48, n: int = 1, min_new: int = 0,
+            **sampling: Any) -> EngineRequest:
+    return EngineRequest(rid, (1, 504, 3458, 28, 253), SamplingParams(constraint=spec, **sampling),
+                         StoppingParams(max_new_tokens=new, min_new_tokens=min_new), n=n)
+
+
+def run(engine: LLMEngine, requests: list[EngineRequest]) -> dict[tuple[str, int], list[EngineOutput]]:
+    outs: dict[tuple[str, int], list[EngineOutput]] = {}
+    for r in requests:
+        engine.add_request(r)
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs.setdefault((out.request_id, out.index), []).append(out)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks, "KV blocks leaked"
+    return outs
+
+
+def ids(outs: list[EngineOutput]) -> list[int]:
+    return [t for o in outs for t in o.token_ids]
+
+
+def finish(outs: list[EngineOutput]) -> FinishReason | None:
+    return outs[-1].finish_reason
+
+
+def text(tok: Tokenizer, outs: list[EngineOutput]) -> str:
+    return tok.decode(ids(outs), skip_special_tokens=True)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path) -> LLMEngine:
+    return make_engine(model_dir)
+
+
+def test_constrained_outputs_match_and_unconstrained_rows_are_untouched(engine: LLMEngine, tok: Tokenizer) -> None:
+    plain_alone = run(engine, [request("plain", None, new=12)])[("plain", 0)]
+    mixed = run(engine, [
+        request("json", JSON_SPEC, n=2, do_sample=True, seed=5),
+        request("regex", REGEX, do_sample=True, seed=1),
+        request("choice", CHOICE),
+        request("plain", None, new=12),
+    ])
+    assert ids(mixed[("plain", 0)]) == ids(plain_alone)  # bit-identical: the mask touched only its rows
+    assert [o.logprobs for o in mixed[("plain", 0)]] == [o.logprobs for o in plain_alone]
+    for index in (0, 1):
+        outs = mixed[("json", index)]
+        assert finish(outs) is FinishReason.EOS_TOKEN, text(tok, outs)
+        assert ids(outs)[-1] in engine.eos_token_ids
+        jsonschema.validate(json.loads(text(tok, outs)), SCHEMA)
+    assert ids(mixed[("json", 0)]) != ids(mixed[("json", 1)])  # each completion its own seed and matcher
+    assert re.fullmatch("[a-c]{2,4}", text(tok, mixed[("regex", 0)]))
+    assert finish(mixed[("regex", 0)]) is FinishReason.EOS_TOKEN
+    assert text(tok, mixed[("choice", 0)]) in ("yes", "no", "maybe")
+    stats = engine.stats()
+    assert stats.grammar_cache_queries == 3 and sum(stats.grammar_compile_buckets) >= 3
+    # seeded: the same tokens again, alone this time, from the compile cache
+    again = run(engine, [request("json", JSON_SPEC, n=2, do_sample=True, seed=5)])
+    assert ids(again[("json", 1)]) == ids(mixed[("json", 1)])
+    assert engine.stats().grammar_cache_hits >= 1
+
+
+def test_random_weights_would_not_match_without_the_grammar(engine: LLMEngine, tok: Tokenizer) -> None:
+    free = run(engine, [request("free", None, new=12, do_sample=True, seed=1)])[("free", 0)]
+    assert not re.fullmatch("[a-c]{2,4}", text(tok, free))  # the test above is not passing by luck
+
+
+def test_min_new_tokens_waits_unless_the_grammar_can_only_end(engine: LLMEngine, tok: Tokenizer) -> None:
+    outs = run(engine, [
+        request("short", GrammarSpec("regex", "[a-c]{1,100}"), min_new=6, do_sample=True, seed=3),
+        request("done", GrammarSpec("ebnf", 'root ::= "ok"'), min_new=10),
+    ])
+    short = outs[("short", 0)]
+    assert finish(short) is FinishReason.EOS_TOKEN and len(ids(short)) >= 7  # 6 tokens, then EOS
+    assert re.fullmatch("[a-c]{1,100}", text(tok, short))
+    done = outs[("done", 0)]
+    assert finish(done) is FinishReason.EOS_TOKEN and text(tok, done) == "ok"  # the grammar wins
+    assert len(ids(done)) < 10
+
+
+def test_logprobs_are_those_of_the_constrained_distribution(engine: LLMEngine, tok: Tokenizer) -> None:
+    outs = run(engine, [request("c", CHOICE, new=4, top_n_tokens=5), request("u", None, new=1, top_n_tokens=5)])
+    first_c, first_u = outs[("c", 0)][0], outs[("u", 0)][0]
+    token = first_c.token_ids[0]
+    unconstrained = dict(first_u.top_tokens[0]) if first_u.top_tokens else {}
+    # renormalised over the few allowed tokens: more likely than among the whole vocabulary
+    assert first_c.logprobs[0] > unconstrained.get(token, -1e9)
+    assert first_c.top_tokens is not None
+    top = first_c.top_tokens[0]
+    assert token in [t for t, _ in top]
+    # alternatives are only tokens the grammar allows here: each starts one of the choices
+    assert all(any(c.startswith(tok.token_text(t)) for c in ("yes", "no", "maybe")) for t, _ in top), top
+    assert sum(math.exp(lp) for _, lp in top) <= 1.0 + 1e-4
+
+
+def test_async_scheduling_gives_the_same_outputs(model_dir: Path, engine: LLMEngine) -> None:
+    reqs = [request("json", JSON_SPEC, do_sample=True, seed=9), request("plain", None, new=10, do_sample=True, seed=2)]
+    sync = run(engine, reqs)
+    forced = run(make_engine(model_dir, async_scheduling="on"), reqs)
+    assert {k: ids(v) for k, v in forced.items()} == {k: ids(v) for k, v in sync.items()}
+
+
+def test_aborted_while_compiling_and_bad_grammar_refused(engine: LLMEngine) -> None:
+    spec = GrammarSpec("regex", "[a-z]{1,64}(,[a-z0-9]{1,16}){0,8}x", "parameters.constraint.regex")  # not cached
+    engine.add_request(request("gone", spec))
+    engine.abort("gone")
+    assert engine.has_unfinished()  # held until its compile ends, then dropped
+    outs = run(engine, [request("bad", GrammarSpec("ebnf", 'root ::= "a" | nope', "parameters.constraint.grammar"))])
+    assert not engine.has_unfinished() and ("gone", 0) not in outs
+    bad = outs[("bad", 0)][0]
+    assert bad.finish_reason is FinishReason.ERROR and bad.rejection is not None
+    assert (bad.rejection.status, bad.rejection.field) == ("INVALID_ARGUMENT", "parameters.constraint.grammar")
+
+
+def test_speculation_drafts_are_masked_per_row_and_change_no_token(model_dir: Path, engine: LLMEngine,
+                                                                  tok: Tokenizer) -> None:
+    spec = GrammarSpec("regex", "(ab|ba|a|b){4,40}", "parameters.constraint.regex")
+    prompt = tuple(tok.encode("ab ab ab ab ab ab ab ab ab ab"))  # n-gram drafts come from repeats
+    reqs = [EngineRequest("g", prompt, SamplingParams(constraint=spec), StoppingParams(max_new_tokens=40)),
+            EngineRequest("p", prompt, SamplingParams(), StoppingParams(max_new_tokens=12, ignore_eos=True))]
+    plain = run(engine, reqs)
+    speculating = make_engine(model_dir, speculate=3)
+    drafted = run(speculating, reqs)
+    assert {k: ids(v) for k, v in drafted.items()} == {k: ids(v) for k, v in plain.items()}
+    assert sum(o.num_draft_tokens for o in drafted[("g", 0)]) > 0  # the constrained request verified drafts
+    assert re.fullmatch("(ab|ba|a|b){4,40}", text(tok, drafted[("g", 0)])) or finish(drafted[("g", 0)]) is not \
+        FinishReason.EOS_TOKEN
