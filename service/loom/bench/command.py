@@ -61,6 +61,10 @@ def add_bench_command(sub: Any) -> None:
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     g.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
     g.add_argument("--attention-backend", default=None, help="attention plugin; unset: the best available")
+    g.add_argument("--max-step-latency-ms", type=float, default=None,
+                   help="the engine's --max-step-latency-ms (a target for steps that carry decodes)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="the engine's --kv-cache-dtype (the W1 / W2 limits count its KV bytes)")
     g.add_argument("--max-batch-prefill-tokens", type=int, default=None,
                    help="prompt tokens per engine step; unset: 16384 on GPU, 4096 on CPU")
     g.add_argument("--max-total-tokens", type=int, default=2048, help="prompt + new tokens per request")
@@ -208,7 +212,7 @@ def engine_config(args: argparse.Namespace, device: torch.device, workloads: lis
     needed = max(len(p) + n for w in workloads for p, n in w.requests)
     kwargs: dict[str, Any] = dict(
         model_id=args.model_id, device=str(device), dtype=args.dtype, attention_backend=args.attention_backend,
-        quantize=args.quantize,
+        quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype, max_step_latency_ms=args.max_step_latency_ms,
         max_total_tokens=max(args.max_total_tokens, needed),
         max_batch_prefill_tokens=args.max_batch_prefill_tokens or (16384 if on_gpu else 4096),
         max_batch_total_tokens=args.max_batch_total_tokens or (None if on_gpu else max(
@@ -263,7 +267,7 @@ def _run_model_workloads(args: argparse.Namespace, names: list[str], device: tor
     # Loom's engine process has exited: the device is free for the limits and the peer.
     dtype = _DTYPES[info["dtype"]]
     hw = measure_hardware(device, dtype, quick=args.quick)
-    cost = model_cost(model_dir, dtype)
+    cost = model_cost(model_dir, dtype, args.kv_cache_dtype)
     # W6: the weights as the engine served them (quantized or not) and the KV pool they left
     memory = measure_weight_memory(model_dir, dtype, device, args.quantize)
     pool_tokens = int(info["max_batch_total_tokens"])

@@ -134,7 +134,7 @@ class ModelCost:
         return {**asdict(self), "decode_step_weight_bytes_batch_1": self.step_weight_bytes(1)}
 
 
-def model_cost(model_dir: Path, dtype: torch.dtype) -> ModelCost:
+def model_cost(model_dir: Path, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> ModelCost:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from loom.model_loader import model_dims
@@ -161,7 +161,9 @@ def model_cost(model_dir: Path, dtype: torch.dtype) -> ModelCost:
     dims = model_dims(config)
     return ModelCost(weight_bytes=weight_bytes, body_matmul_params=body, head_params=head,
                      num_layers=dims.num_layers, num_heads=dims.num_heads, head_dim=dims.head_dim,
-                     kv_bytes_per_token=2 * dims.num_layers * dims.num_kv_heads * dims.head_dim * elem,
+                     # an FP8 pool (loom/layers/kv_fp8.py): D e4m3 codes and a float32 scale a row
+                     kv_bytes_per_token=2 * dims.num_layers * dims.num_kv_heads * (
+                         dims.head_dim + 4 if kv_cache_dtype in ("fp8", "fp8_e4m3") else dims.head_dim * elem),
                      expert_bytes=expert_params * elem, num_experts=num_experts, experts_per_token=top_k,
                      embedding_bytes=embed.numel() * elem if embed is not head_weight else 0)
 
