@@ -72,16 +72,21 @@ class Speculator:
         if num_running > self.max_batch_size:
             return {}
         candidates: list[tuple[int, Sequence, int]] = []
+        # Sequences backing off get no proposal; on CUDA they may still verify filler drafts so
+        # that the step keeps one query length (see `uniform` below).
+        resting: list[tuple[int, Sequence, int, list[int]]] = []
         for i, (seq, n) in enumerate(zip(sched.seqs, sched.num_new_tokens, strict=True)):
             if (n != 1 or not seq.sampling.speculate or seq.num_output_tokens == 0 or seq.num_pending_tokens
                     or seq.num_computed_tokens != seq.num_tokens - 1):
                 continue  # not a plain decode row: prompts, forks and placeholders decode as usual
+            room = min(self.k, seq.stopping.max_new_tokens - seq.num_output_tokens - 1,
+                       self.max_model_len - seq.num_tokens - 1)
             stats = self._stats.get(seq.seq_id)
             if stats is not None and stats.backoff > 0:
                 stats.backoff -= 1
+                if room > 0:
+                    resting.append((i, seq, room, []))
                 continue
-            room = min(self.k, seq.stopping.max_new_tokens - seq.num_output_tokens - 1,
-                       self.max_model_len - seq.num_tokens - 1)
             if room > 0:
                 candidates.append((i, seq, room))
         if not candidates:
@@ -89,11 +94,13 @@ class Speculator:
         guesses = self.proposer.propose([DraftRequest(s.seq_id, s.token_ids, room) for _, s, room in candidates])
         drafts: dict[int, list[int]] = {}
         guessed = [(i, seq, room, _valid_prefix(guess[:room], self.vocab_size))
-                   for (i, seq, room), guess in zip(candidates, guesses, strict=True)]
+                   for (i, seq, room), guess in zip(candidates, guesses, strict=True)] + resting
         # On CUDA, once some sequence verifies drafts, every decode row of the step does (a
-        # sequence without a guess repeats its last token): a step whose rows all have k + 1
-        # tokens replays a captured graph, where a mix of 1 and k + 1 runs eagerly (measured:
-        # SmolLM2 at batch 16, 21 ms a step eagerly against 1.6 ms for a plain graphed step).
+        # sequence without a guess, or backing off after rejections, repeats its last token): a
+        # step whose rows all have k + 1 tokens replays a captured graph, where a mix of 1 and
+        # k + 1 runs eagerly (measured: SmolLM2 at batch 16, 21 ms a step eagerly against 1.6 ms
+        # for a plain graphed step). Backing-off rows broke this before: at batch 16 some row
+        # nearly always rests, so nearly every step ran eagerly (W5 a at batch 16: 0.20x).
         uniform = (self.pad_to_k and any(g for *_, g in guessed) and len(guessed) == len(sched.seqs)
                    and all(room == self.k for _, _, room, _ in guessed))
         self._real = {}
