@@ -3,7 +3,8 @@
 The kernels are torch operators in one .cpp file each, built with ``torch.utils.cpp_extension``
 for the host CPU (``-march=native``) and cached in torch's extension directory
 (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), so later processes load them
-at once. The cache name includes the CPU's feature flags and the torch version.
+at once. The cache name includes the CPU's feature flags, the torch version and the source's path
+(so checkouts side by side do not rebuild each other's).
 
 ``-fopenmp`` matters: ``at::parallel_for`` is a header template whose OpenMP pragmas are compiled
 into the extension itself; without the flag a kernel silently runs on one thread. The runtime is
@@ -68,7 +69,10 @@ class CpuExtension:
         self._why: str | None = None
 
     def _module_name(self) -> str:
-        key = cpu_flags() + torch.__version__ + " ".join(self.cflags)
+        # The paths too: torch keys its cache by name and rebuilds when the include paths or
+        # sources differ, so two checkouts (worktrees, venvs) sharing one name rebuilt each
+        # other's kernel on every start; each checkout now keeps its own.
+        key = cpu_flags() + torch.__version__ + " ".join(self.cflags) + str(self.source) + str(INCLUDE_DIR)
         return f"{self.name}_{hashlib.sha256(key.encode()).hexdigest()[:10]}"
 
     def available(self) -> bool:
