@@ -14,6 +14,7 @@ import json
 import os
 import random
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, TextIO
@@ -22,9 +23,11 @@ import structlog
 import torch
 
 from loom.config import ConfigError, EngineConfig
+from loom.distributed.errors import ShardLostError
 from loom.plugin_api import DraftRequest, PluginRegistry, Proposer, ProposerContext, default_registry
 from loom.spec.speculator import Speculator
 from loom.worker.model_runner import LaunchedStep, ModelRunner
+from loom.worker.sharded_worker import ShardedWorker
 from loom.worker.worker import Worker
 
 from .block_manager import BlockManager
@@ -79,11 +82,31 @@ class _Launched:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, registry: PluginRegistry | None = None) -> None:
+    def __init__(self, config: EngineConfig, registry: PluginRegistry | None = None, *,
+                 on_shard_failure: Callable[[str], None] | None = None) -> None:
+        """``on_shard_failure``: with ``num_shard`` > 1, called (from a watchdog thread) with a
+        message naming the rank when one dies or hangs; the default exits the process."""
         self.config = config
         started = time.monotonic()
         registry = registry or default_registry()
-        self.worker = Worker(config, registry)
+        self.worker: Worker | ShardedWorker
+        if config.num_shard > 1:
+            self.worker = ShardedWorker(config, registry, on_failure=on_shard_failure)
+        else:
+            self.worker = Worker(config, registry)
+        try:
+            self._start(config, registry, started)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do with one shard). Idempotent."""
+        if isinstance(self.worker, ShardedWorker):
+            self.worker.close()
+
+    def _start(self, config: EngineConfig, registry: PluginRegistry, started: float) -> None:
+        """Size the pool, warm up, capture graphs: everything after the worker loaded the model."""
         model = self.worker.info
         self.eos_token_ids = model.eos_token_ids
         self.vocab_size = model.vocab_size
@@ -148,8 +171,12 @@ class LLMEngine:
             vocab_size=model.vocab_size,
             eos_token_ids=self.eos_token_ids,
             plugins=model.plugins,
+            num_shard=config.num_shard,
         )
-        log.info("engine ready", model_dir=str(model.model_dir), architecture=model.hf_architecture,
+        if isinstance(self.worker, ShardedWorker):
+            self.worker.mark_serving()
+        log.info("engine ready", num_shard=config.num_shard, model_dir=str(model.model_dir),
+                 architecture=model.hf_architecture,
                  model=model.architecture, dtype=self.info.dtype, device=self.info.device,
                  attention_backend=model.attention_backend,
                  kv_blocks=num_blocks, block_size=bs, max_batch_total_tokens=pool_tokens,
@@ -265,8 +292,9 @@ class LLMEngine:
         """From the limits, within a share of the memory left after the weights (logged once)."""
         config = self.config
         model = self.worker.info
-        per_token = kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim,
-                                       self.worker.kv_element_size)
+        # Every rank's pool lives in this host's memory: their bytes together count.
+        per_token = config.num_shard * kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim,
+                                                          self.worker.kv_element_size)
         available = available_memory_bytes()
         pool = size_cpu_kv_pool(block_size=config.block_size, max_model_len=self.max_model_len,
                                 bytes_per_token=per_token, explicit_tokens=config.max_batch_total_tokens,
@@ -434,6 +462,8 @@ class LLMEngine:
                 seq.first_scheduled_time = started
         try:
             launched = self._launch(sched, drafts)
+        except ShardLostError:
+            raise  # not one request's fault: the engine cannot step any more
         except Exception as exc:  # one request's fault must not fail the others
             log.warning("step failed; re-running its sequences one by one", error=repr(exc))
             if prev is not None:
@@ -548,6 +578,8 @@ class LLMEngine:
             try:
                 own = {seq.seq_id: drafts[seq.seq_id]} if drafts and seq.seq_id in drafts else None
                 outputs += self._complete(self._launch(part, own))
+            except ShardLostError:
+                raise
             except Exception as exc:
                 log.error("request failed in the model step", request_id=seq.request_id, error=repr(exc))
                 outputs += self.fail_request(seq.request_id, f"model step failed: {type(exc).__name__}: {exc}")
