@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .parallel_state import init_tensor_parallel
+from .parallel_state import init_tensor_parallel, reset_tensor_parallel
 
 # Set in the engine process before its own init and in every rank process it starts.
 RANK_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
@@ -64,5 +64,6 @@ def init_rank(rank: int, world_size: int, port: int, device: str, timeout_s: flo
 def destroy() -> None:
     import torch.distributed as dist
 
+    reset_tensor_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
