@@ -206,3 +206,14 @@ def test_a_hung_rank_is_named_within_the_step_timeout(tiny_model_dir: TinyDir) -
         assert rank1.poll() is not None  # killed, not left stopped
     finally:
         engine.close()
+
+
+def test_preflight_refuses_a_shard_count_before_loading(tiny_model_dir: TinyDir) -> None:
+    """`loom serve` checks a model directory's config.json before the engine starts (exit 2)."""
+    from loom.preflight import check_engine_config
+
+    path = str(tiny_model_dir("llama"))  # 4 heads, 2 KV heads, intermediate 128
+    check_engine_config(EngineConfig(model_id=path, num_shard=2))
+    with pytest.raises(ConfigError, match="--num-shard 3 cannot split this model: 4 attention heads are not "
+                                          "divisible by 3; 3 is not a multiple of the 2 KV heads"):
+        check_engine_config(EngineConfig(model_id=path, num_shard=3))
