@@ -108,10 +108,11 @@ def _compare(path: Path, num_shard: int, vocab: int, **kw: Any) -> tuple[LLMEngi
     return single, sharded, got, ref
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "llama-mqa"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "llama-mqa", "qwen3-moe"])
 def test_two_shards_give_one_shards_outputs(name: str, tiny_model_dir: TinyDir) -> None:
     """q/k/v, gate/up, o, down, the embedding and the head split over 2 ranks (llama-mqa: its
-    one KV head replicated on both); qwen3 ties the head to the embedding."""
+    one KV head replicated on both); qwen3 ties the head to the embedding; qwen3-moe splits each
+    expert's intermediate size (an all-reduce after the experts)."""
     single, sharded, got, _ = _compare(tiny_model_dir(name), 2, 320)
     assert sharded.info.num_shard == 2 and single.info.num_shard == 1
     assert sharded.block_manager.num_blocks == single.block_manager.num_blocks  # the same pool
@@ -127,6 +128,16 @@ def test_two_shards_preempt_and_recompute_like_one(tiny_model_dir: TinyDir) -> N
                                      max_total_tokens=40)
     assert single.scheduler.num_preemptions > 0
     assert sharded.scheduler.num_preemptions == single.scheduler.num_preemptions
+
+
+def test_two_shards_with_a_draft_model_speculate_like_one(tiny_model_dir: TinyDir) -> None:
+    """A draft model (the speculator's own worker) is built whole, as one rank of one, in the
+    engine process: its layers never wait on the other ranks, and verification steps are
+    broadcast like any step."""
+    draft = (("model_id", str(tiny_model_dir("llama"))),)
+    single, sharded, _, _ = _compare(tiny_model_dir("llama"), 2, 320, speculate=2, speculator="draft",
+                                     speculator_options=draft)
+    assert sharded.speculator is not None and single.speculator is not None
 
 
 def test_gptq_two_shards_give_one_shards_outputs(tiny_model_dir: TinyDir, tmp_path: Path) -> None:
@@ -217,3 +228,18 @@ def test_preflight_refuses_a_shard_count_before_loading(tiny_model_dir: TinyDir)
     with pytest.raises(ConfigError, match="--num-shard 3 cannot split this model: 4 attention heads are not "
                                           "divisible by 3; 3 is not a multiple of the 2 KV heads"):
         check_engine_config(EngineConfig(model_id=path, num_shard=3))
+
+
+def test_loom_plugins_shows_how_many_shards_fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from loom.plugin_api.command import shard_capacity_line, visible_gpus
+
+    gpus = tmp_path / "gpus"
+    for bus in ("0000:01:00.0", "0000:02:00.0", "0000:03:00.0"):
+        (gpus / bus).mkdir(parents=True)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert visible_gpus(gpus) == 3
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0")
+    assert visible_gpus(gpus) == 2
+    assert visible_gpus(tmp_path / "none") == 0
+    assert "up to 2 on the 2 GPUs visible here (NCCL, one per shard)" in shard_capacity_line(2)
+    assert "no GPU visible here; any N of gloo shards with --device cpu" in shard_capacity_line(0)

@@ -24,6 +24,7 @@ import torch
 
 from loom.config import ConfigError, EngineConfig
 from loom.distributed.errors import ShardLostError
+from loom.distributed.parallel_state import tensor_parallel_as
 from loom.plugin_api import DraftRequest, PluginRegistry, Proposer, ProposerContext, default_registry
 from loom.spec.speculator import Speculator
 from loom.worker.model_runner import LaunchedStep, ModelRunner
@@ -212,7 +213,10 @@ class LLMEngine:
                                   device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
                                   options=dict(config.speculator_options))
         try:
-            proposer = proposer_cls(context)
+            # A proposer's own model (a draft) runs whole in the engine process, next to rank 0:
+            # built as one rank of one, its layers never wait for the other ranks.
+            with tensor_parallel_as(0, 1):
+                proposer = proposer_cls(context)
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"--speculator {config.speculator}: {exc}") from exc
         if self._async:
