@@ -119,3 +119,19 @@ def test_a_rank_killed_mid_stream_ends_the_server_naming_it(sharded_server: Serv
     assert isinstance(results[0], grpc.RpcError) and results[0].code() == grpc.StatusCode.UNAVAILABLE
     time.sleep(1)
     assert not _alive(engine) and not _alive(rank1)
+
+
+def test_a_shard_count_the_model_does_not_split_into_is_refused_at_start(tmp_path: Path) -> None:
+    """The embedded SmolLM2-135M (9 heads, 3 KV heads) on 2 shards: refused, every number named."""
+    import subprocess
+    import sys
+
+    from .server_process import free_port, server_env
+
+    proc = subprocess.run([sys.executable, "-m", "loom.cli", "serve", "--host", "127.0.0.1", "--port",
+                           str(free_port()), "--prometheus-port", "0", "--num-shard", "2"],
+                          capture_output=True, text=True, timeout=300, env=server_env())
+    assert proc.returncode == 1
+    assert ("--num-shard 2 cannot split this model: 9 attention heads are not divisible by 2; "
+            "3 KV heads are not divisible by 2") in proc.stdout + proc.stderr
+    assert "tensor-parallel ranks started" not in proc.stdout + proc.stderr  # refused before any rank

@@ -45,11 +45,6 @@ class StepProgress:
     def mark_done(self, rank: int, seq: int) -> None:
         self._slots[1 + rank] = seq
 
-    def behind(self) -> list[int]:
-        """Ranks that have not finished the last command issued."""
-        last = self.issued
-        return [r for r in range(self.world_size) if self.done(r) < last]
-
     def close(self, unlink: bool = False) -> None:
         self._slots.release()
         self._map.close()

@@ -175,8 +175,8 @@ class ShardedWorker:
         if self._failed is not None:
             raise ShardLostError(self._failed)
         self._seq += 1
-        self._issued_at.append((self._seq, time.monotonic()))
         self.progress.issue(self._seq)
+        self._issued_at.append((self._seq, time.monotonic()))
         try:
             broadcast_command(Envelope(self._seq, command), self.group)
         except Exception as exc:
@@ -258,23 +258,27 @@ class ShardedWorker:
 
     def _hung(self) -> str | None:
         timeout = self._timeouts[1] if self._serving else self._timeouts[0]
+        flag = "--shard-step-timeout" if self._serving else "--shard-start-timeout"
         now = time.monotonic()
         if self._local_busy_since is not None and now - self._local_busy_since > timeout:
             return (f"tensor-parallel rank 0's step did not complete within {timeout:g} s (a device or a "
-                    "collective hangs)")
-        behind = self.progress.behind()
-        if not behind:
-            self._issued_at.clear()
-            return None
-        oldest = min(self.progress.done(r) for r in behind) + 1
-        while self._issued_at and self._issued_at[0][0] < oldest:
+                    f"collective hangs; {flag})")
+        # Only this thread pops; the step loop appends (issued commands, oldest first).
+        finished = min(self.progress.done(r) for r in range(self.world_size))
+        while self._issued_at and self._issued_at[0][0] <= finished:
             self._issued_at.popleft()
-        if not self._issued_at or now - self._issued_at[0][1] <= timeout:
+        if not self._issued_at:
+            return None
+        oldest, issued_at = self._issued_at[0]
+        if now - issued_at <= timeout:
+            return None
+        behind = [r for r in range(self.world_size) if self.progress.done(r) < oldest]
+        if not behind:
             return None
         peers = [r for r in behind if r != 0] or behind  # rank 0 waits on them in the collective
         names = ", ".join(str(r) for r in peers)
         return (f"tensor-parallel rank{'s' if len(peers) > 1 else ''} {names} did not finish command "
-                f"#{oldest} within {timeout:g} s (hung; --shard-step-timeout)")
+                f"#{oldest} within {timeout:g} s (hung; {flag})")
 
     def _watch(self) -> None:
         while not self._closing:
