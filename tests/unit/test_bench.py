@@ -270,6 +270,23 @@ def test_bench_w1_w2_quick_on_a_random_model(tmp_path: Path) -> None:
         entry = result["workloads"][name]
         assert entry["loom"]["out_tokens"] == out_tokens
         assert 0 < entry["ratio_to_limit"] < 1
+    # W6's columns: the weights as served and the KV pool they left
+    memory = result["memory"]
+    assert memory["weights"]["weight_bytes"] == result["limits"]["model"]["weight_bytes"]  # dense: every parameter
+    assert memory["kv_pool"]["tokens"] == result["engine"]["max_batch_total_tokens"] > 0
+    assert memory["kv_pool"]["bytes"] == memory["kv_pool"]["tokens"] * result["limits"]["model"]["kv_bytes_per_token"]
+
+
+@pytest.mark.slow
+def test_bench_w1_quick_with_int4_weights_reports_the_int4_limit(tmp_path: Path) -> None:
+    result = run_bench("--workloads", "W1", "--model-id", "random:tiny-llama", "--quick", "--device", "cpu",
+                       "--quantize", "gptq", cache=tmp_path)
+    assert "quantizer:gptq?" in result["engine"]["plugins"][0]
+    weights = result["memory"]["weights"]
+    assert weights["quantization"] == "gptq" and weights["weight_bytes"] < result["limits"]["model"]["weight_bytes"]
+    entry = result["workloads"]["W1"]
+    assert entry["limit"]["min_decode_step_s"] < entry["limit_dense_weights"]["min_decode_step_s"]
+    assert entry["ratio_to_limit"] == entry["loom"]["out_tok_s"] / entry["limit"]["max_out_tok_s"]
 
 
 def test_bench_w4_quick_runs_cache_on_and_off(tmp_path: Path) -> None:

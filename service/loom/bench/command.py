@@ -249,7 +249,8 @@ def _run_model_workloads(args: argparse.Namespace, names: list[str], device: tor
     from loom.model_loader import resolve_model_dir
     from loom.worker.worker import _DTYPES
 
-    from .limits import measure_hardware, model_cost, w1_limit, w2_limit
+    from .limits import measure_hardware, model_cost, served_cost, w1_limit, w2_limit, weight_read_limit
+    from .weight_memory import measure_weight_memory
 
     workloads = [gpu_workload(n, args.model_id, args.quick, args.w2_requests) for n in names]
     model_dir = resolve_model_dir(args.model_id)
@@ -263,7 +264,20 @@ def _run_model_workloads(args: argparse.Namespace, names: list[str], device: tor
     dtype = _DTYPES[info["dtype"]]
     hw = measure_hardware(device, dtype, quick=args.quick)
     cost = model_cost(model_dir, dtype)
-    result["limits"] = {"hardware": hw.as_dict(), "model": cost.as_dict()}
+    # W6: the weights as the engine served them (quantized or not) and the KV pool they left
+    memory = measure_weight_memory(model_dir, dtype, device, args.quantize)
+    pool_tokens = int(info["max_batch_total_tokens"])
+    result["memory"] = {"weights": memory, "kv_pool": {
+        "tokens": pool_tokens, "blocks": int(info["num_blocks"]), "bytes": pool_tokens * cost.kv_bytes_per_token}}
+    served = served_cost(cost, int(memory["weight_bytes"]))
+    quantized = memory["quantization"] is not None
+    result["limits"] = {"hardware": hw.as_dict(), "model": cost.as_dict(),
+                        # what a batch-1 decode step reads (an MoE model: its chosen experts only)
+                        "weight_read": weight_read_limit(int(served.step_weight_bytes(1)), hw),
+                        "dense_weight_read": weight_read_limit(int(cost.step_weight_bytes(1)), hw)}
+    print(f"weights {served.weight_bytes / 2**30:.2f} GiB ({memory['quantization'] or 'dense'}), KV pool "
+          f"{pool_tokens} tokens ({pool_tokens * cost.kv_bytes_per_token / 2**30:.2f} GiB); weight-read limit "
+          f"{result['limits']['weight_read']['max_decode_tok_s']:.0f} decode steps/s", flush=True)
     peer: dict[str, Any] = {}
     if args.peer == "hf":
         from .peer_hf import run_gpu_peer
@@ -275,9 +289,12 @@ def _run_model_workloads(args: argparse.Namespace, names: list[str], device: tor
         result["peer"] = {"transformers": peer["transformers"], "static_generate": peer["static"]}
     for w in workloads:
         figures = loom[w.name]
-        limit = w1_limit(cost, hw, w) if w.name == "W1" else w2_limit(cost, hw, w)
+        # the limit of the weights as served: for int4 weights, the int4 weight-read limit
+        limit = w1_limit(served, hw, w) if w.name == "W1" else w2_limit(served, hw, w)
         entry: dict[str, Any] = {"description": w.description, "loom": figures, "limit": limit,
                                  "ratio_to_limit": figures["out_tok_s"] / limit["max_out_tok_s"]}
+        if quantized:  # for comparison: the same workload's limit with the dense weights
+            entry["limit_dense_weights"] = w1_limit(cost, hw, w) if w.name == "W1" else w2_limit(cost, hw, w)
         if w.name in peer:
             entry["peer"] = peer[w.name]
             if peer[w.name].get("out_tok_s"):

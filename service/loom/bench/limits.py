@@ -20,13 +20,18 @@ nor the embedding table (a step reads a few of its rows). A batch of ``b`` token
 ``k`` of ``E`` experts is counted as reading ``E * (1 - (1 - k / E) ** b)`` experts per layer,
 the expected number of distinct experts under uniform routing (exactly ``k`` for one token); its
 FLOPs count each token's ``k`` experts.
+
+A quantized model reads its packed weights instead (W6: int4 GPTQ / AWQ, FP8, NF4): the limits
+then take the weight bytes the engine actually holds (``weight_memory``), so ``ratio_to_limit``
+is the share of the int4 (or FP8...) weight-read limit; :func:`weight_read_limit` is that limit
+alone (one decode step that only reads the weights).
 """
 
 from __future__ import annotations
 
 import re
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +170,19 @@ def _is_expert_weight(name: str, param: torch.Tensor) -> bool:
     """transformers 5 stacks each layer's experts (``experts.gate_up_proj [E, 2I, H]``); 4 kept
     one module per expert (``experts.3.w1.weight``)."""
     return param.dim() == 3 or re.search(r"\.experts\.\d+\.", name) is not None
+
+
+def served_cost(cost: ModelCost, weight_bytes: int) -> ModelCost:
+    """``cost`` with the bytes of the weights as served (packed int4 / e4m3 / NF4 and their scales,
+    the dense embedding and head): what a quantized model reads each forward pass."""
+    return replace(cost, weight_bytes=weight_bytes)
+
+
+def weight_read_limit(weight_bytes: int, hw: Hardware) -> dict[str, float]:
+    """The fastest decode step that reads ``weight_bytes`` once (no KV, no FLOPs): the weight-read
+    limit of a batch-1 decode (for int4 weights, the int4 weight-read limit)."""
+    step_s = weight_bytes / hw.copy_bytes_per_s
+    return {"weight_bytes": float(weight_bytes), "min_step_s": step_s, "max_decode_tok_s": 1.0 / step_s}
 
 
 def _sequence_work(cost: ModelCost, prompt: int, new: int) -> tuple[float, float]:
