@@ -140,14 +140,24 @@ def test_two_shards_with_a_draft_model_speculate_like_one(tiny_model_dir: TinyDi
     assert sharded.speculator is not None and single.speculator is not None
 
 
-def test_gptq_two_shards_give_one_shards_outputs(tiny_model_dir: TinyDir, tmp_path: Path) -> None:
-    """GPTQ (4 bits, groups of 32): each rank keeps its rows of qweight / scales / zeros in
-    column-parallel layers and its whole groups of input rows in row-parallel ones."""
-    from helpers.quant_checkpoints import gptq_checkpoint
+@pytest.mark.parametrize("fmt", ["gptq", "awq", "fp8"])
+def test_quantized_two_shards_give_one_shards_outputs(fmt: str, tiny_model_dir: TinyDir, tmp_path: Path) -> None:
+    """GPTQ (4 bits, groups of 32) and AWQ (groups of 32): each rank keeps its rows of the packed
+    weights, scales and zeros in column-parallel layers and its whole groups of input rows in
+    row-parallel ones (o_proj: one group per rank). FP8 (compressed-tensors, per-channel static
+    scales): the rows' scales follow the rows; the activations' per-tensor scales are copied."""
+    from helpers.quant_checkpoints import awq_checkpoint, fp8_checkpoint, gptq_checkpoint
 
-    path, _ = gptq_checkpoint(tiny_model_dir("llama"), tmp_path / "gptq", bits=4, group=32, sym=True)
+    dense = tiny_model_dir("llama")
+    if fmt == "gptq":
+        path, _ = gptq_checkpoint(dense, tmp_path / fmt, bits=4, group=32, sym=True)
+    elif fmt == "awq":
+        path, _ = awq_checkpoint(dense, tmp_path / fmt, group=32)
+    else:
+        path, _ = fp8_checkpoint(dense, tmp_path / fmt, per_channel=True, static=True)
     single, sharded, _, _ = _compare(path, 2, 320)
-    assert single.worker.info.quantization == sharded.worker.info.quantization == "gptq"
+    assert single.worker.info.quantization == sharded.worker.info.quantization
+    assert single.worker.info.quantization is not None
 
 
 def test_smollm2_three_shards_give_one_shards_outputs(default_model_dir: Path) -> None:
