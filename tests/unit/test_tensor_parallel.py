@@ -253,3 +253,15 @@ def test_loom_plugins_shows_how_many_shards_fit(tmp_path: Path, monkeypatch: pyt
     assert visible_gpus(tmp_path / "none") == 0
     assert "up to 2 on the 2 GPUs visible here (NCCL, one per shard)" in shard_capacity_line(2)
     assert "no GPU visible here; any N of gloo shards with --device cpu" in shard_capacity_line(0)
+
+
+def test_nf4_checkpoints_are_refused_past_one_shard(tiny_model_dir: TinyDir, tmp_path: Path) -> None:
+    """bitsandbytes packs each weight as one flat array: no rank could keep its rows."""
+    pytest.importorskip("bitsandbytes")
+    from helpers.quant_checkpoints import nf4_checkpoint
+
+    from loom.model_loader import ModelLoadError
+
+    path, _ = nf4_checkpoint(tiny_model_dir("llama"), tmp_path / "nf4", double_quant=False)
+    with pytest.raises(ModelLoadError, match="NF4 checkpoints serve one tensor-parallel rank"):
+        _engine(path, num_shard=2)
