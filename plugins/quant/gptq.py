@@ -185,7 +185,12 @@ class GPTQLinearMethod(PackedIntMethod):
         self._check_out(layer, output_partition_sizes)
         out = sum(output_partition_sizes)
         groups = self._groups(layer, input_size_per_partition)
-        row_split = 0 if groups > 1 and not self.settings.desc_act else None  # groups follow the input
+        if self.settings.desc_act and input_size_per_partition != input_size:
+            raise QuantizationError(f"GPTQ {prefix}: act-order (desc_act) checkpoints serve one tensor-parallel rank; "
+                                    "a row-parallel layer's g_idx would have to be split by rank")
+        # Groups follow the input (a row-parallel rank keeps its whole groups, even a single one);
+        # group_size -1 is one group over every input, the same on every rank.
+        row_split = 0 if self.group_size != -1 and not self.settings.desc_act else None
         qweight = nn.Parameter(torch.empty(input_size_per_partition // self.f, out, dtype=torch.int32),
                                requires_grad=False)
         set_weight_attrs(qweight, input_dim=0, output_dim=1, packed_dim=0, packed_factor=self.f,

@@ -35,6 +35,7 @@ import structlog
 import torch
 from torch import nn
 
+from loom.distributed.parallel_state import get_tp_size
 from loom.layers.linear import LinearBase
 from loom.plugin_api.quantization import (
     LinearMethod,
@@ -310,6 +311,9 @@ class NF4Config(QuantizationConfig):
         super().__init__(model_dir, device, dtype)
         qconfig = checkpoint_quantization_config(model_dir)
         self.while_loading = qconfig is None
+        if qconfig is not None and get_tp_size() > 1:
+            raise QuantizationError("bitsandbytes NF4 checkpoints serve one tensor-parallel rank (--num-shard 1): "
+                                    "each weight is packed as one flat array, not by rows a rank could keep")
         self.double_quant = False if qconfig is None else parse_bnb(qconfig)
         self.names = set() if qconfig is None else checkpoint_tensor_names(model_dir)
 

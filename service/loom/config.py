@@ -77,6 +77,13 @@ class EngineConfig:
     # rows is compute-bound, so the extra verification rows cost more than the accepted tokens
     # save (docs/speculative.md).
     speculate_max_batch_size: int = 32
+    # Tensor parallelism (docs/scaling.md): the model's layers split over this many ranks, one
+    # process each (the engine's own worker is rank 0); gloo on the CPU, NCCL on GPUs (one per rank).
+    num_shard: int = 1
+    # A sharded step every rank has not finished after this many seconds ends the server, naming
+    # the ranks behind (a hung rank); start-up (loading, warm-up) gets shard_start_timeout.
+    shard_step_timeout: float = 120.0
+    shard_start_timeout: float = 900.0
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -128,6 +135,12 @@ class EngineConfig:
                               f"{self.max_step_latency_ms}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
+        if not 1 <= self.num_shard <= 64:
+            raise ConfigError(f"--num-shard must be between 1 and 64, got {self.num_shard}")
+        for flag, seconds in (("--shard-step-timeout", self.shard_step_timeout),
+                              ("--shard-start-timeout", self.shard_start_timeout)):
+            if not 0 < seconds < float("inf"):
+                raise ConfigError(f"{flag} must be a positive number of seconds, got {seconds}")
         if self.cpu_kv_cache_sequences < 1:
             raise ConfigError("cpu_kv_cache_sequences must be at least 1")
         if not 0.0 < self.cpu_kv_memory_fraction <= 1.0:

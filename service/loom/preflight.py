@@ -35,6 +35,33 @@ def check_engine_config(config: EngineConfig, registry: PluginRegistry | None = 
     except ModelLoadError as exc:
         raise ConfigError(str(exc)) from None
     _check_architecture(config.model_id, registry)
+    _check_shards(config, device_type)
+
+
+def _check_shards(config: EngineConfig, device_type: str) -> None:
+    """``--num-shard``: one GPU per rank, and a model whose heads and sizes it divides (read from
+    a model directory's config.json; other models are checked by the engine, as it starts)."""
+    from types import SimpleNamespace
+
+    from loom.distributed.shard_check import check_shardable
+
+    n = config.num_shard
+    if n == 1:
+        return
+    if config.device.startswith("cuda:"):
+        raise ConfigError(f"--device {config.device} names one GPU; --num-shard {n} takes one GPU per rank "
+                          "(choose them with CUDA_VISIBLE_DEVICES and --device cuda)")
+    if device_type == "cuda" and torch.cuda.device_count() < n:
+        raise ConfigError(f"--num-shard {n} needs {n} GPUs; {torch.cuda.device_count()} are visible")
+    if config.model_id is None:
+        return
+    config_file = Path(config.model_id).expanduser() / "config.json"
+    try:
+        fields = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return  # not a model directory, or unreadable: the loader says why
+    if isinstance(fields, dict) and "num_attention_heads" in fields:
+        check_shardable(SimpleNamespace(**fields), n)
 
 
 def _check_architecture(model_id: str | None, registry: PluginRegistry) -> None:

@@ -111,6 +111,8 @@ _PHI3_LONGROPE = dict(
 TINY_CONFIGS: dict[str, Callable[[], Any]] = {
     "llama": _llama(),
     "llama-tied-bias": _llama(tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
+    # One KV head: split over 2 tensor-parallel ranks, each keeps a replica of it.
+    "llama-mqa": _llama(num_key_value_heads=1),
     "llama-linear-rope": _llama(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
     "llama3-rope": _llama(
         max_position_embeddings=256,

@@ -48,6 +48,12 @@ def init_tensor_parallel(group: Any = None) -> None:
     _state = TensorParallelState(dist.get_rank(group), dist.get_world_size(group), group)
 
 
+def reset_tensor_parallel() -> None:
+    """Back to one rank of one (after the process group is destroyed)."""
+    global _state
+    _state = TensorParallelState()
+
+
 @contextlib.contextmanager
 def tensor_parallel_as(rank: int, size: int) -> Iterator[None]:
     """Layers built inside this block are rank ``rank`` of ``size`` (no process group needed)."""

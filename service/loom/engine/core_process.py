@@ -18,6 +18,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import signal
+import threading
 import traceback
 from collections.abc import AsyncIterator
 from multiprocessing.connection import Connection
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from loom.config import EngineConfig
+from loom.distributed.errors import ShardLostError
 from loom.process_tuning import freeze_startup_objects
 
 from .types import (
@@ -78,10 +80,21 @@ def run_engine_core(config: EngineConfig, conn: Connection, log_json: bool = Fal
     from loom.logging_setup import configure_logging
 
     configure_logging(json_output=log_json, level=log_level, process="engine")
+    send_lock = threading.Lock()
+
+    def shard_lost(reason: str) -> None:
+        """A tensor-parallel rank died or hung (the sharded worker's watchdog thread; the other
+        ranks are already killed): tell the front end why, then exit at once (the step loop may
+        be stuck in a collective that will never return)."""
+        log.error("tensor-parallel rank lost; the engine exits", reason=reason)
+        with contextlib.suppress(Exception), send_lock:
+            conn.send(EngineFailed(reason))
+        os._exit(1)
+
     try:
         from .llm_engine import LLMEngine
 
-        engine = LLMEngine(config)
+        engine = LLMEngine(config, on_shard_failure=shard_lost)
     except Exception as exc:
         from loom.config import ConfigError
         from loom.model_loader.errors import ModelLoadError
@@ -99,13 +112,18 @@ def run_engine_core(config: EngineConfig, conn: Connection, log_json: bool = Fal
     log.debug("start-up objects frozen for the garbage collector", objects=frozen)
     try:
         conn.send(EngineReady(engine.info))
-        _serve_pipe(engine, conn)
+        _serve_pipe(engine, conn, send_lock)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         # The front end is gone (killed, or crashed) without a shutdown message: so is our work.
         log.warning("the front end's pipe closed; engine exiting")
+    except ShardLostError as exc:
+        engine.close()
+        shard_lost(str(exc))
+    finally:
+        engine.close()  # the other tensor-parallel ranks stop (drained: the front end waited)
 
 
-def _serve_pipe(engine: LLMEngine, conn: Connection) -> None:
+def _serve_pipe(engine: LLMEngine, conn: Connection, send_lock: threading.Lock) -> None:
     """The step loop: requests and aborts in between steps, outputs after each, until "shutdown"."""
     while True:
         # Block only when idle; otherwise pick up whatever arrived during the last step. While the
@@ -120,14 +138,16 @@ def _serve_pipe(engine: LLMEngine, conn: Connection) -> None:
                 try:
                     engine.add_request(msg.request)
                 except ValueError as exc:
-                    conn.send(StepOutputs([EngineOutput(msg.request.request_id, 0, [], [],
-                                                        finish_reason=FinishReason.ERROR, error=str(exc))]))
+                    with send_lock:
+                        conn.send(StepOutputs([EngineOutput(msg.request.request_id, 0, [], [],
+                                                            finish_reason=FinishReason.ERROR, error=str(exc))]))
             elif isinstance(msg, AbortRequest):
                 engine.abort(msg.request_id)
             elif isinstance(msg, AbortCompletion):
                 engine.abort_completion(msg.request_id, msg.index)
             elif isinstance(msg, StatsQuery):
-                conn.send(StatsReply(engine.stats()))
+                with send_lock:
+                    conn.send(StatsReply(engine.stats()))
             elif isinstance(msg, Shutdown):
                 return
             else:
@@ -135,7 +155,8 @@ def _serve_pipe(engine: LLMEngine, conn: Connection) -> None:
         if engine.has_unfinished():
             outputs = engine.step()
             if outputs:
-                conn.send(StepOutputs(outputs))
+                with send_lock:
+                    conn.send(StepOutputs(outputs))
 
 
 class AsyncEngineClient:
@@ -189,6 +210,9 @@ class AsyncEngineClient:
                     fut = self._stats_waiters.pop(0)
                     if not fut.done():  # its caller may have given up (wait_for timeout)
                         fut.set_result(msg.stats)
+                elif isinstance(msg, EngineFailed):  # after start: a tensor-parallel rank was lost
+                    self._fail_all(msg.reason)
+                    return
         except (EOFError, OSError) as exc:
             self._fail_all(f"engine process died: {exc!r}")
 

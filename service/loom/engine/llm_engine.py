@@ -14,6 +14,7 @@ import json
 import os
 import random
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, TextIO
@@ -22,9 +23,12 @@ import structlog
 import torch
 
 from loom.config import ConfigError, EngineConfig
+from loom.distributed.errors import ShardLostError
+from loom.distributed.parallel_state import tensor_parallel_as
 from loom.plugin_api import DraftRequest, PluginRegistry, Proposer, ProposerContext, default_registry
 from loom.spec.speculator import Speculator
 from loom.worker.model_runner import LaunchedStep, ModelRunner
+from loom.worker.sharded_worker import ShardedWorker
 from loom.worker.worker import Worker
 
 from .block_manager import BlockManager
@@ -80,11 +84,31 @@ class _Launched:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, registry: PluginRegistry | None = None) -> None:
+    def __init__(self, config: EngineConfig, registry: PluginRegistry | None = None, *,
+                 on_shard_failure: Callable[[str], None] | None = None) -> None:
+        """``on_shard_failure``: with ``num_shard`` > 1, called (from a watchdog thread) with a
+        message naming the rank when one dies or hangs; the default exits the process."""
         self.config = config
         started = time.monotonic()
         registry = registry or default_registry()
-        self.worker = Worker(config, registry)
+        self.worker: Worker | ShardedWorker
+        if config.num_shard > 1:
+            self.worker = ShardedWorker(config, registry, on_failure=on_shard_failure)
+        else:
+            self.worker = Worker(config, registry)
+        try:
+            self._start(config, registry, started)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do with one shard). Idempotent."""
+        if isinstance(self.worker, ShardedWorker):
+            self.worker.close()
+
+    def _start(self, config: EngineConfig, registry: PluginRegistry, started: float) -> None:
+        """Size the pool, warm up, capture graphs: everything after the worker loaded the model."""
         model = self.worker.info
         self.eos_token_ids = model.eos_token_ids
         self.vocab_size = model.vocab_size
@@ -155,8 +179,12 @@ class LLMEngine:
             vocab_size=model.vocab_size,
             eos_token_ids=self.eos_token_ids,
             plugins=model.plugins,
+            num_shard=config.num_shard,
         )
-        log.info("engine ready", model_dir=str(model.model_dir), architecture=model.hf_architecture,
+        if isinstance(self.worker, ShardedWorker):
+            self.worker.mark_serving()
+        log.info("engine ready", num_shard=config.num_shard, model_dir=str(model.model_dir),
+                 architecture=model.hf_architecture,
                  model=model.architecture, dtype=self.info.dtype, device=self.info.device,
                  attention_backend=model.attention_backend,
                  kv_blocks=num_blocks, block_size=bs, max_batch_total_tokens=pool_tokens,
@@ -192,7 +220,10 @@ class LLMEngine:
                                   device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
                                   options=dict(config.speculator_options))
         try:
-            proposer = proposer_cls(context)
+            # A proposer's own model (a draft) runs whole in the engine process, next to rank 0:
+            # built as one rank of one, its layers never wait for the other ranks.
+            with tensor_parallel_as(0, 1):
+                proposer = proposer_cls(context)
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"--speculator {config.speculator}: {exc}") from exc
         if self._async:
@@ -273,7 +304,8 @@ class LLMEngine:
     def _size_pool_on_cpu(self) -> KvPoolSize:
         """From the limits, within a share of the memory left after the weights (logged once)."""
         config = self.config
-        per_token = self.worker.kv_bytes_per_token
+        # Every rank's pool lives in this host's memory: their bytes together count.
+        per_token = config.num_shard * self.worker.kv_bytes_per_token
         available = available_memory_bytes()
         pool = size_cpu_kv_pool(block_size=config.block_size, max_model_len=self.max_model_len,
                                 bytes_per_token=per_token, explicit_tokens=config.max_batch_total_tokens,
@@ -444,6 +476,8 @@ class LLMEngine:
                 seq.first_scheduled_time = started
         try:
             launched = self._launch(sched, drafts)
+        except ShardLostError:
+            raise  # not one request's fault: the engine cannot step any more
         except Exception as exc:  # one request's fault must not fail the others
             log.warning("step failed; re-running its sequences one by one", error=repr(exc))
             if prev is not None:
@@ -570,6 +604,8 @@ class LLMEngine:
             try:
                 own = {seq.seq_id: drafts[seq.seq_id]} if drafts and seq.seq_id in drafts else None
                 outputs += self._complete(self._launch(part, own))
+            except ShardLostError:
+                raise
             except Exception as exc:
                 log.error("request failed in the model step", request_id=seq.request_id, error=repr(exc))
                 outputs += self.fail_request(seq.request_id, f"model step failed: {type(exc).__name__}: {exc}")

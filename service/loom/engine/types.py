@@ -121,6 +121,7 @@ class EngineInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     plugins: tuple[str, ...] = ()
+    num_shard: int = 1  # tensor-parallel ranks the model is split over
 
 
 @dataclass(frozen=True)

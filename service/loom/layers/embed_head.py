@@ -63,6 +63,8 @@ class VocabParallelEmbedding(nn.Module):
         return rows.masked_fill(~mine.unsqueeze(-1), 0)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
+        if self.tp_size == 1:  # built for one rank (a draft model beside a sharded one): no peers
+            return self.lookup_local(input_ids)
         return all_reduce(self.lookup_local(input_ids))
 
     def extra_repr(self) -> str:

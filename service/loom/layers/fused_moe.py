@@ -271,4 +271,5 @@ class SparseMoeBlock(nn.Module):
         router_logits = self.gate(x)  # [T, E], in the model's dtype
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize,
                                       router_logits.dtype if self.weights_in_logits_dtype else None)
-        return all_reduce(self.experts(x, weights, ids))
+        out = self.experts(x, weights, ids)
+        return out if self.experts.tp_size == 1 else all_reduce(out)

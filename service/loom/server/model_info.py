@@ -88,5 +88,6 @@ def model_info_response(info: EngineInfo, settings: ServerSettings, limits: Requ
         server_version=loom.__version__,
         eos_token_ids=list(info.eos_token_ids),
         vocab_size=info.vocab_size,
+        num_shard=info.num_shard,
         has_chat_template=has_chat_template,
     )

@@ -36,6 +36,9 @@ _ENGINE_FLAGS: list[tuple[str, Any, str]] = [
     ("--speculate", int, "speculative decoding: up to N draft tokens per sequence and step; 0 is off"),
     ("--speculator", str, "the speculative-decoder plugin that proposes drafts (loom plugins lists them)"),
     ("--speculate-max-batch-size", int, "above this many running sequences, decode without drafts"),
+    ("--num-shard", int, "tensor parallelism: split the model over N ranks (one GPU each; gloo ranks on CPU)"),
+    ("--shard-step-timeout", float, "seconds a sharded step may take before the server ends, naming the hung rank"),
+    ("--shard-start-timeout", float, "seconds the ranks may take to load and warm up before the server ends"),
 ]
 _SERVER_FLAGS: list[tuple[str, Any, str]] = [
     ("--host", str, "address to listen on"),

@@ -2,9 +2,12 @@
 model, builds the attention backend, holds the KV pool, the model runner, the CUDA graphs and
 the staging buffers, and runs step plans (``loom.worker.step_plan``).
 
-The engine core talks to it only through plans, sizes and :class:`StepOutput` results, so a
-worker per tensor-parallel rank can later sit behind a process boundary with the same calls.
-Today there is one worker, in the engine process.
+The engine core talks to it only through plans, sizes and :class:`StepOutput` results. With
+``--num-shard N`` there is one worker per tensor-parallel rank: rank 0's in the engine process,
+the others in their own processes (``loom.worker.rank_process``), all driven by
+``loom.worker.sharded_worker.ShardedWorker`` with the same calls. A worker is built for the rank
+that ``loom.distributed.parallel_state`` says this process is: its layers hold that rank's slices
+and its attention backend and KV pool that rank's heads.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import structlog
 import torch
 
 from loom.config import ConfigError, EngineConfig
+from loom.distributed.parallel_state import get_tp_size
 from loom.layers.kv_fp8 import is_fp8_kv_cache_dtype
 from loom.plugin_api import PluginRegistry
 from loom.process_tuning import keep_freed_memory
@@ -60,7 +64,7 @@ class LoadedModelInfo:
     quantization: str | None
     attention_backend: str
     num_layers: int
-    num_kv_heads: int
+    num_kv_heads: int  # this rank's (all of them with one shard; at least 1, replicated past the model's)
     head_dim: int
     vocab_size: int
     max_position_embeddings: int
@@ -75,9 +79,14 @@ class Worker:
         from loom.model_loader import eos_token_ids, load_hf_config, load_model, model_dims, resolve_model_dir
 
         self.config = config
+        self.tp_size = get_tp_size()
+        self.device = resolve_device(config.device)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.device = resolve_device(config.device)
+        elif self.tp_size > 1 and self.device.type == "cpu":
+            # The CPU ranks share the host's cores: torch's default (every core each) would
+            # oversubscribe them N times over.
+            torch.set_num_threads(max(1, torch.get_num_threads() // self.tp_size))
         if self.device.type == "cpu":
             # The fused-ops kernel is compiled (first start on a machine, ~20 s) while the model
             # loads and the plugins build theirs; its first user waits for it if need be.
@@ -111,8 +120,11 @@ class Worker:
             log.info("attention backend: torch, the default one cannot cap attention scores (Gemma 2)",
                      default=backend_spec.name)
             backend_spec = registry.attention_backend("torch")
-        self.backend = backend_spec.load()(shape.num_heads, shape.num_kv_heads, shape.head_dim, self.dtype,
-                                           self.device)
+        # This rank's heads: q heads split evenly; KV heads split, or one each (replicated) when
+        # the ranks outnumber them (as QKVParallelLinear lays them out).
+        num_heads = shape.num_heads // self.tp_size
+        num_kv_heads = max(1, shape.num_kv_heads // self.tp_size)
+        self.backend = backend_spec.load()(num_heads, num_kv_heads, shape.head_dim, self.dtype, self.device)
         if is_fp8_kv_cache_dtype(config.kv_cache_dtype):
             try:
                 self.backend.use_fp8_kv_cache()
@@ -124,7 +136,7 @@ class Worker:
         self.info = LoadedModelInfo(
             model_dir=model_dir, hf_architecture=loaded.hf_architecture, architecture=loaded.architecture,
             quantization=loaded.quantization, attention_backend=backend_spec.name, num_layers=shape.num_layers,
-            num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, vocab_size=shape.vocab_size,
+            num_kv_heads=num_kv_heads, head_dim=shape.head_dim, vocab_size=shape.vocab_size,
             max_position_embeddings=shape.max_position_embeddings, eos_token_ids=eos_token_ids(model_dir),
             plugins=loaded.plugin_entries() + self._kv_cache_entries(backend_spec.name))
         self.runner: ModelRunner | None = None
@@ -173,11 +185,19 @@ class Worker:
         """Run ``run`` (a warm-up through the engine) and measure the device memory: the
         activation peak above what was allocated before, what stays allocated once the pool is
         freed (weights and state), and the device's total, in bytes."""
-        dev = self.device
-        torch.cuda.synchronize(dev)
-        base = torch.cuda.memory_allocated(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
+        base = self.profile_start()
         run()
+        return self.profile_end(base)
+
+    def profile_start(self) -> int:
+        """Reset the peak; what is allocated now (the base of :meth:`profile_end`)."""
+        torch.cuda.synchronize(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return base
+
+    def profile_end(self, base: int) -> tuple[int, int, int]:
+        dev = self.device
         torch.cuda.synchronize(dev)
         activations = torch.cuda.max_memory_allocated(dev) - base
         self.free_kv_cache()

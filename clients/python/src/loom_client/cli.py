@@ -421,6 +421,7 @@ def _run_info(client: LoomClient, args: argparse.Namespace, out: TextIO, err: Te
         f"vocab_size: {info.vocab_size}",
         f"eos_token_ids: {', '.join(str(i) for i in info.eos_token_ids)}",
         f"block_size: {info.block_size}",
+        f"num_shard: {info.num_shard}",
         f"has_chat_template: {str(info.has_chat_template).lower()}",
         "limits:",
         *(f"  {field.name}: {value}" for field, value in _all_fields(info.limits)),

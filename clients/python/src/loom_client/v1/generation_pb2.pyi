@@ -1218,6 +1218,7 @@ class GetModelInfoResponse(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     VOCAB_SIZE_FIELD_NUMBER: _builtins.int
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _builtins.int
+    NUM_SHARD_FIELD_NUMBER: _builtins.int
     model_id: _builtins.str
     """The model's identifier: a Hugging Face id, directory or .gguf file name."""
     architecture: _builtins.str
@@ -1238,6 +1239,10 @@ class GetModelInfoResponse(_message.Message):
     has_chat_template: _builtins.bool
     """Whether the model has a chat template, without which chat input fails with
     FAILED_PRECONDITION.
+    """
+    num_shard: _builtins.int
+    """Tensor-parallel ranks the model is split over (`loom serve --num-shard`): 1 when it is not
+    split; on GPUs, one GPU per rank.
     """
     @_builtins.property
     def limits(self) -> Global___ModelLimits:
@@ -1265,10 +1270,11 @@ class GetModelInfoResponse(_message.Message):
         eos_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         vocab_size: _builtins.int = ...,
         has_chat_template: _builtins.bool = ...,
+        num_shard: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "block_size", b"block_size", "device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "has_chat_template", b"has_chat_template", "limits", b"limits", "model_id", b"model_id", "plugins", b"plugins", "server_version", b"server_version", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "block_size", b"block_size", "device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "has_chat_template", b"has_chat_template", "limits", b"limits", "model_id", b"model_id", "num_shard", b"num_shard", "plugins", b"plugins", "server_version", b"server_version", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,54 @@
+"""Whether a model splits over ``--num-shard`` ranks, checked before any rank starts.
+
+The layers would refuse too, while each rank builds its model (``layers/linear.py``'s
+``divide``), but one message at start that names the flag and every number is better than the
+first layer's error from N processes at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loom.config import ConfigError
+
+
+def shard_problems(hf_config: Any, num_shard: int) -> list[str]:
+    """Why ``num_shard`` ranks cannot split this model (empty: they can)."""
+    from loom.model_loader.hf_config import head_dim_of, num_kv_heads_of
+
+    if num_shard == 1:
+        return []
+    problems: list[str] = []
+    heads, kv_heads = int(hf_config.num_attention_heads), num_kv_heads_of(hf_config)
+    if heads % num_shard:
+        problems.append(f"{heads} attention heads are not divisible by {num_shard}")
+    if num_shard >= kv_heads and num_shard % kv_heads:
+        problems.append(f"{num_shard} is not a multiple of the {kv_heads} KV heads (each rank needs whole, "
+                        "replicated KV heads)")
+    if num_shard < kv_heads and kv_heads % num_shard:
+        problems.append(f"{kv_heads} KV heads are not divisible by {num_shard}")
+    sizes = {"intermediate_size": getattr(hf_config, "intermediate_size", None),
+             "moe_intermediate_size": getattr(hf_config, "moe_intermediate_size", None)}
+    for name, size in sizes.items():
+        if isinstance(size, int) and size % num_shard:
+            problems.append(f"{name} {size} is not divisible by {num_shard}")
+    # Grouped quantization (GPTQ / AWQ): a row-parallel layer's slice of the input must be whole
+    # groups, or a group's scale would be split between ranks.
+    qconfig = getattr(hf_config, "quantization_config", None)
+    group = qconfig.get("group_size") if isinstance(qconfig, dict) else None
+    if isinstance(group, int) and group > 0:
+        inputs = {"o_proj's input": heads * head_dim_of(hf_config)}
+        if isinstance(sizes["intermediate_size"], int):
+            inputs["down_proj's input"] = sizes["intermediate_size"]
+        for name, size in inputs.items():
+            if size % num_shard == 0 and (size // num_shard) % group:
+                problems.append(f"{name} per rank ({size} / {num_shard} = {size // num_shard}) is not a whole "
+                                f"number of quantization groups of {group}")
+    return problems
+
+
+def check_shardable(hf_config: Any, num_shard: int) -> None:
+    """Raise :class:`ConfigError` naming every number that ``num_shard`` does not divide."""
+    problems = shard_problems(hf_config, num_shard)
+    if problems:
+        raise ConfigError(f"--num-shard {num_shard} cannot split this model: " + "; ".join(problems))
