@@ -10,6 +10,8 @@ import re
 from dataclasses import dataclass
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+# A LoRA adapter's name (its adapter_id on requests): what a metric label and a log field can hold.
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 class ConfigError(ValueError):
@@ -69,6 +71,19 @@ class EngineConfig:
     # rows is compute-bound, so the extra verification rows cost more than the accepted tokens
     # save (docs/speculative.md).
     speculate_max_batch_size: int = 32
+    # LoRA adapters (loom/lora/): loaded at start (--lora-adapters NAME=DIR,...); at most
+    # max_loras resident at once (None: 4, or as many as given at start if more; 0 turns LoRA
+    # off), each of rank at most max_lora_rank (the slot tables are sized by both).
+    lora_adapters: tuple[tuple[str, str], ...] = ()
+    max_loras: int | None = None
+    max_lora_rank: int = 16
+
+    @property
+    def num_lora_slots(self) -> int:
+        """Adapters resident at once (the device's slot tables, slot 0 the base model aside)."""
+        if self.max_loras is not None:
+            return self.max_loras
+        return max(4, len(self.lora_adapters)) if self.lora_adapters else 0
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -115,7 +130,27 @@ class EngineConfig:
                               f"{self.grammar_compile_timeout}")
         if self.grammar_cache_mib < 0:
             raise ConfigError(f"--grammar-cache-mib must be at least 0, got {self.grammar_cache_mib}")
+        self._check_lora()
         if self.cpu_kv_cache_sequences < 1:
             raise ConfigError("cpu_kv_cache_sequences must be at least 1")
         if not 0.0 < self.cpu_kv_memory_fraction <= 1.0:
             raise ConfigError("cpu_kv_memory_fraction must be in (0, 1]")
+
+    def _check_lora(self) -> None:
+        if self.max_loras is not None and not 0 <= self.max_loras <= 256:
+            raise ConfigError(f"--max-loras must be between 0 (LoRA off) and 256, got {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= 512:
+            raise ConfigError(f"--max-lora-rank must be between 1 and 512, got {self.max_lora_rank}")
+        names = [name for name, _ in self.lora_adapters]
+        for name, path in self.lora_adapters:
+            if not ADAPTER_NAME.fullmatch(name):
+                raise ConfigError(f"--lora-adapters: {name!r} is not an adapter name (letters, digits, '.', '_', "
+                                  "'-', at most 128, starting with a letter or digit)")
+            if not path:
+                raise ConfigError(f"--lora-adapters: {name}= names no directory (NAME=DIR)")
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ConfigError(f"--lora-adapters: {', '.join(dupes)} given more than once")
+        if len(names) > self.num_lora_slots:
+            raise ConfigError(f"--lora-adapters gives {len(names)} adapters, more than --max-loras "
+                              f"{self.num_lora_slots}")
