@@ -86,4 +86,6 @@ def model_info_response(info: EngineInfo, settings: ServerSettings, limits: Requ
         eos_token_ids=list(info.eos_token_ids),
         vocab_size=info.vocab_size,
         has_chat_template=has_chat_template,
+        max_loras=info.max_loras,
+        max_lora_rank=info.max_lora_rank,
     )
