@@ -13,9 +13,9 @@ from typing import Any
 import grpc
 import pytest
 from google.rpc import error_details_pb2, status_pb2
+from helpers.lora_adapters import greedy_tokens, merged_model, save_peft_adapter
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers.lora_adapters import greedy_tokens, merged_model, save_peft_adapter
 from loom_client.v1 import generation_pb2 as pb
 
 from .server_process import ServerProcess, start_server
