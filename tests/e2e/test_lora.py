@@ -84,6 +84,8 @@ def test_outputs_equal_peft_merged_and_the_adapter_is_listed(server: ServerProce
     info = server.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=AUTH, timeout=10)
     assert [a.adapter_id for a in info.adapters] == ["a"] and info.max_loras == 2 and info.max_lora_rank == 8
     assert list(info.adapters[0].target_modules) == ["down_proj", "q_proj", "v_proj"] and info.adapters[0].rank == 8
+    lora = [p for p in info.plugins if p.kind == "lora"]
+    assert [(p.name, dict(p.settings)) for p in lora] == [("torch", {"max_loras": "2", "max_lora_rank": "8"})]
     expected_a = greedy_tokens(merged_model(tiny_llama_dir, adapters["a"]), PROMPT, NEW)
     expected_base = greedy_tokens(merged_model(tiny_llama_dir, None), PROMPT, NEW)
     assert expected_a != expected_base

@@ -159,7 +159,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             vocab_size=model.vocab_size,
             eos_token_ids=self.eos_token_ids,
-            plugins=model.plugins,
+            plugins=model.plugins + self._lora_plugin_entry(),
             adapters=self.adapters.infos() if self.adapters is not None else (),
             max_loras=config.num_lora_slots,
             max_lora_rank=config.max_lora_rank if config.num_lora_slots else 0,
@@ -335,6 +335,14 @@ class LLMEngine:
             except (AdapterError, ValueError) as exc:
                 raise ConfigError(f"--lora-adapters {name}={path}: {exc}") from exc
         return manager
+
+    def _lora_plugin_entry(self) -> tuple[str, ...]:
+        """GetModelInfo's plugins: the LoRA delta's kernel and its limits, when LoRA is on."""
+        lora = self.worker.lora
+        if lora is None:
+            return ()
+        kernel = "triton-bgmv" if lora.kernel is not None else "torch"
+        return (f"lora:{kernel}?max_loras={lora.max_loras}&max_lora_rank={lora.max_rank}",)
 
     def adapter_command(self, cmd: AdapterCommand) -> AdapterReply | None:
         """Start a load (answered later by :meth:`adapter_replies`) or unload now; the reply, or

@@ -48,6 +48,8 @@ def plugins_in_use(info: EngineInfo) -> list[pb.PluginInUse]:
 
 def _plugin(registry: Any, kind: str, name: str | None, architecture: str) -> pb.PluginInUse:
     dist, version = "unknown", "unknown"
+    if kind == "lora":  # built into the server, not a registered plugin (docs/lora.md)
+        return pb.PluginInUse(kind=kind, name=name or "", distribution="loom-server", version=loom.__version__)
     try:
         if kind == "model":
             # The engine names either the plugin ("llama") or the HF class ("LlamaForCausalLM").

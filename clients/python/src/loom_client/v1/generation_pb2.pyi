@@ -1262,7 +1262,9 @@ class GetModelInfoResponse(_message.Message):
 
     @_builtins.property
     def plugins(self) -> _containers.RepeatedCompositeFieldContainer[Global___PluginInUse]:
-        """The plugins in use: attention backend, model architecture, quantizer, speculative decoder."""
+        """The plugins in use: attention backend, model architecture, quantizer, speculative decoder,
+        LoRA kernel.
+        """
 
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -1593,7 +1595,10 @@ class PluginInUse(_message.Message):
     VERSION_FIELD_NUMBER: _builtins.int
     SETTINGS_FIELD_NUMBER: _builtins.int
     kind: _builtins.str
-    """What it provides: "attention", "model", "quantizer" or "speculative"."""
+    """What it provides: "attention", "model", "quantizer", "speculative", or "lora" (the kernel
+    computing LoRA adapters' deltas, "torch" or "triton-bgmv", with settings max_loras and
+    max_lora_rank; built in, listed while LoRA is on).
+    """
     name: _builtins.str
     """The plugin's name within its kind ("sdpa", "llama"...)."""
     distribution: _builtins.str
