@@ -35,6 +35,22 @@ def check_engine_config(config: EngineConfig, registry: PluginRegistry | None = 
     except ModelLoadError as exc:
         raise ConfigError(str(exc)) from None
     _check_architecture(config.model_id, registry)
+    _check_lora_adapters(config)
+
+
+def _check_lora_adapters(config: EngineConfig) -> None:
+    """Each --lora-adapters directory holds a PEFT adapter's two files and a config that is a JSON
+    object (the rest, shapes against the model included, is checked once the model is loaded)."""
+    from loom.lora.peft_adapter import CONFIG_FILE, WEIGHTS_FILE
+
+    for name, path in config.lora_adapters:
+        root = Path(path).expanduser()
+        if not root.is_dir():
+            raise ConfigError(f"--lora-adapters {name}={path}: not a directory")
+        for file in (CONFIG_FILE, WEIGHTS_FILE):
+            if not (root / file).is_file():
+                raise ConfigError(f"--lora-adapters {name}={path}: {file} is missing (a PEFT LoRA directory has "
+                                  f"{CONFIG_FILE} and {WEIGHTS_FILE})")
 
 
 def _check_architecture(model_id: str | None, registry: PluginRegistry) -> None:

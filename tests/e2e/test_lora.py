@@ -162,3 +162,20 @@ def test_load_and_unload_while_requests_run(server: ServerProcess, tiny_llama_di
     assert _error(lambda: stub.UnloadAdapter(pb.UnloadAdapterRequest(adapter_id="a"), metadata=AUTH,
                                              timeout=30))[0] is grpc.StatusCode.NOT_FOUND
     assert _generate(server, "") == greedy_tokens(merged_model(tiny_llama_dir, None), PROMPT, NEW)  # still serving
+
+
+def test_python_client_names_the_adapter(server: ServerProcess, tiny_llama_dir: Path,
+                                         adapters: dict[str, Path]) -> None:
+    from loom_client import LoomClient
+
+    expected = greedy_tokens(merged_model(tiny_llama_dir, adapters["b"]), PROMPT, 4)
+    with LoomClient(server.address, api_key=KEY, timeout=60) as client:
+        if "b" not in [a.adapter_id for a in client.list_adapters().adapters]:
+            assert client.load_adapter("b", str(adapters["b"])).adapter_id == "b"
+        reply = client.generate(token_ids=PROMPT, adapter_id="b", max_new_tokens=4, ignore_eos=True, tokens=True)
+        assert [t.id for t in reply.completions[0].tokens] == expected
+        streamed = [t.id for m in client.stream(token_ids=PROMPT, adapter_id="b", max_new_tokens=4, ignore_eos=True,
+                                                tokens=True) for t in m.tokens]
+        assert streamed == expected
+        assert client.unload_adapter("b").adapter_id == "b"
+        assert "b" not in [a.adapter_id for a in client.list_adapters().adapters]

@@ -277,3 +277,15 @@ def test_quantized_base_layers_add_the_delta(tiny_model_dir: Callable[[str], Pat
                                           max_batch_total_tokens=256))
     ref = _run(plain_engine, [_request("b", PROMPTS["all"], "", 6)])
     assert _tokens(got["b"]) == _tokens(ref["b"]) != _tokens(got["a"])
+
+
+def test_bench_l1_adapters_load_on_the_model(make_engine: Callable[..., LLMEngine], tmp_path: Path) -> None:
+    """loom bench L1's random adapters are valid PEFT directories for the model they are made for."""
+    from loom.bench.lora import TARGETS, write_random_adapter
+
+    engine = make_engine(warmup=False, max_batch_total_tokens=256, max_loras=1)
+    path = write_random_adapter(_tiny(engine), tmp_path / "l1", rank=16, scale=0.2)
+    reply = _load(engine, "l1", path)
+    assert reply.status == "OK" and reply.adapter.rank == 16 and reply.adapter.target_modules == tuple(sorted(TARGETS))
+    base = _tokens(_run(engine, [_request("base", PROMPTS[""], "", 6)])["base"])
+    assert _tokens(_run(engine, [_request("l1", PROMPTS[""], "l1", 6)])["l1"]) != base
