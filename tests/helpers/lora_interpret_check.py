@@ -28,6 +28,44 @@ CASES = [
 ]
 
 
+def engine_case() -> bool:
+    """The whole engine with the kernels in the layers (as on CUDA), on a tiny Llama with two
+    adapters and the base in one batch: greedy tokens equal peft's merged model."""
+    import tempfile
+
+    import loom.worker.worker as worker_module
+    from helpers.lora_adapters import greedy_tokens, merged_model, save_peft_adapter
+    from helpers.tiny_models import save_tiny_model
+    from loom.config import EngineConfig
+    from loom.engine.llm_engine import LLMEngine
+    from loom.engine.types import EngineRequest, SamplingParams, StoppingParams
+    from loom_plugins.lora.sgmv_triton import lora_shrink_expand
+
+    worker_module._lora_kernel = lambda device: lora_shrink_expand  # type: ignore[assignment]
+    with tempfile.TemporaryDirectory() as tmp:
+        base = save_tiny_model("llama", Path(tmp) / "base")
+        adapters = {"x": save_peft_adapter(base, Path(tmp) / "x", r=4, targets=("q_proj", "k_proj", "v_proj",
+                                                                                  "o_proj"), seed=1),
+                    "y": save_peft_adapter(base, Path(tmp) / "y", r=8, targets=("gate_proj", "up_proj", "down_proj"),
+                                           use_rslora=True, seed=2)}
+        prompts = {"x": (5, 9, 33, 7, 81), "y": (40, 41, 42, 17), "": (60, 61, 70, 5, 5, 9)}
+        expected = {n: greedy_tokens(merged_model(base, adapters.get(n)), p, 5) for n, p in prompts.items()}
+        engine = LLMEngine(EngineConfig(model_id=str(base), block_size=4, warmup=False, max_batch_total_tokens=256,
+                                        lora_adapters=tuple((n, str(p)) for n, p in adapters.items())))
+        assert engine.worker.lora is not None and engine.worker.lora.kernel is lora_shrink_expand
+        for n, p in prompts.items():
+            engine.add_request(EngineRequest(f"r{n}", p, SamplingParams(), StoppingParams(max_new_tokens=5,
+                                                                                          ignore_eos=True),
+                                             adapter_id=n))
+        got: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                got.setdefault(out.request_id[1:], []).extend(out.token_ids)
+    ok = got == expected and expected["x"] != expected[""] and expected["y"] != expected[""]
+    print(f"{'ok' if ok else 'FAIL'} engine case: kernels in the layers, two adapters and the base: {got} vs {expected}")
+    return ok
+
+
 def main() -> int:
     _setup()
     import torch
@@ -64,6 +102,7 @@ def main() -> int:
         failed += not ok
         print(f"{'ok' if ok else 'FAIL'} case {i}: slots={slots} W={width} in={k} out={n} {dtype_name} "
               f"max err {err:.2e} base rows untouched {same_base}")
+    failed += not engine_case()
     return 1 if failed else 0
 
 
