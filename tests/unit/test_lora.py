@@ -289,3 +289,16 @@ def test_bench_l1_adapters_load_on_the_model(make_engine: Callable[..., LLMEngin
     assert reply.status == "OK" and reply.adapter.rank == 16 and reply.adapter.target_modules == tuple(sorted(TARGETS))
     base = _tokens(_run(engine, [_request("base", PROMPTS[""], "", 6)])["base"])
     assert _tokens(_run(engine, [_request("l1", PROMPTS[""], "l1", 6)])["l1"]) != base
+
+
+def test_speculative_verification_rows_use_the_adapter(tiny_model_dir: Callable[[str], Path],
+                                                       tiny_adapters: dict[str, Path]) -> None:
+    """Verification steps (a sequence's last token and its drafts as one segment of rows): the
+    tokens stay those of peft's merged model, for an adapter and the base in one batch."""
+    base = tiny_model_dir("llama")
+    prompt = (5, 9, 33, 5, 9, 33, 5, 9, 33, 5, 9)  # repetitive: the n-gram proposer drafts
+    expected = {n: greedy_tokens(merged_model(base, tiny_adapters.get(n)), prompt, 12) for n in ("qv", "")}
+    engine = _engine(base, {"qv": tiny_adapters["qv"]}, speculate=3)
+    got = _run(engine, [_request(f"s-{n}", prompt, n, 12) for n in ("qv", "")])
+    assert {n: _tokens(got[f"s-{n}"]) for n in ("qv", "")} == expected
+    assert sum(o.num_draft_tokens for outs in got.values() for o in outs) > 0  # drafts were verified
