@@ -84,6 +84,7 @@ class PagedAttentionBackend(AttentionBackend[PagedPlan]):
 
     name = "paged"
     supports_logits_soft_cap = False
+    supports_fp8_kv_cache = True
     supports_cuda_graphs = True
     supports_cuda_graphs_multi_token = True  # uniform query lengths: see prepare()
 

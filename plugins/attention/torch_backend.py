@@ -21,6 +21,11 @@ through SDPA nor the compiled kernel: such layers compute the scores, the cap, t
 float32) and the weighted sum with plain matmuls over the same gathered K/V, in transformers'
 order of operations.
 
+An FP8 pool (``--kv-cache-dtype fp8``, ``loom.layers.kv_fp8``): new K/V are quantized as they are
+written; the gathers above dequantize the blocks they read to the compute dtype, and a prefill
+without cached context attends over its own K/V quantized and dequantized, the values a later
+step reads back (so chunking and the prefix cache do not change a request's output).
+
 A sequence's result does not depend on the rest of the batch beyond float rounding: padding keys
 get weight exactly 0 (the pool holds only finite values, so 0 * stale value is 0), but SDPA's CPU
 kernel may order its sums differently for other batch shapes (differences of ~1 ulp seen).
@@ -33,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from loom.plugin_api import AttentionBackend, AttentionMetadata, write_kv
+from loom.plugin_api import AttentionBackend, AttentionMetadata, kv_fp8, write_kv
 
 from . import cpu_kernels
 
@@ -224,6 +229,7 @@ class TorchAttentionBackend(AttentionBackend[StepPlan]):
 
     name = "torch"
     supports_logits_soft_cap = True
+    supports_fp8_kv_cache = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -234,6 +240,10 @@ class TorchAttentionBackend(AttentionBackend[StepPlan]):
         # fp32 decode on the CPU reads the pool in place (cpu_kernels.py) when the kernel builds
         self.cpu_kernel = (device.type == "cpu" and dtype == torch.float32
                            and cpu_kernels.cpu_decode_kernel_available())
+
+    def use_fp8_kv_cache(self) -> None:
+        super().use_fp8_kv_cache()
+        self.cpu_kernel = False  # the in-place CPU kernel reads float32 pools only
 
     def prepare(self, meta: AttentionMetadata) -> StepPlan:
         # The in-place CPU kernel pads nothing: its decodes need no split by length.
@@ -253,7 +263,9 @@ class TorchAttentionBackend(AttentionBackend[StepPlan]):
     ) -> torch.Tensor:  # [T, Hq, D]
         cap = logits_soft_cap
         # (1) Write the new K/V: the pool viewed as flat slots [num_blocks * block_size, Hkv, D].
-        if self.cpu_kernel:
+        if self.fp8_kv_cache:
+            kv_fp8.write(k, v, kv_cache, meta.slot_mapping)
+        elif self.cpu_kernel:
             cpu_kernels.write_kv(k, v, kv_cache, meta.slot_mapping)
         else:
             write_kv(k, v, kv_cache, meta.slot_mapping)
@@ -276,6 +288,12 @@ class TorchAttentionBackend(AttentionBackend[StepPlan]):
             out[lo:hi] = self._prefill(q[lo:hi], k[lo:hi], v[lo:hi], kv_cache, pre, scale, sliding_window, cap)
         return out
 
+    def _read_blocks(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Blocks ``block_ids [n]`` of the pool: ``[2, n, bs, Hkv, D]`` (dequantized from FP8)."""
+        if self.fp8_kv_cache:
+            return kv_fp8.read_blocks(kv_cache, block_ids, dtype)
+        return kv_cache.index_select(1, block_ids)
+
     def _decode(
         self,
         q: torch.Tensor,  # [Bd, Hq, D]
@@ -291,7 +309,7 @@ class TorchAttentionBackend(AttentionBackend[StepPlan]):
         bd, hkv, d, g = group.num_seqs, self.num_kv_heads, self.head_dim, self.group_size
         # One gather for K and V together, whole blocks at a time (far fewer, larger copies than
         # gathering slot by slot).
-        kv = kv_cache.index_select(1, group.tables.view(-1))  # [2, Bd * nblk, bs, Hkv, D]
+        kv = self._read_blocks(kv_cache, group.tables.view(-1), q.dtype)  # [2, Bd * nblk, bs, Hkv, D]
         kv = kv.view(2, bd, group.blocks_per_seq * kv_cache.shape[2], hkv, d)
         kv = kv[:, :, : group.padded_len]  # [2, Bd, L, Hkv, D]
         keys = kv[0].transpose(1, 2)  # [Bd, Hkv, L, D] (strided view; SDPA reads it in place)
@@ -321,8 +339,10 @@ class TorchAttentionBackend(AttentionBackend[StepPlan]):
         if pre.block_ids is None:
             # No cached context: the new K/V are the whole sequence; no need to read the pool.
             keys, values = k, v  # [Lk, Hkv, D]
+            if self.fp8_kv_cache:  # ... but as the pool holds them, as later steps will read them
+                keys, values = kv_fp8.round_trip(k), kv_fp8.round_trip(v)
         else:
-            kv = kv_cache.index_select(1, pre.block_ids)  # [2, nblk, bs, Hkv, D]
+            kv = self._read_blocks(kv_cache, pre.block_ids, q.dtype)  # [2, nblk, bs, Hkv, D]
             kv = kv.view(2, -1, self.num_kv_heads, self.head_dim)[:, : pre.seq_len]  # [2, Lk, Hkv, D]
             keys, values = kv[0], kv[1]
         mask = _prefill_mask(pre, sliding_window, q.dtype, q.device)  # [Lq, Lk] or None

@@ -30,6 +30,12 @@ which the last ``q = query_len`` are queries, query ``i`` sits at position ``L -
 keys ``p <= L - q + i`` (and ``p > L - q + i - window`` with a sliding window). All keys, the new
 ones included, are read from the pool, so ``store_kv`` must run first.
 
+An FP8 pool (``--kv-cache-dtype fp8``, ``loom.plugin_api.kv_fp8``): ``store_kv`` quantizes each
+(token, head) row to e4m3 codes and a float32 scale exactly as ``kv_fp8.quantize`` does;
+attention converts the codes to the query's dtype (exact), runs the dots on them, and applies
+the scales per key: to the scores' columns (K) and to the probabilities' columns before the
+P.V dot (V). The running sums of the softmax keep the unscaled probabilities.
+
 Positions and slots are computed per key token (``block_tables[b, p // page] * page + p % page``),
 so the key tile ``BLOCK_N`` is independent of the page size. Block offsets are widened to int64:
 a large pool's per-layer tensor can pass 2**31 elements.
@@ -42,6 +48,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from loom.plugin_api import kv_fp8
 
 # exp2/log2 are the fast hardware paths; scores are pre-multiplied by log2(e).
 _LOG2E = 1.4426950408889634
@@ -59,13 +67,15 @@ def _next_pow2(x: int) -> int:
 @triton.jit
 def _store_kv_kernel(
     k_ptr, v_ptr,  # [T, Hkv, D] (last dim contiguous)
-    kc_ptr, vc_ptr,  # [num_blocks, page, Hkv, D] each
+    kc_ptr, vc_ptr,  # [num_blocks, page, Hkv, D] each (FP8: the codes' view of the packed pool)
+    ks_ptr, vs_ptr,  # FP8 only: [num_blocks, page, Hkv] float32 scales (views of the same pool)
     slot_ptr,  # [T] int64; < 0 means "do not write"
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcb, stride_kcs, stride_kch,
     stride_vcb, stride_vcs, stride_vch,
+    stride_sb, stride_ss, stride_sh,  # of ks / vs (the same layout for both)
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, FP8_KV: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
@@ -74,20 +84,49 @@ def _store_kv_kernel(
         off = slot % PAGE
         h = tl.arange(0, BLOCK_H)
         d = tl.arange(0, BLOCK_D)
-        mask = (h < NUM_KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
+        h_ok = h < NUM_KV_HEADS
+        mask = h_ok[:, None] & (d < HEAD_DIM)[None, :]
         t64 = t.to(tl.int64)
         k = tl.load(k_ptr + t64 * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
         v = tl.load(v_ptr + t64 * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-        tl.store(kc_ptr + blk * stride_kcb + off * stride_kcs + h[:, None] * stride_kch + d[None, :],
-                 k, mask=mask)
-        tl.store(vc_ptr + blk * stride_vcb + off * stride_vcs + h[:, None] * stride_vch + d[None, :],
-                 v, mask=mask)
+        k_dst = kc_ptr + blk * stride_kcb + off * stride_kcs + h[:, None] * stride_kch + d[None, :]
+        v_dst = vc_ptr + blk * stride_vcb + off * stride_vcs + h[:, None] * stride_vch + d[None, :]
+        if FP8_KV:
+            # kv_fp8.quantize per (token, head) row: scale = max|x| / 448, codes = x * (448 / max|x|)
+            # rounded to nearest even; divisions correctly rounded (div_rn) to match torch's bytes.
+            s_off = blk * stride_sb + off * stride_ss + h * stride_sh
+            kf = k.to(tl.float32)
+            k_amax = tl.max(tl.abs(kf), 1)  # [BLOCK_H]
+            k_inv = tl.where(k_amax > 0.0, tl.math.div_rn(tl.full(k_amax.shape, 448.0, tl.float32),
+                                                          tl.where(k_amax > 0.0, k_amax, 1.0)), 0.0)
+            k_codes = tl.minimum(tl.maximum(kf * k_inv[:, None], -448.0), 448.0)
+            tl.store(k_dst, k_codes.to(kc_ptr.dtype.element_ty), mask=mask)
+            tl.store(ks_ptr + s_off, tl.math.div_rn(k_amax, tl.full(k_amax.shape, 448.0, tl.float32)), mask=h_ok)
+            vf = v.to(tl.float32)
+            v_amax = tl.max(tl.abs(vf), 1)
+            v_inv = tl.where(v_amax > 0.0, tl.math.div_rn(tl.full(v_amax.shape, 448.0, tl.float32),
+                                                          tl.where(v_amax > 0.0, v_amax, 1.0)), 0.0)
+            v_codes = tl.minimum(tl.maximum(vf * v_inv[:, None], -448.0), 448.0)
+            tl.store(v_dst, v_codes.to(vc_ptr.dtype.element_ty), mask=mask)
+            tl.store(vs_ptr + s_off, tl.math.div_rn(v_amax, tl.full(v_amax.shape, 448.0, tl.float32)), mask=h_ok)
+        else:
+            tl.store(k_dst, k, mask=mask)
+            tl.store(v_dst, v, mask=mask)
+
+
+def _pool_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """(K, V, K scales, V scales, is FP8) of a layer's pool: the packed FP8 pool's codes and
+    scales (``kv_fp8.views``), or a dense pool's halves (the scales then unused stand-ins)."""
+    if kv_fp8.is_packed(kv_cache):
+        codes, scales = kv_fp8.views(kv_cache)
+        return codes[0], codes[1], scales[0], scales[1], True
+    return kv_cache[0], kv_cache[1], kv_cache[0], kv_cache[1], False
 
 
 def store_kv(
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,  # [T, Hkv, D]
-    kv_cache: torch.Tensor,  # [2, num_blocks, page, Hkv, D]
+    kv_cache: torch.Tensor,  # [2, num_blocks, page, Hkv, D], or packed FP8 [..., D + 4] uint8
     slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
 ) -> None:
     T, hkv, d = k.shape
@@ -97,14 +136,15 @@ def store_kv(
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
-    kc, vc = kv_cache[0], kv_cache[1]  # [num_blocks, page, Hkv, D]
+    kc, vc, ks, vs, fp8 = _pool_views(kv_cache)  # [num_blocks, page, Hkv, D] each; scales [.., Hkv]
     _store_kv_kernel[(T,)](
-        k, v, kc, vc, slot_mapping,
+        k, v, kc, vc, ks, vs, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2),
         vc.stride(0), vc.stride(1), vc.stride(2),
+        ks.stride(0), ks.stride(1), ks.stride(2),
         NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_H=_next_pow2(hkv), BLOCK_D=_next_pow2(d),
-        PAGE=kv_cache.shape[2],
+        PAGE=kv_cache.shape[2], FP8_KV=fp8,
     )
 
 
@@ -116,7 +156,8 @@ def store_kv(
 @triton.jit
 def _paged_attn_kernel(
     q_ptr,  # [T, Hq, D]
-    kc_ptr, vc_ptr,  # [num_blocks, page, Hkv, D] each
+    kc_ptr, vc_ptr,  # [num_blocks, page, Hkv, D] each (FP8: e4m3 codes)
+    ks_ptr, vs_ptr,  # FP8 only: [num_blocks, page, Hkv] float32 scale of each key's / value's row
     out_ptr,  # [T, Hq, D] (written when NUM_SPLITS == 1)
     part_o_ptr,  # [n, Hq, NUM_SPLITS, BLOCK_D] fp32 (written when NUM_SPLITS > 1)
     part_lse_ptr,  # [n, Hq, NUM_SPLITS] fp32, log2 domain
@@ -131,11 +172,12 @@ def _paged_attn_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kcb, stride_kcs, stride_kch,
     stride_vcb, stride_vcs, stride_vch,
+    stride_sb, stride_ss, stride_sh,
     stride_bt,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, HAS_SEQ_IDS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_SOFT_CAP: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_SOFT_CAP: tl.constexpr, PRECISION: tl.constexpr, FP8_KV: tl.constexpr,
 ):
     i = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -186,7 +228,15 @@ def _paged_attn_kernel(
             k_addr = blk * stride_kcb + off * stride_kcs + kvh * stride_kch  # [BLOCK_N]
             kt = tl.load(kc_ptr + k_addr[:, None] + d[None, :],
                          mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-            s = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N] fp32
+            s_addr = blk * stride_sb + off * stride_ss + kvh * stride_sh  # [BLOCK_N] (FP8 scales)
+            if FP8_KV:
+                # e4m3 codes are exact in fp16 / bf16: the dot runs on the codes, and each key's
+                # scale multiplies its column of scores.
+                k_scale = tl.load(ks_ptr + s_addr, mask=k_ok, other=0.0)  # [BLOCK_N] fp32
+                kt = kt.to(tl.float32).to(q.dtype)
+                s = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * (k_scale * qk_scale)[None, :]
+            else:
+                s = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N] fp32
             if HAS_SOFT_CAP:  # cap * tanh(s / cap), then into the log2 domain
                 s = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * s / soft_cap) + 1.0)) * 1.4426950408889634
             ok = k_ok[None, :] & (kpos[None, :] <= q_pos[:, None])
@@ -202,7 +252,14 @@ def _paged_attn_kernel(
             v_addr = blk * stride_vcb + off * stride_vcs + kvh * stride_vch
             vt = tl.load(vc_ptr + v_addr[:, None] + d[None, :],
                          mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
+            if FP8_KV:
+                # each value row's scale folds into its column of probabilities (l_i keeps p)
+                v_scale = tl.load(vs_ptr + s_addr, mask=k_ok, other=0.0)  # [BLOCK_N] fp32
+                vt = vt.to(tl.float32).to(q.dtype)
+                pv = p * v_scale[None, :]
+                acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), vt, input_precision=PRECISION)
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
             m_i = m_new
 
         has = l_i > 0.0
@@ -249,7 +306,7 @@ def _combine_kernel(
 
 def paged_attention(
     q: torch.Tensor,  # [T, Hq, D]
-    kv_cache: torch.Tensor,  # [2, num_blocks, page, Hkv, D]
+    kv_cache: torch.Tensor,  # [2, num_blocks, page, Hkv, D], or packed FP8 [..., D + 4] uint8
     out: torch.Tensor,  # [T, Hq, D], written at the rows of the served sequences
     query_start_loc: torch.Tensor,  # [B + 1] int32
     seq_lens: torch.Tensor,  # [B] int32
@@ -288,7 +345,7 @@ def paged_attention(
         if max_query_len > 1:
             num_warps = num_warps or 8
     block_n = block_n or 64
-    kc, vc = kv_cache[0], kv_cache[1]
+    kc, vc, ks, vs, fp8 = _pool_views(kv_cache)
     if num_splits > 1:
         part_o = torch.empty((num_seqs, hq, num_splits, block_d), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((num_seqs, hq, num_splits), dtype=torch.float32, device=q.device)
@@ -301,19 +358,20 @@ def paged_attention(
     if num_stages is not None:
         extra["num_stages"] = num_stages
     _paged_attn_kernel[(num_seqs, hkv, m_tiles * num_splits)](
-        q, kc, vc, out, part_o, part_lse,
+        q, kc, vc, ks, vs, out, part_o, part_lse,
         query_start_loc, seq_lens, block_tables, ids,
         scale if logits_soft_cap is not None else scale * _LOG2E, sliding_window or 0, logits_soft_cap or 0.0, hq,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2),
         vc.stride(0), vc.stride(1), vc.stride(2),
+        ks.stride(0), ks.stride(1), ks.stride(2),
         block_tables.stride(0),
         HEAD_DIM=d, BLOCK_D=block_d, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n,
         PAGE=kv_cache.shape[2], NUM_SPLITS=num_splits, HAS_SEQ_IDS=seq_ids is not None,
         HAS_WINDOW=sliding_window is not None, HAS_SOFT_CAP=logits_soft_cap is not None,
         # float32 caches (tests, reference runs) get IEEE dots, not TF32: their results then match
         # the CPU's to float32 rounding; half precision ignores the setting.
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8_KV=fp8,
         **extra,
     )
     if num_splits > 1:

@@ -3,13 +3,16 @@
 - ``gguf``: a GGUF file's Q4_0 / Q4_1 / Q4_K / Q8_0 weights computed in their blocks on the CPU
   (the default SmolLM2 ships as Q4_1);
 - ``gptq``: GPTQ checkpoints (v1 "gptq" and ``gptq_v2``; 2/4/8 bits, any group size that tiles
-  the input, act-order);
+  the input, act-order), or ``--quantize gptq`` on a random-weight model (benchmarks);
 - ``awq``: AWQ GEMM checkpoints (4-bit with zero points);
 - ``fp8``: FP8 e4m3 checkpoints (vLLM / compressed-tensors), or ``--quantize fp8`` while loading;
 - ``nf4``: bitsandbytes NF4 checkpoints (with or without double quantization), or ``--quantize
   nf4`` while loading.
 
 Each is a config class that picks a linear method per layer (``loom.plugin_api.quantization``).
+On CUDA, GPTQ, AWQ and NF4 share one packed layout and Triton kernels (``w4a16_layout``,
+``w4a16_triton``); FP8 runs ``torch._scaled_mm`` with a Triton activation quantizer
+(``fp8_triton``). Elsewhere the layers dequantize per call (``dequant_linear``).
 ``loom quantize`` (``make/``) writes GPTQ, AWQ, RTN (GPTQ format), FP8 and NF4 checkpoints.
 """
 
@@ -71,26 +74,28 @@ QUANTIZERS: list[QuantizerSpec] = [
     ),
     QuantizerSpec(
         name="gptq",
-        summary="GPTQ checkpoints (gptq v1 and gptq_v2, 2/4/8-bit, groups or per channel, act-order); "
-                "dequantized per layer (no fused GPU kernel yet)",
+        summary="GPTQ checkpoints (gptq v1 and gptq_v2, 2/4/8-bit, groups or per channel, act-order); Triton "
+                "W4A16 GEMV / GEMM on CUDA, dequantized per layer on the CPU",
         load=_load_gptq,
     ),
     QuantizerSpec(
         name="awq",
-        summary="AWQ GEMM checkpoints (4-bit, zero points); dequantized per layer (no fused GPU kernel yet)",
+        summary="AWQ GEMM checkpoints (4-bit, zero points); repacked for the Triton W4A16 kernels on CUDA, "
+                "dequantized per layer on the CPU",
         load=_load_awq,
     ),
     QuantizerSpec(
         name="fp8",
         summary="FP8 e4m3 checkpoints (vLLM fp8, compressed-tensors; per-tensor or per-channel scales, static or "
-                "dynamic activations) or --quantize fp8 while loading; W8A8 emulated per layer",
+                "dynamic activations) or --quantize fp8 while loading; torch._scaled_mm on CUDA (compute "
+                "capability 8.9+), W8A8 emulated on the CPU",
         load=_load_fp8,
         check=_check_fp8,
     ),
     QuantizerSpec(
         name="nf4",
-        summary="bitsandbytes NF4 checkpoints (double quant or not) or --quantize nf4 while loading; dequantized "
-                "per layer (bitsandbytes not needed)",
+        summary="bitsandbytes NF4 checkpoints (double quant or not) or --quantize nf4 while loading; Loom's Triton "
+                "NF4 kernels on CUDA, dequantized per layer on the CPU (bitsandbytes not needed)",
         load=_load_nf4,
     ),
 ]

@@ -9,7 +9,8 @@ Per quantized linear layer (``W [out, in]``, 4-bit, ``G = in / group_size`` grou
 
 ``W[o, i] = scales[i // group_size, o] * (q[i, o] - zeros[i // group_size, o])``, exactly in float32.
 No g_idx (AWQ has no act-order). Only ``version: gemm`` is read: GEMV and the Marlin / exllama
-repacks lay the words out differently.
+repacks lay the words out differently. On CUDA the layer is repacked at load into the layout
+GPTQ's kernels read (``w4a16_layout``: codes packed along the input instead of the output).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class AWQLinearMethod(PackedIntMethod):
                        input_size: int, output_size: int, params_dtype: torch.dtype,
                        weight_loader: WeightLoader) -> None:
         self._check_out(layer, output_partition_sizes)
+        layer.__dict__["w4a16_dtype"] = params_dtype  # the kernels are prepared for it
         out = sum(output_partition_sizes)
         groups = self._groups(layer, input_size_per_partition)
         qweight = nn.Parameter(torch.empty(input_size_per_partition, out // self.f, dtype=torch.int32),
@@ -85,6 +87,7 @@ class AWQConfig(QuantizationConfig):
     """An AWQ GEMM checkpoint: layers whose ``qweight`` it holds get :class:`AWQLinearMethod`."""
 
     quant_methods = ("awq",)
+    quantizes_random_weights = True  # random:NAME: round to nearest while loading (int_while_loading)
 
     @classmethod
     def for_checkpoint(cls, model_dir: Path) -> bool:
@@ -96,7 +99,13 @@ class AWQConfig(QuantizationConfig):
         parse_awq(quantization_config)
 
     def __init__(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> None:
+        from .int_while_loading import is_random_model, random_group_size
+
         super().__init__(model_dir, device, dtype)
+        self.random = is_random_model(model_dir)
+        if self.random:
+            self.bits, self.group_size, self.names = 4, random_group_size(model_dir), set()
+            return
         qconfig = checkpoint_quantization_config(model_dir)
         if qconfig is None or str(qconfig.get("quant_method", "")).lower() != "awq":
             raise QuantizationError(f"{model_dir}/config.json has no AWQ quantization_config")
@@ -104,6 +113,12 @@ class AWQConfig(QuantizationConfig):
         self.names = checkpoint_tensor_names(model_dir)
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
+        if self.random:
+            from loom.layers.linear import LinearBase
+
+            from .int_while_loading import AWQWhileLoadingMethod
+
+            return AWQWhileLoadingMethod(self.group_size) if isinstance(layer, LinearBase) else None
         if quantized_parts(self, self.names, prefix, "qweight", ("qzeros", "scales"), "AWQ") is None:
             return None
         input_size = int(getattr(layer, "input_size"))  # noqa: B009 - every linear layer has it
@@ -116,4 +131,4 @@ class AWQConfig(QuantizationConfig):
         return name.endswith(".scales")  # float16 in the format: the model's dtype may not hold them
 
     def settings(self) -> dict[str, str]:
-        return {"format": "gemm", "bits": str(self.bits), "group_size": str(self.group_size), "zero_point": "true"}
+        return {"format": "rtn while loading" if self.random else "gemm", "bits": str(self.bits), "group_size": str(self.group_size), "zero_point": "true"}

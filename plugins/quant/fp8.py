@@ -17,16 +17,22 @@ per-token activations (no calibration); the head and the embedding stay in the m
 
 Block-wise FP8 (DeepSeek's ``weight_block_size`` / ``weight_scale_inv``) and FP8 KV caches are
 not read: such a checkpoint is refused at start-up, naming the field.
+
+On CUDA (compute capability 8.9 or newer: Ada, Hopper) layers with quantized activations run
+``torch._scaled_mm`` with the activations quantized by one Triton kernel (``fp8_triton``);
+weight-only checkpoints and the CPU keep the emulation above. Older GPUs cannot multiply e4m3:
+``loom plugins`` says so and ``--device cuda`` is refused there.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from loom import kernel_switches
 from loom.layers.linear import LinearBase
 from loom.plugin_api.quantization import (
     LinearMethod,
@@ -37,8 +43,15 @@ from loom.plugin_api.quantization import (
     set_weight_attrs,
 )
 
+from . import fp8_triton
 from .checkpoint_layers import checkpoint_tensor_names, quantized_parts
-from .dequant_linear import DequantLinearMethod, QuantizeWhileLoading, per_part_parameter, rows_per_part
+from .dequant_linear import (
+    DequantLinearMethod,
+    Kernel,
+    QuantizeWhileLoading,
+    per_part_parameter,
+    rows_per_part,
+)
 
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 _TINY = 1e-12  # floor of a scale, so an all-zero row or token does not divide by zero
@@ -49,9 +62,31 @@ def fp8_dtype() -> torch.dtype:
 
 
 def unsupported_reason() -> str | None:
+    """Why FP8 cannot run on this machine: a torch without e4m3, or CUDA GPUs that are all older
+    than compute capability 8.9 (a machine without GPUs runs the CPU emulation)."""
     if not hasattr(torch, "float8_e4m3fn"):
         return f"this torch ({torch.__version__}) has no float8_e4m3fn dtype (needs torch >= 2.1)"
+    if torch.cuda.is_available():
+        reasons = [fp8_triton.capability_reason(torch.device("cuda", i)) for i in range(torch.cuda.device_count())]
+        if reasons and all(reasons):
+            return reasons[0]
     return None
+
+
+def fp8_kernel(layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The CUDA kernel of both FP8 methods (None: the emulation serves this call)."""
+    state = layer.__dict__.get("fp8_gpu")
+    if state is None or not kernel_switches.fused_kernels or x.dtype != state.out_dtype or not state.shapes_ok:
+        return None
+    return fp8_triton.fp8_linear(x, state, bias)
+
+
+def prepare_gpu(layer: Any, weight: torch.Tensor, channel_scale: torch.Tensor,
+                input_scale: torch.Tensor | None) -> None:
+    """On CUDA with Triton: the ``_scaled_mm`` operands (``channel_scale [out]``)."""
+    if weight.device.type == "cuda" and fp8_triton.HAS_TRITON:
+        fp8_triton.prepare(layer, weight.data, channel_scale, input_scale,
+                           getattr(layer, "fp8_dtype", None) or torch.get_default_dtype())
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -137,12 +172,15 @@ def rows_scale(layer: Any, scale: torch.Tensor) -> torch.Tensor:
 class FP8LinearMethod(DequantLinearMethod):
     """An FP8 checkpoint's layer: ``weight`` e4m3, ``weight_scale``, optionally ``input_scale``."""
 
+    kernels: ClassVar[dict[str, list[Kernel]]] = {"cuda": [fp8_kernel]}
+
     def __init__(self, scheme: FP8Scheme) -> None:
         self.scheme = scheme
 
     def create_weights(self, layer: Any, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype,
                        weight_loader: WeightLoader) -> None:
+        layer.fp8_dtype = params_dtype
         rows, parts = sum(output_partition_sizes), len(output_partition_sizes)
         weight = nn.Parameter(torch.empty(rows, input_size_per_partition, dtype=fp8_dtype()), requires_grad=False)
         set_weight_attrs(weight, output_dim=0, input_dim=1, weight_loader=self._checked(layer, weight_loader))
@@ -174,6 +212,10 @@ class FP8LinearMethod(DequantLinearMethod):
                                         "checkpoint")
         if self.scheme.activations == "static":  # one scale for the fused input: the largest part's
             layer.activation_scale = layer.input_scale.max().reshape(())
+        if self.scheme.activations != "none":  # weight-only FP8 has no e4m3 activations to multiply
+            scale = layer.weight_scale.float() if self.scheme.per_channel else rows_scale(layer, layer.weight_scale)
+            prepare_gpu(layer, layer.weight, scale.reshape(-1),
+                        layer.activation_scale if self.scheme.activations == "static" else None)
 
     def dequantize(self, layer: Any, dtype: torch.dtype) -> torch.Tensor:
         scale = layer.weight_scale.float() if self.scheme.per_channel else rows_scale(layer, layer.weight_scale)
@@ -189,10 +231,23 @@ class FP8WhileLoadingMethod(QuantizeWhileLoading):
     """``--quantize fp8``: each dense weight, once its parts are in, becomes e4m3 with one scale
     per output channel; activations are quantized per token."""
 
+    kernels: ClassVar[dict[str, list[Kernel]]] = {"cuda": [fp8_kernel]}
+
+    def create_weights(self, layer: Any, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype,
+                       weight_loader: WeightLoader) -> None:
+        layer.fp8_dtype = params_dtype
+        super().create_weights(layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+                               params_dtype, weight_loader)
+
     def quantize(self, layer: Any, weight: torch.Tensor) -> None:
         scale = (weight.float().abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=_TINY)  # [out, 1]
         layer.register_buffer("weight_fp8", quantize_fp8(weight, scale))
         layer.register_buffer("weight_scale", scale)
+
+    def process_weights_after_loading(self, layer: Any) -> None:
+        super().process_weights_after_loading(layer)
+        prepare_gpu(layer, layer.weight_fp8, layer.weight_scale.reshape(-1), None)
 
     def dequantize(self, layer: Any, dtype: torch.dtype) -> torch.Tensor:
         return (layer.weight_fp8.float() * layer.weight_scale).to(dtype)
@@ -220,6 +275,8 @@ class FP8Config(QuantizationConfig):
     def __init__(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__(model_dir, device, dtype)
         reason = unsupported_reason()
+        if reason is None and device.type == "cuda":
+            reason = fp8_triton.capability_reason(device)
         if reason:
             raise QuantizationError(reason)
         qconfig = checkpoint_quantization_config(model_dir)

@@ -15,14 +15,23 @@ Per quantized linear layer (``W [out, in]``, ``f = 32 / bits`` values a word, ``
 Group size -1 is one group over the whole input (per output channel). A group size must divide
 every quantized layer's input size (no ragged last group: other readers would refuse it too).
 A fused layer (qkv, gate/up) loads its parts' columns side by side; each part keeps its own g_idx.
+
+On a CUDA device with Triton, GPTQ and AWQ layers are repacked at load into the layout of
+``w4a16_layout`` (act-order inputs sorted by group once) and served by ``w4a16_triton``'s
+kernels; the checkpoint's tensors are dropped. Elsewhere the layer dequantizes per call.
+
+``--quantize gptq`` on a random-weight model (``random:NAME``, for benchmarks) rounds each drawn
+weight to nearest while it loads (4-bit, symmetric, groups of 128 or the largest of 64 / 32
+that divides every layer's input) into this format: no checkpoint is needed to measure speed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+import structlog
 import torch
 from torch import nn
 
@@ -35,9 +44,13 @@ from loom.plugin_api.quantization import (
     set_weight_attrs,
 )
 
+from . import w4a16_triton
 from .checkpoint_layers import bool_field, checkpoint_tensor_names, int_field, quantized_parts
-from .dequant_linear import DequantLinearMethod, part_index, rows_per_part
+from .dequant_linear import DequantLinearMethod, Kernel, part_index, rows_per_part
 from .int_packing import SUPPORTED_BITS, per_word, unpack_cols, unpack_rows
+from .w4a16_layout import NotRepackable, W4A16Layout, from_int_codes
+
+log = structlog.get_logger(__name__)
 
 FORMATS = ("gptq", "gptq_v2")
 
@@ -78,9 +91,12 @@ class GPTQSettings:
 
 
 class PackedIntMethod(DequantLinearMethod):
-    """Integer codes with per-group scales and zero points; the layout is the format's."""
+    """Integer codes with per-group scales and zero points; the layout is the format's until a
+    CUDA load repacks it for the kernels (:meth:`repack`)."""
 
     fmt = ""
+    kernels: ClassVar[dict[str, list[Kernel]]] = {"cuda": [w4a16_triton.layer_kernel]}
+    checkpoint_tensors: ClassVar[tuple[str, ...]] = ("qweight", "qzeros", "scales")
 
     def __init__(self, bits: int, group_size: int) -> None:
         self.bits, self.group_size, self.f = bits, group_size, per_word(bits)
@@ -110,7 +126,33 @@ class PackedIntMethod(DequantLinearMethod):
         """``(q [in, out], zeros [G, out])`` int32, in the checkpoint's output order."""
         raise NotImplementedError
 
+    def to_layout(self, layer: Any) -> W4A16Layout:
+        """The layer's codes in the kernels' layout (NotRepackable: it keeps the checkpoint's)."""
+        q, zeros = self.codes_and_zeros(layer)
+        return from_int_codes(q, zeros, layer.scales, self.bits, self.group_size, rows_per_part(layer), None,
+                              activation_dtype(layer))
+
+    def repack(self, layer: Any) -> None:
+        """On CUDA with Triton: the kernel layout replaces the checkpoint's tensors."""
+        if not w4a16_triton.repacks_on(layer.scales.device):
+            return
+        try:
+            layout = self.to_layout(layer)
+        except NotRepackable as exc:
+            log.info("layer keeps the dequantizing path", layer=getattr(layer, "prefix", ""), reason=str(exc))
+            return
+        for name in (*self.checkpoint_tensors, "g_idx"):
+            layer._parameters.pop(name, None)
+            layer._buffers.pop(name, None)
+        layout.register(layer)
+
+    def process_weights_after_loading(self, layer: Any) -> None:
+        self.repack(layer)
+
     def dequantize(self, layer: Any, dtype: torch.dtype) -> torch.Tensor:
+        layout = layer.__dict__.get("w4a16")
+        if layout is not None:
+            return layout.dequantize(dtype)
         q, zeros = self.codes_and_zeros(layer)  # [in, out], [G, out]
         scales = layer.scales.float()  # [G, out]
         input_size = q.shape[0]
@@ -136,6 +178,7 @@ class GPTQLinearMethod(PackedIntMethod):
                        input_size: int, output_size: int, params_dtype: torch.dtype,
                        weight_loader: WeightLoader) -> None:
         prefix = str(getattr(layer, "prefix", ""))
+        layer.w4a16_dtype = params_dtype
         if input_size_per_partition % self.f:
             raise QuantizationError(f"GPTQ {prefix}: input size {input_size_per_partition} does not fill whole "
                                     f"int32 words of {self.f} {self.bits}-bit values")
@@ -179,6 +222,17 @@ class GPTQLinearMethod(PackedIntMethod):
             if bool(bad.any()):
                 raise QuantizationError(f"GPTQ {getattr(layer, 'prefix', '')}.g_idx: values must be group indices "
                                         f"in [0, {groups}), found {int(layer.g_idx[bad][0])}")
+        self.repack(layer)
+
+    def to_layout(self, layer: Any) -> W4A16Layout:
+        zeros = unpack_cols(layer.qzeros, self.bits)
+        if self.settings.checkpoint_format == "gptq":
+            zeros = zeros + 1  # v1 stores zero - 1
+        g_idx = layer.g_idx if self.settings.desc_act else None
+        codes = unpack_rows(layer.qweight, self.bits) if g_idx is not None else None
+        # Without act-order the checkpoint's qweight is already the kernels' layout: kept as it is.
+        return from_int_codes(codes, zeros, layer.scales, self.bits, self.group_size, rows_per_part(layer), g_idx,
+                              activation_dtype(layer), packed=layer.qweight.data)
 
     def group_index(self, layer: Any, part: int, input_size: int) -> torch.Tensor:
         if self.settings.desc_act:
@@ -193,11 +247,17 @@ class GPTQLinearMethod(PackedIntMethod):
         return q, zeros
 
 
+def activation_dtype(layer: Any) -> torch.dtype:
+    """The dtype the layer's activations come in (the model's), recorded when its weights were made."""
+    return getattr(layer, "w4a16_dtype", None) or torch.get_default_dtype()
+
+
 class GPTQConfig(QuantizationConfig):
     """A GPTQ checkpoint: every linear layer whose ``qweight`` the checkpoint holds is served by
     :class:`GPTQLinearMethod`; the others (an unquantized head...) stay dense."""
 
     quant_methods = ("gptq",)
+    quantizes_random_weights = True  # random:NAME: round to nearest while loading (int_while_loading)
 
     @classmethod
     def for_checkpoint(cls, model_dir: Path) -> bool:
@@ -209,7 +269,15 @@ class GPTQConfig(QuantizationConfig):
         GPTQSettings.parse(quantization_config)
 
     def __init__(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> None:
+        from .int_while_loading import is_random_model, random_group_size
+
         super().__init__(model_dir, device, dtype)
+        self.random = is_random_model(model_dir)
+        if self.random:
+            self.quant = GPTQSettings(bits=4, group_size=random_group_size(model_dir), desc_act=False, sym=True,
+                                      checkpoint_format="gptq")
+            self.names: set[str] = set()
+            return
         qconfig = checkpoint_quantization_config(model_dir)
         if qconfig is None or str(qconfig.get("quant_method", "")).lower() != "gptq":
             raise QuantizationError(f"{model_dir}/config.json has no GPTQ quantization_config")
@@ -217,6 +285,12 @@ class GPTQConfig(QuantizationConfig):
         self.names = checkpoint_tensor_names(model_dir)
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
+        if self.random:
+            from loom.layers.linear import LinearBase
+
+            from .int_while_loading import GPTQWhileLoadingMethod
+
+            return GPTQWhileLoadingMethod(self.quant.group_size) if isinstance(layer, LinearBase) else None
         required = ("qzeros", "scales", "g_idx") if self.quant.desc_act else ("qzeros", "scales")
         if quantized_parts(self, self.names, prefix, "qweight", required, "GPTQ") is None:
             return None
@@ -232,5 +306,5 @@ class GPTQConfig(QuantizationConfig):
 
     def settings(self) -> dict[str, str]:
         q = self.quant
-        return {"format": q.checkpoint_format, "bits": str(q.bits), "group_size": str(q.group_size),
+        return {"format": "rtn while loading" if self.random else q.checkpoint_format, "bits": str(q.bits), "group_size": str(q.group_size),
                 "sym": str(q.sym).lower(), "desc_act": str(q.desc_act).lower()}

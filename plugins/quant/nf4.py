@@ -17,14 +17,21 @@ per linear ``X``:
 ``W = quant_map[code] * absmax[block]`` in float32 (bitsandbytes' own order), then the model's
 dtype. Loading decodes double-quantized absmax to float32 (0.5 bit a weight instead of 0.13) and
 keeps each part of a fused layer (q, k, v...) in its own blocks.
+
+On a CUDA device with Triton, a layer whose blocks tile its rows (the input size a multiple of
+the block size) is repacked at load into ``w4a16_layout`` (codes packed along the input, each
+block's absmax as a group scale in the model's dtype, the 16 values as a table) and served by
+Loom's kernels in ``w4a16_triton``; bitsandbytes is not needed (its own 4-bit matmul is the
+tests' reference, not a fast path).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+import structlog
 import torch
 from torch import nn
 
@@ -38,8 +45,12 @@ from loom.plugin_api.quantization import (
     set_weight_attrs,
 )
 
+from . import w4a16_triton
 from .checkpoint_layers import bool_field, checkpoint_tensor_names, quantized_parts
-from .dequant_linear import DequantLinearMethod, QuantizeWhileLoading, part_index
+from .dequant_linear import DequantLinearMethod, Kernel, QuantizeWhileLoading, part_index
+from .w4a16_layout import NotRepackable, from_nf4_parts
+
+log = structlog.get_logger(__name__)
 
 # The 16 NF4 values (quantiles of a normal distribution scaled to [-1, 1], with an exact 0), as
 # float32 numbers: the table bitsandbytes stores as quant_map.
@@ -142,7 +153,30 @@ class NF4Parts:
         meta[part] = (blocksize, shape)
 
     @staticmethod
+    def repack(layer: Any) -> None:
+        """On CUDA with Triton: the parts become one kernel layout (their buffers are dropped)."""
+        parts = sorted(layer.nf4_parts.items())
+        codes = getattr(layer, f"nf4_codes_{parts[0][0]}")
+        if not w4a16_triton.repacks_on(codes.device):
+            return
+        dtype = getattr(layer, "w4a16_dtype", None) or torch.get_default_dtype()
+        try:
+            layout = from_nf4_parts([(getattr(layer, f"nf4_codes_{i}"), getattr(layer, f"nf4_absmax_{i}"),
+                                      getattr(layer, f"nf4_table_{i}"), blocksize, shape)
+                                     for i, (blocksize, shape) in parts], dtype)
+        except NotRepackable as exc:
+            log.info("layer keeps the dequantizing path", layer=getattr(layer, "prefix", ""), reason=str(exc))
+            return
+        for i, _ in parts:
+            for name in (f"nf4_codes_{i}", f"nf4_absmax_{i}", f"nf4_table_{i}"):
+                del layer._buffers[name]
+        layout.register(layer)
+
+    @staticmethod
     def dequantize(layer: Any, dtype: torch.dtype) -> torch.Tensor:
+        layout = layer.__dict__.get("w4a16")
+        if layout is not None:
+            return layout.dequantize(dtype)
         parts = [dequantize_nf4(getattr(layer, f"nf4_codes_{i}"), getattr(layer, f"nf4_absmax_{i}"),
                                 getattr(layer, f"nf4_table_{i}"), blocksize, shape, torch.float32)
                  for i, (blocksize, shape) in sorted(layer.nf4_parts.items())]
@@ -151,6 +185,8 @@ class NF4Parts:
 
 class NF4CheckpointMethod(DequantLinearMethod):
     """A bitsandbytes layer: its tensors are staged per part and decoded once a part is complete."""
+
+    kernels: ClassVar[dict[str, list[Kernel]]] = {"cuda": [w4a16_triton.layer_kernel]}
 
     def __init__(self, double_quant: bool) -> None:
         self.keys = ["weight", "weight_absmax", "weight_quant_map", "weight_quant_state"]
@@ -161,6 +197,7 @@ class NF4CheckpointMethod(DequantLinearMethod):
                        input_size: int, output_size: int, params_dtype: torch.dtype,
                        weight_loader: WeightLoader) -> None:
         prefix = str(getattr(layer, "prefix", ""))
+        layer.w4a16_dtype = params_dtype
         staged: dict[int, dict[str, torch.Tensor]] = {}
         parts = len(output_partition_sizes)
 
@@ -222,6 +259,7 @@ class NF4CheckpointMethod(DequantLinearMethod):
         parts = len(getattr(layer, "output_partition_sizes", [1]))
         if len(getattr(layer, "nf4_parts", {})) != parts:
             raise QuantizationError(f"NF4 {prefix}: not every part's weight was in the checkpoint")
+        NF4Parts.repack(layer)
 
     def dequantize(self, layer: Any, dtype: torch.dtype) -> torch.Tensor:
         return NF4Parts.dequantize(layer, dtype)
@@ -229,6 +267,19 @@ class NF4CheckpointMethod(DequantLinearMethod):
 
 class NF4WhileLoadingMethod(QuantizeWhileLoading):
     """``--quantize nf4``: each dense weight, once its parts are in, becomes NF4 blocks of 64."""
+
+    kernels: ClassVar[dict[str, list[Kernel]]] = {"cuda": [w4a16_triton.layer_kernel]}
+
+    def create_weights(self, layer: Any, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype,
+                       weight_loader: WeightLoader) -> None:
+        layer.w4a16_dtype = params_dtype
+        super().create_weights(layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+                               params_dtype, weight_loader)
+
+    def process_weights_after_loading(self, layer: Any) -> None:
+        super().process_weights_after_loading(layer)
+        NF4Parts.repack(layer)
 
     def quantize(self, layer: Any, weight: torch.Tensor) -> None:
         packed, absmax = quantize_nf4(weight)

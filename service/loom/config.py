@@ -10,6 +10,8 @@ import re
 from dataclasses import dataclass
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+# --kv-cache-dtype values: auto keeps the model's dtype; fp8 is e4m3 (loom/layers/kv_fp8.py)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 # A LoRA adapter's name (its adapter_id on requests): what a metric label and a log field can hold.
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
@@ -28,11 +30,17 @@ class EngineConfig:
     # blocks on the CPU); none: dense weights; or a quantizer plugin's name
     quantize: str = "auto"
     block_size: int = 16
+    # The KV pool's element type (TGI's --kv-cache-dtype): auto keeps the model's dtype; fp8
+    # (= fp8_e4m3) stores e4m3 codes with a scale per token and head (loom/layers/kv_fp8.py).
+    kv_cache_dtype: str = "auto"
     # KV pool size in tokens; None: sized from memory (GPU) or from the limits (CPU, see below).
     max_batch_total_tokens: int | None = None
     max_input_tokens: int | None = None  # None: max_total_tokens - 1
     max_total_tokens: int | None = None  # None: min(model's max positions, 4096)
     max_batch_prefill_tokens: int = 4096
+    # A target for steps that carry decodes (engine/step_latency.py): they prefill only as many
+    # prompt tokens as a model of step time fitted online allows. None: no target.
+    max_step_latency_ms: float | None = None
     max_batch_size: int | None = None  # running sequences at once; None: unbounded (KV bounds it)
     waiting_served_ratio: float = 0.3
     max_waiting_tokens: int = 20
@@ -131,6 +139,11 @@ class EngineConfig:
         if self.grammar_cache_mib < 0:
             raise ConfigError(f"--grammar-cache-mib must be at least 0, got {self.grammar_cache_mib}")
         self._check_lora()
+        if self.max_step_latency_ms is not None and not 0 < self.max_step_latency_ms < float("inf"):
+            raise ConfigError(f"--max-step-latency-ms must be a positive number of milliseconds, got "
+                              f"{self.max_step_latency_ms}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
         if self.cpu_kv_cache_sequences < 1:
             raise ConfigError("cpu_kv_cache_sequences must be at least 1")
         if not 0.0 < self.cpu_kv_memory_fraction <= 1.0:

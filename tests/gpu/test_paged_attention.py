@@ -233,3 +233,25 @@ def _graph_vs_eager(n: int, q: int) -> None:
     many = _meta([tables[0]] * 9, [lens[0]] * 9, [q] * 9, page)
     assert graphs.try_run(StepInputs(any_ids[: 9 * q], any_ids[: 9 * q], many)) is None
     assert graphs.num_replays == 1
+
+
+@pytest.mark.parametrize("mode", ["decode", "prefill", "cached", "verify", "mixed"])
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(32, 8, 128), (9, 3, 64)])
+def test_fp8_kv_cache_matches_the_reference_over_what_the_pool_holds(mode: str, hq: int, hkv: int, d: int) -> None:
+    """--kv-cache-dtype fp8 on the GPU: the pool's bytes after the write within one e4m3 step of
+    kv_fp8.write's (the GPU's division and conversion may round a tie the other way), and the
+    bf16 output within bf16 tolerance of the float32 reference over the dequantized pool."""
+    from helpers.fp8_kv_cases import pack, reference, unpack
+
+    rng = random.Random(hash((mode, hq)) & 0xFFFF)
+    step = make_step(_seqs(mode, rng), num_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=torch.bfloat16,
+                     device=CUDA, seed=rng.randint(0, 1000))
+    expected, expected_pool = reference(step, d**-0.5, None)
+    backend = PagedAttentionBackend(hq, hkv, d, torch.bfloat16, CUDA)
+    backend.use_fp8_kv_cache()
+    pool = pack(step.kv_cache.float())
+    out = backend.forward(step.q, step.k, step.v, pool, step.meta, backend.prepare(step.meta), d**-0.5, None)
+    mismatched = (pool != expected_pool).float().mean().item()
+    assert mismatched < 1e-3, f"{mismatched:.2%} of the pool's bytes differ from kv_fp8.write's"
+    torch.testing.assert_close(unpack(pool), unpack(expected_pool), rtol=2**-3, atol=1e-6)
+    torch.testing.assert_close(out.float(), expected, **TOL[torch.bfloat16])  # type: ignore[arg-type]

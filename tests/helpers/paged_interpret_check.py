@@ -77,6 +77,39 @@ def run_case(seqs: list[tuple[int, int]], hq: int, hkv: int, d: int, dtype_name:
     return (out.float() - ref.float()).abs().max().item(), (cache.float() - ref_cache.float()).abs().max().item()
 
 
+# FP8 KV cache: (sequences, Hq, Hkv, D, dtype, window, forced splits, page)
+FP8_CASES: list[tuple[list[tuple[int, int]], int, int, int, str, int | None, int | None, int]] = [
+    ([(0, 1), (5, 1), (20, 1)], 4, 1, 16, "float32", None, None, 16),  # decode, GQA 4
+    ([(3, 1), (0, 9), (17, 1), (30, 20)], 8, 2, 32, "float32", 7, None, 16),  # mixed, window
+    ([(40, 1), (70, 1), (0, 1)], 4, 2, 32, "float32", None, 4, 16),  # split-K, empty splits
+    ([(10, 3), (0, 3), (37, 3)], 6, 2, 24, "float16", None, None, 4),  # uniform q = 3, fp16, G=3
+]
+
+
+def run_fp8_case(seqs: list[tuple[int, int]], hq: int, hkv: int, d: int, dtype_name: str,
+                 window: int | None, splits: int | None, page: int) -> tuple[float, bool]:
+    """The packed FP8 pool: (output error against the float32 reference over what the pool
+    holds, whether the pool's bytes after the write equal ``kv_fp8.write``'s)."""
+    import torch
+
+    from helpers.fp8_kv_cases import pack, reference
+    from helpers.paged_cases import make_step
+    from loom_plugins.attention.paged_triton import PagedAttentionBackend
+
+    dtype = getattr(torch, dtype_name)
+    step = make_step(seqs, num_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=page, dtype=dtype,
+                     seed=len(seqs) * 17 + d)
+    expected, expected_pool = reference(step, d**-0.5, window)
+    backend = PagedAttentionBackend(hq, hkv, d, dtype, torch.device("cpu"))
+    backend.use_fp8_kv_cache()
+    pool = pack(step.kv_cache.float())
+    plan = backend.prepare(step.meta)
+    if splits is not None:
+        plan = dataclasses.replace(plan, num_splits=splits)
+    out = backend.forward(step.q, step.k, step.v, pool, step.meta, plan, d**-0.5, window)
+    return (out.float() - expected).abs().max().item(), torch.equal(pool, expected_pool)
+
+
 def run_padding_case() -> float:
     """CUDA-graph padding rows: slot -1 writes nothing, seq_len 0 attends nothing (output 0)."""
     import torch
@@ -149,6 +182,13 @@ def main() -> int:
         ok = out_err <= tol and cache_err == 0.0
         failures += not ok
         print(f"{'ok  ' if ok else 'FAIL'} {case}: out err {out_err:.2e}, cache err {cache_err:.2e}")
+    for fp8_case in FP8_CASES:
+        out_err, same_bytes = run_fp8_case(*fp8_case)
+        tol = 5e-3 if fp8_case[4] == "float16" else 1e-5
+        ok = out_err <= tol and same_bytes
+        failures += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} fp8 kv {fp8_case}: out err {out_err:.2e}, pool bytes "
+              f"{'equal' if same_bytes else 'DIFFER'} to kv_fp8.write's")
     pad = run_padding_case()
     failures += pad != 0.0
     print(f"{'ok  ' if pad == 0.0 else 'FAIL'} padding rows: output max {pad}")

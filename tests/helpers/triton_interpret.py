@@ -11,13 +11,17 @@ Two more differences from a GPU are patched so that kernels can be checked bit f
   from zero and can lose the carry into the exponent), where GPUs and torch round to nearest
   even; the patched cast rounds to nearest even;
 * it does not implement ``triton.language.extra.libdevice``: its ``exp`` (the accurate expf of
-  CUDA) stands for ``tl.exp``, which the interpreter computes with numpy in float32.
+  CUDA) stands for ``tl.exp``, which the interpreter computes with numpy in float32;
+* its float32 <-> float8_e4m3fn casts mishandle subnormals (0.4946 becomes 0.25); the patched
+  casts go through torch's (round to nearest even, as the GPU's ``cvt.rn.satfinite``).
 """
 
 from __future__ import annotations
 
 import os
 from typing import Any
+
+import numpy as np
 
 
 def setup_script() -> None:
@@ -52,7 +56,6 @@ def enable() -> bool:
 
 
 def _patch_bf16_rounding(interp: Any) -> None:
-    import numpy as np
     import triton.language as tl
 
     original = interp._convert_float
@@ -60,6 +63,10 @@ def _patch_bf16_rounding(interp: Any) -> None:
         return
 
     def convert(data: Any, src: Any, dst: Any, rounding_mode: Any) -> Any:
+        if src == tl.float32 and dst == tl.float8e4nv:
+            return _to_e4m3(np.asarray(data, dtype=np.float32))
+        if src == tl.float8e4nv and dst == tl.float32:
+            return _from_e4m3(np.asarray(data, dtype=np.uint8))
         if src != tl.float32 or dst != tl.bfloat16:
             return original(data, src, dst, rounding_mode)
         values = np.asarray(data, dtype=np.float32)
@@ -70,6 +77,18 @@ def _patch_bf16_rounding(interp: Any) -> None:
 
     convert._loom_patched = True  # type: ignore[attr-defined]
     interp._convert_float = convert
+
+
+def _to_e4m3(values: Any) -> Any:
+    import torch
+
+    return torch.from_numpy(values.copy()).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+
+
+def _from_e4m3(codes: Any) -> Any:
+    import torch
+
+    return torch.from_numpy(codes.copy()).view(torch.float8_e4m3fn).float().numpy().view(np.uint32)
 
 
 def _patch_libdevice() -> None:

@@ -107,6 +107,9 @@ def test_moe_limits_count_what_a_step_reads(random_cache: Path) -> None:
     assert w1["min_decode_step_s"] == pytest.approx((one + cost.kv_bytes_per_token * 512) / 4.3e12)
     dense = model_cost(resolve_model_dir("random:llama-8b"), torch.bfloat16)
     assert dense.step_weight_bytes(1) == dense.weight_bytes == 16_060_522_496  # dense: every weight
+    # --kv-cache-dtype fp8: 128 e4m3 codes and a float32 scale per row instead of 128 bf16 values
+    fp8 = model_cost(resolve_model_dir("random:llama-8b"), torch.bfloat16, "fp8")
+    assert (dense.kv_bytes_per_token, fp8.kv_bytes_per_token) == (2 * 32 * 8 * 128 * 2, 2 * 32 * 8 * 132)
 
 
 def test_a_random_moe_model_generates_deterministically(random_cache: Path) -> None:
@@ -222,7 +225,7 @@ def test_cpu_benchmarks_hold_every_request_of_a_workload_in_the_pool() -> None:
     c2 = cpu_workload("C2")
     assert cpu_pool_tokens([c2]) >= sum(len(p) + n for p, n in c2.requests) > 4 * 1024
     args = argparse.Namespace(model_id="random:tiny-llama", dtype="auto", attention_backend=None, quantize="auto",
-                              speculate=None,
+                              kv_cache_dtype="auto", max_step_latency_ms=None, speculate=None,
                               max_total_tokens=2048, max_batch_prefill_tokens=None, max_batch_total_tokens=None,
                               threads=2, cuda_memory_fraction=None, async_scheduling=None, cuda_graphs=None)
     cfg = engine_config(args, torch.device("cpu"), [w])
@@ -270,6 +273,23 @@ def test_bench_w1_w2_quick_on_a_random_model(tmp_path: Path) -> None:
         entry = result["workloads"][name]
         assert entry["loom"]["out_tokens"] == out_tokens
         assert 0 < entry["ratio_to_limit"] < 1
+    # W6's columns: the weights as served and the KV pool they left
+    memory = result["memory"]
+    assert memory["weights"]["weight_bytes"] == result["limits"]["model"]["weight_bytes"]  # dense: every parameter
+    assert memory["kv_pool"]["tokens"] == result["engine"]["max_batch_total_tokens"] > 0
+    assert memory["kv_pool"]["bytes"] == memory["kv_pool"]["tokens"] * result["limits"]["model"]["kv_bytes_per_token"]
+
+
+@pytest.mark.slow
+def test_bench_w1_quick_with_int4_weights_reports_the_int4_limit(tmp_path: Path) -> None:
+    result = run_bench("--workloads", "W1", "--model-id", "random:tiny-llama", "--quick", "--device", "cpu",
+                       "--quantize", "gptq", cache=tmp_path)
+    assert "quantizer:gptq?" in result["engine"]["plugins"][0]
+    weights = result["memory"]["weights"]
+    assert weights["quantization"] == "gptq" and weights["weight_bytes"] < result["limits"]["model"]["weight_bytes"]
+    entry = result["workloads"]["W1"]
+    assert entry["limit"]["min_decode_step_s"] < entry["limit_dense_weights"]["min_decode_step_s"]
+    assert entry["ratio_to_limit"] == entry["loom"]["out_tok_s"] / entry["limit"]["max_out_tok_s"]
 
 
 def test_bench_w4_quick_runs_cache_on_and_off(tmp_path: Path) -> None:

@@ -25,6 +25,16 @@ from loom_plugins.quant.make.pipeline import QuantizeRequest, quantize_model
 PROMPT = [1, 17, 42, 99, 3, 250, 7, 7, 128, 64, 5, 300, 12]
 TinyDir = Callable[[str], Path]
 FAST = {"samples": 2, "seq_len": 64}
+# name -> (loom quantize options, the quantizer plugin that serves the checkpoint)
+CASES: dict[str, tuple[dict[str, Any], str]] = {
+    "rtn-g32": ({"method": "rtn", "bits": 4, "group_size": 32}, "gptq"),
+    "gptq-g32-act-order": ({"method": "gptq", "bits": 4, "group_size": 32, "act_order": True}, "gptq"),
+    "gptq-8bit-per-channel": ({"method": "gptq", "bits": 8, "group_size": -1}, "gptq"),
+    "awq-g32": ({"method": "awq", "bits": 4, "group_size": 32}, "awq"),
+    "fp8": ({"method": "fp8"}, "fp8"),
+    "nf4": ({"method": "nf4"}, "nf4"),
+}
+FOUR_BIT = ("rtn-g32", "gptq-g32-act-order", "awq-g32", "nf4")
 
 
 @pytest.fixture(scope="module")
@@ -40,52 +50,63 @@ def tiny_with_tokenizer(tiny_model_dir: TinyDir, tmp_path_factory: pytest.TempPa
     return path
 
 
+@pytest.fixture(scope="module")
+def made(tiny_with_tokenizer: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Every case's checkpoint, written once for the module (the tests below read them)."""
+    out = tmp_path_factory.mktemp("quantized")
+    return {name: quantize_model(tiny_with_tokenizer, out / name, QuantizeRequest(**options, **FAST), progress=False)
+            for name, (options, _) in CASES.items()}
+
+
 def _logits(path: Path, registry: PluginRegistry, quantize: str = "auto") -> tuple[Any, torch.Tensor]:
     loaded = load_model(path, torch.float32, "cpu", registry, quantize)
     return loaded, ModelHarness(loaded.model, loaded.hf_config).prefill(PROMPT)
 
 
-@pytest.mark.parametrize(("method", "options", "plugin"), [
-    ("rtn", {"bits": 4, "group_size": 32}, "gptq"),
-    ("gptq", {"bits": 4, "group_size": 32, "act_order": True}, "gptq"),
-    ("gptq", {"bits": 8, "group_size": -1}, "gptq"),
-    ("awq", {"bits": 4, "group_size": 32}, "awq"),
-    ("fp8", {}, "fp8"),
-    ("nf4", {}, "nf4"),
-])
-def test_quantize_round_trip_loads_and_serves(method: str, options: dict[str, Any], plugin: str,
-                                              tiny_with_tokenizer: Path, quant_registry: PluginRegistry,
-                                              tmp_path: Path) -> None:
-    out = quantize_model(tiny_with_tokenizer, tmp_path / method, QuantizeRequest(method=method, **options, **FAST),
-                         progress=False)
+@pytest.fixture(scope="module")
+def logit_errors(made: dict[str, Path], tiny_with_tokenizer: Path, quant_registry: PluginRegistry) -> dict[str, float]:
+    """Each checkpoint's ||logits - dense logits|| / ||dense logits|| on PROMPT, served by its plugin."""
+    _, dense = _logits(tiny_with_tokenizer, quant_registry, "none")
+    errors = {}
+    for name, path in made.items():
+        loaded, ours = _logits(path, quant_registry)
+        assert loaded.quantization == CASES[name][1], name
+        errors[name] = float((ours - dense).norm() / dense.norm())
+    return errors
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_quantize_round_trip_loads_and_serves(name: str, made: dict[str, Path], logit_errors: dict[str, float]) -> None:
+    out = made[name]
     config = json.loads((out / "config.json").read_text())
     assert "quantization_config" in config and (out / "tokenizer.json").is_file()
-    _, dense = _logits(tiny_with_tokenizer, quant_registry, "none")
-    loaded, ours = _logits(out, quant_registry)
-    assert loaded.quantization == plugin
-    rel = float((ours - dense).norm() / dense.norm())
-    # A random tiny model's logits against its dense ones: 8-bit integers keep them within 5%; FP8
-    # rounds weights AND activations (dynamic per token) to e4m3's 3 mantissa bits (up to 6% per
-    # element each), 0.127 measured here, so 0.25; 4-bit schemes within 0.6. Garbage is near 1.
-    bound = 0.25 if method == "fp8" else 0.05 if options.get("bits") == 8 else 0.6
-    assert rel < bound, rel
-    assert rel > 0  # something was quantized
+    rel = logit_errors[name]
+    # A random tiny model's logits against its dense ones (chaotic on purpose: initializer_range
+    # 0.15, peaked logits): 8-bit integers keep them within 5%; FP8 rounds weights AND activations
+    # (dynamic per token) to e4m3's 3 mantissa bits (up to 6% per element each), 0.127 measured
+    # here, so 0.25; 4-bit schemes within 0.6. Garbage is near 1.
+    bound = 0.05 if name == "gptq-8bit-per-channel" else 0.25 if name == "fp8" else 0.6
+    assert 0 < rel < bound, rel  # something was quantized, and not garbage
 
 
-def test_written_gptq_and_awq_read_back_with_independent_unpackers(tiny_with_tokenizer: Path,
-                                                                    quant_registry: PluginRegistry,
-                                                                    tmp_path: Path) -> None:
-    for method in ("gptq", "awq"):
-        out = quantize_model(tiny_with_tokenizer, tmp_path / method,
-                             QuantizeRequest(method=method, group_size=32, **FAST), progress=False)
+def test_more_bits_move_the_model_less(logit_errors: dict[str, float]) -> None:
+    """8-bit integers < FP8 (e4m3: 3 mantissa bits) < every 4-bit method, on the same model."""
+    assert logit_errors["gptq-8bit-per-channel"] < logit_errors["fp8"] < min(logit_errors[n] for n in FOUR_BIT)
+
+
+def test_written_gptq_and_awq_read_back_with_independent_unpackers(made: dict[str, Path],
+                                                                    quant_registry: PluginRegistry) -> None:
+    for name in ("gptq-g32-act-order", "awq-g32"):
+        out = made[name]
         tensors = load_file(str(out / "model.safetensors"))
         loaded = load_model(out, torch.float32, "cpu", quant_registry)
         layer: Any = loaded.model.model.layers[1].mlp.down_proj
         stem = "model.layers.1.mlp.down_proj"
-        if method == "gptq":
+        if name.startswith("gptq"):
             q = np_unpack_words(tensors[f"{stem}.qweight"].numpy(), 4, axis=0)
             z = np_unpack_words(tensors[f"{stem}.qzeros"].numpy(), 4, axis=1) + 1
             g = tensors[f"{stem}.g_idx"].numpy().astype(np.int64)
+            assert not np.array_equal(g, np.arange(q.shape[0]) // 32)  # act-order: groups follow another order
         else:
             q = np_unpack_words(tensors[f"{stem}.qweight"].numpy(), 4, axis=1, order=AWQ_PACK_ORDER)
             z = np_unpack_words(tensors[f"{stem}.qzeros"].numpy(), 4, axis=1, order=AWQ_PACK_ORDER)
@@ -133,3 +154,26 @@ def test_group_size_that_does_not_divide_is_refused_with_exit_2(tiny_with_tokeni
     assert "--group-size 48 does not divide the input size 64 of model.layers.0.self_attn.q_proj" in err
     assert "use --group-size 32 or 64" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_damping_outside_its_range_is_refused_with_exit_2(tiny_with_tokenizer: Path, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    code = loom_main(["quantize", "--method", "gptq", "--group-size", "32", "--damp", "0", str(tiny_with_tokenizer),
+                      str(tmp_path / "out")])
+    assert code == 2
+    assert "--damp 0.0: expected a share of the Hessian's mean diagonal in (0, 1]" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_sink_weight_counts_the_first_token_of_each_window_more() -> None:
+    from loom_plugins.quant.make.pipeline import QuantizeError, QuantizeRequest, _adder
+
+    x = torch.randn(2, 5, 4, dtype=torch.float64)  # [windows, tokens, inputs]
+    plain, weighted = HessianAccumulator(4), HessianAccumulator(4)
+    _adder(plain)("x", x)
+    _adder(weighted, 9.0)("x", x)
+    flat, first = x.reshape(-1, 4), x[:, 0]
+    assert torch.allclose(plain.h, flat.t() @ flat)
+    assert torch.allclose(weighted.h, flat.t() @ flat + 8 * first.t() @ first)  # 9 times in all
+    with pytest.raises(QuantizeError, match=r"--sink-weight 0\.5: expected at least 1"):
+        QuantizeRequest(method="gptq", sink_weight=0.5).check()

@@ -27,6 +27,11 @@ def add_quantize_command(sub: Any) -> None:
     p.add_argument("--act-order", action="store_true", help="gptq: quantize inputs by decreasing activation")
     p.add_argument("--samples", type=int, default=8, help="calibration windows (default: 8)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window (default: 512)")
+    p.add_argument("--damp", type=float, default=0.01,
+                   help="gptq: damping added to the Hessian's diagonal, as a share of its mean (default: 0.01)")
+    p.add_argument("--sink-weight", type=float, default=1.0,
+                   help="gptq: times the first token of each calibration window (the attention sink) counts in "
+                        "the Hessian (default: 1)")
     p.add_argument("--force", action="store_true", help="write into an OUT_DIR that is not empty")
     p.set_defaults(func=run_quantize)
 
@@ -38,7 +43,8 @@ def run_quantize(args: argparse.Namespace) -> int:
     from .pipeline import QuantizeError, QuantizeRequest, quantize_model
 
     request = QuantizeRequest(method=args.method, bits=args.bits, group_size=args.group_size,
-                              act_order=args.act_order, samples=args.samples, seq_len=args.seq_len)
+                              act_order=args.act_order, samples=args.samples, seq_len=args.seq_len,
+                              damp=args.damp, sink_weight=args.sink_weight)
     out_dir: Path = args.out_dir
     try:
         request.check()

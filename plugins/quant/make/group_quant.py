@@ -65,16 +65,14 @@ def group_size_of(group_size: int, in_features: int) -> int:
 
 
 def rtn(w: torch.Tensor, bits: int, group_size: int, sym: bool, min_zero: int = 0) -> QuantizedLinear:
-    """Round to nearest, group by group: the floor GPTQ and AWQ improve on."""
+    """Round to nearest, group by group: the floor GPTQ and AWQ improve on. All groups at once on
+    ``w``'s device (a random model's layers are quantized this way while they load on the GPU)."""
     out_f, in_f = w.shape
     gs = group_size_of(group_size, in_f)
-    w = w.float()
-    codes = torch.empty(out_f, in_f, dtype=torch.int64)
-    scales, zeros = [], []
-    for start in range(0, in_f, gs):
-        params = find_params(w[:, start:start + gs], bits, sym, min_zero)
-        codes[:, start:start + gs] = quantize_codes(w[:, start:start + gs], params, bits).long()
-        scales.append(params.scale)
-        zeros.append(params.zero)
-    g_idx = (torch.arange(in_f) // gs).to(torch.int32)
-    return QuantizedLinear(codes, torch.cat(scales, 1), torch.cat(zeros, 1).long(), g_idx, bits)
+    groups = in_f // gs
+    rows = w.float().reshape(out_f * groups, gs)  # one row per (output, group)
+    params = find_params(rows, bits, sym, min_zero)
+    codes = quantize_codes(rows, params, bits).to(torch.int64).view(out_f, in_f)
+    g_idx = (torch.arange(in_f, device=w.device) // gs).to(torch.int32)
+    return QuantizedLinear(codes, params.scale.view(out_f, groups), params.zero.view(out_f, groups).long(), g_idx,
+                           bits)

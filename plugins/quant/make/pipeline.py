@@ -11,6 +11,7 @@ and the embedding stay dense.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,11 @@ class QuantizeRequest:
     act_order: bool = False
     samples: int = 8
     seq_len: int = 512
+    damp: float = 0.01  # GPTQ: added to H's diagonal, as a share of its mean
+    # GPTQ: how many times the first token of each calibration window counts in H. That token is
+    # the attention sink every later token attends to, but only one in seq_len of the data: with
+    # weight 1 GPTQ may move error into its direction (docs/quantization.md, Q1).
+    sink_weight: float = 1.0
 
     def check(self) -> None:
         if self.method not in METHODS:
@@ -65,6 +71,10 @@ class QuantizeRequest:
             raise QuantizeError("--act-order applies to --method gptq only")
         if self.samples < 1 or self.seq_len < 16:
             raise QuantizeError("--samples must be at least 1 and --seq-len at least 16")
+        if not 0 < self.damp <= 1:
+            raise QuantizeError(f"--damp {self.damp}: expected a share of the Hessian's mean diagonal in (0, 1]")
+        if self.sink_weight < 1:
+            raise QuantizeError(f"--sink-weight {self.sink_weight}: expected at least 1 (1: every token counts once)")
 
 
 def decoder_linears(model: nn.Module) -> dict[str, nn.Linear]:
@@ -168,10 +178,10 @@ def gptq_layer(layer: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any], r
         # one, in a third of the column steps.
         first = next(iter(modules))
         acc = HessianAccumulator(modules[first].in_features)
-        capture_inputs(layer, hidden, kwargs, {first: modules[first]}, _adder(acc))
+        capture_inputs(layer, hidden, kwargs, {first: modules[first]}, _adder(acc, request.sink_weight))
         stacked = torch.cat([m.weight.data for m in modules.values()])
         ql = gptq_quantize(stacked, acc.hessian(), request.bits, request.group_size, sym=True,
-                           act_order=request.act_order)
+                           act_order=request.act_order, damp=request.damp)
         start = 0
         for name, module in modules.items():
             rows = slice(start, start + module.out_features)
@@ -181,8 +191,17 @@ def gptq_layer(layer: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any], r
             start += module.out_features
 
 
-def _adder(acc: HessianAccumulator) -> Callable[[str, torch.Tensor], None]:
-    return lambda _name, x: acc.add(x)
+def _adder(acc: HessianAccumulator, sink_weight: float = 1.0) -> Callable[[str, torch.Tensor], None]:
+    """Adds a linear's inputs ``x [windows, T, in]`` to ``acc``; the first token of each window
+    ``sink_weight`` times in all."""
+    extra = math.sqrt(sink_weight - 1.0)
+
+    def add(_name: str, x: torch.Tensor) -> None:
+        acc.add(x)
+        if extra > 0:
+            acc.add(x[:, :1] * extra)  # (w - 1) x0 x0^T more
+
+    return add
 
 
 def _sample_rows(x: torch.Tensor, limit: int) -> torch.Tensor:

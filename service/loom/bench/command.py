@@ -64,6 +64,10 @@ def add_bench_command(sub: Any) -> None:
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     g.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
     g.add_argument("--attention-backend", default=None, help="attention plugin; unset: the best available")
+    g.add_argument("--max-step-latency-ms", type=float, default=None,
+                   help="the engine's --max-step-latency-ms (a target for steps that carry decodes)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="the engine's --kv-cache-dtype (the W1 / W2 limits count its KV bytes)")
     g.add_argument("--max-batch-prefill-tokens", type=int, default=None,
                    help="prompt tokens per engine step; unset: 16384 on GPU, 4096 on CPU")
     g.add_argument("--max-total-tokens", type=int, default=2048, help="prompt + new tokens per request")
@@ -212,7 +216,7 @@ def engine_config(args: argparse.Namespace, device: torch.device, workloads: lis
     needed = max(len(p) + n for w in workloads for p, n in w.requests)
     kwargs: dict[str, Any] = dict(
         model_id=args.model_id, device=str(device), dtype=args.dtype, attention_backend=args.attention_backend,
-        quantize=args.quantize,
+        quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype, max_step_latency_ms=args.max_step_latency_ms,
         max_total_tokens=max(args.max_total_tokens, needed),
         max_batch_prefill_tokens=args.max_batch_prefill_tokens or (16384 if on_gpu else 4096),
         max_batch_total_tokens=args.max_batch_total_tokens or (None if on_gpu else max(
@@ -253,7 +257,8 @@ def _run_model_workloads(args: argparse.Namespace, names: list[str], device: tor
     from loom.model_loader import resolve_model_dir
     from loom.worker.worker import _DTYPES
 
-    from .limits import measure_hardware, model_cost, w1_limit, w2_limit
+    from .limits import measure_hardware, model_cost, served_cost, w1_limit, w2_limit, weight_read_limit
+    from .weight_memory import measure_weight_memory
 
     workloads = [gpu_workload(n, args.model_id, args.quick, args.w2_requests) for n in names]
     model_dir = resolve_model_dir(args.model_id)
@@ -266,8 +271,21 @@ def _run_model_workloads(args: argparse.Namespace, names: list[str], device: tor
     # Loom's engine process has exited: the device is free for the limits and the peer.
     dtype = _DTYPES[info["dtype"]]
     hw = measure_hardware(device, dtype, quick=args.quick)
-    cost = model_cost(model_dir, dtype)
-    result["limits"] = {"hardware": hw.as_dict(), "model": cost.as_dict()}
+    cost = model_cost(model_dir, dtype, args.kv_cache_dtype)
+    # W6: the weights as the engine served them (quantized or not) and the KV pool they left
+    memory = measure_weight_memory(model_dir, dtype, device, args.quantize)
+    pool_tokens = int(info["max_batch_total_tokens"])
+    result["memory"] = {"weights": memory, "kv_pool": {
+        "tokens": pool_tokens, "blocks": int(info["num_blocks"]), "bytes": pool_tokens * cost.kv_bytes_per_token}}
+    served = served_cost(cost, int(memory["weight_bytes"]))
+    quantized = memory["quantization"] is not None
+    result["limits"] = {"hardware": hw.as_dict(), "model": cost.as_dict(),
+                        # what a batch-1 decode step reads (an MoE model: its chosen experts only)
+                        "weight_read": weight_read_limit(int(served.step_weight_bytes(1)), hw),
+                        "dense_weight_read": weight_read_limit(int(cost.step_weight_bytes(1)), hw)}
+    print(f"weights {served.weight_bytes / 2**30:.2f} GiB ({memory['quantization'] or 'dense'}), KV pool "
+          f"{pool_tokens} tokens ({pool_tokens * cost.kv_bytes_per_token / 2**30:.2f} GiB); weight-read limit "
+          f"{result['limits']['weight_read']['max_decode_tok_s']:.0f} decode steps/s", flush=True)
     peer: dict[str, Any] = {}
     if args.peer == "hf":
         from .peer_hf import run_gpu_peer
@@ -279,9 +297,12 @@ def _run_model_workloads(args: argparse.Namespace, names: list[str], device: tor
         result["peer"] = {"transformers": peer["transformers"], "static_generate": peer["static"]}
     for w in workloads:
         figures = loom[w.name]
-        limit = w1_limit(cost, hw, w) if w.name == "W1" else w2_limit(cost, hw, w)
+        # the limit of the weights as served: for int4 weights, the int4 weight-read limit
+        limit = w1_limit(served, hw, w) if w.name == "W1" else w2_limit(served, hw, w)
         entry: dict[str, Any] = {"description": w.description, "loom": figures, "limit": limit,
                                  "ratio_to_limit": figures["out_tok_s"] / limit["max_out_tok_s"]}
+        if quantized:  # for comparison: the same workload's limit with the dense weights
+            entry["limit_dense_weights"] = w1_limit(cost, hw, w) if w.name == "W1" else w2_limit(cost, hw, w)
         if w.name in peer:
             entry["peer"] = peer[w.name]
             if peer[w.name].get("out_tok_s"):

@@ -20,13 +20,18 @@ nor the embedding table (a step reads a few of its rows). A batch of ``b`` token
 ``k`` of ``E`` experts is counted as reading ``E * (1 - (1 - k / E) ** b)`` experts per layer,
 the expected number of distinct experts under uniform routing (exactly ``k`` for one token); its
 FLOPs count each token's ``k`` experts.
+
+A quantized model reads its packed weights instead (W6: int4 GPTQ / AWQ, FP8, NF4): the limits
+then take the weight bytes the engine actually holds (``weight_memory``), so ``ratio_to_limit``
+is the share of the int4 (or FP8...) weight-read limit; :func:`weight_read_limit` is that limit
+alone (one decode step that only reads the weights).
 """
 
 from __future__ import annotations
 
 import re
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -129,7 +134,7 @@ class ModelCost:
         return {**asdict(self), "decode_step_weight_bytes_batch_1": self.step_weight_bytes(1)}
 
 
-def model_cost(model_dir: Path, dtype: torch.dtype) -> ModelCost:
+def model_cost(model_dir: Path, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> ModelCost:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from loom.model_loader import model_dims
@@ -156,7 +161,9 @@ def model_cost(model_dir: Path, dtype: torch.dtype) -> ModelCost:
     dims = model_dims(config)
     return ModelCost(weight_bytes=weight_bytes, body_matmul_params=body, head_params=head,
                      num_layers=dims.num_layers, num_heads=dims.num_heads, head_dim=dims.head_dim,
-                     kv_bytes_per_token=2 * dims.num_layers * dims.num_kv_heads * dims.head_dim * elem,
+                     # an FP8 pool (loom/layers/kv_fp8.py): D e4m3 codes and a float32 scale a row
+                     kv_bytes_per_token=2 * dims.num_layers * dims.num_kv_heads * (
+                         dims.head_dim + 4 if kv_cache_dtype in ("fp8", "fp8_e4m3") else dims.head_dim * elem),
                      expert_bytes=expert_params * elem, num_experts=num_experts, experts_per_token=top_k,
                      embedding_bytes=embed.numel() * elem if embed is not head_weight else 0)
 
@@ -165,6 +172,19 @@ def _is_expert_weight(name: str, param: torch.Tensor) -> bool:
     """transformers 5 stacks each layer's experts (``experts.gate_up_proj [E, 2I, H]``); 4 kept
     one module per expert (``experts.3.w1.weight``)."""
     return param.dim() == 3 or re.search(r"\.experts\.\d+\.", name) is not None
+
+
+def served_cost(cost: ModelCost, weight_bytes: int) -> ModelCost:
+    """``cost`` with the bytes of the weights as served (packed int4 / e4m3 / NF4 and their scales,
+    the dense embedding and head): what a quantized model reads each forward pass."""
+    return replace(cost, weight_bytes=weight_bytes)
+
+
+def weight_read_limit(weight_bytes: int, hw: Hardware) -> dict[str, float]:
+    """The fastest decode step that reads ``weight_bytes`` once (no KV, no FLOPs): the weight-read
+    limit of a batch-1 decode (for int4 weights, the int4 weight-read limit)."""
+    step_s = weight_bytes / hw.copy_bytes_per_s
+    return {"weight_bytes": float(weight_bytes), "min_step_s": step_s, "max_decode_tok_s": 1.0 / step_s}
 
 
 def _sequence_work(cost: ModelCost, prompt: int, new: int) -> tuple[float, float]:

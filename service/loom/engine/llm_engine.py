@@ -28,10 +28,11 @@ from loom.worker.model_runner import LaunchedStep, ModelRunner
 from loom.worker.worker import Worker
 
 from .block_manager import BlockManager
-from .kv_pool_sizing import KvPoolSize, available_memory_bytes, kv_bytes_per_token, size_cpu_kv_pool
+from .kv_pool_sizing import KvPoolSize, available_memory_bytes, size_cpu_kv_pool
 from .output_processor import OutputProcessor
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from .step_latency import StepLatencyModel
 from .step_planner import PlannedStep, plan_step
 from .types import (
     AdapterCommand,
@@ -105,6 +106,12 @@ class LLMEngine:
         self._rng = random.Random(config.seed)  # None: seeded from the OS
         self.num_steps = 0
         self._inflight: _Launched | None = None  # a launched step whose results are not read yet
+        # --max-step-latency-ms: step times observed as (launch time, decode rows, prefill tokens)
+        # of the last launch, fitted into the prefill budget of steps with decodes
+        self.step_latency = (StepLatencyModel(config.max_step_latency_ms / 1000, config.max_batch_prefill_tokens,
+                                              min_tokens=config.block_size)
+                             if config.max_step_latency_ms is not None else None)
+        self._last_launch: tuple[float, int, int] | None = None
         trace = os.environ.get("LOOM_STEP_TRACE")  # a JSON line per step (see _trace_step)
         self._trace: TextIO | None = open(trace, "a", buffering=1) if trace else None  # noqa: SIM115
         self.num_async_steps = 0  # steps left in flight while the next one was prepared
@@ -226,6 +233,8 @@ class LLMEngine:
             ),
             self.block_manager,
         )
+        if self.step_latency is not None:
+            self.scheduler.prefill_budget_with_decodes = self.step_latency.prefill_budget
         self.outputs = OutputProcessor(self.scheduler, self.block_manager, self.requests, self.eos_token_ids,
                                        self.max_model_len)
         self.outputs.grammars = self._structured
@@ -279,15 +288,14 @@ class LLMEngine:
     def _size_pool_on_cpu(self) -> KvPoolSize:
         """From the limits, within a share of the memory left after the weights (logged once)."""
         config = self.config
-        model = self.worker.info
-        per_token = kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim,
-                                       self.worker.kv_element_size)
+        per_token = self.worker.kv_bytes_per_token
         available = available_memory_bytes()
         pool = size_cpu_kv_pool(block_size=config.block_size, max_model_len=self.max_model_len,
                                 bytes_per_token=per_token, explicit_tokens=config.max_batch_total_tokens,
                                 sequences=config.cpu_kv_cache_sequences, max_batch_size=config.max_batch_size,
                                 memory_fraction=config.cpu_kv_memory_fraction, available_bytes=available)
         log.info("kv cache sized", device="cpu", max_batch_total_tokens=pool.tokens, kv_blocks=pool.blocks,
+                 kv_cache_dtype=config.kv_cache_dtype,
                  kv_cache_mib=round(pool.bytes / (1 << 20), 1), bytes_per_token=per_token, reason=pool.reason,
                  available_mib=None if available is None else available >> 20)
         if available is not None and pool.bytes > available:
@@ -298,9 +306,7 @@ class LLMEngine:
     def _size_pool_on_gpu(self) -> int:
         """Size the KV pool from what is left after the weights and a warm-up's activation peak."""
         bs = self.config.block_size
-        model = self.worker.info
-        per_block = bs * kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim,
-                                            self.worker.kv_element_size)
+        per_block = bs * self.worker.kv_bytes_per_token
         warm = self._warmup_tokens()
         trial_blocks = -(-(warm + 8) // bs) + 1
         self._build(trial_blocks)
@@ -310,7 +316,8 @@ class LLMEngine:
         log.info("kv cache sized at warm-up", warmup_prefill_tokens=warm, activation_peak_mib=activations >> 20,
                  weights_mib=weights_and_state >> 20, gpu_total_mib=total >> 20,
                  cuda_memory_fraction=self.config.cuda_memory_fraction, kv_blocks=num_blocks,
-                 max_batch_total_tokens=num_blocks * bs)
+                 max_batch_total_tokens=num_blocks * bs, kv_cache_dtype=self.config.kv_cache_dtype,
+                 bytes_per_token=per_block // bs)
         if num_blocks * bs < self.max_model_len:
             raise ConfigError(
                 f"the KV cache left after the weights and a {warm}-token warm-up holds {max(0, num_blocks) * bs} "
@@ -494,6 +501,7 @@ class LLMEngine:
             prev = None
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            self._last_launch = None  # idle: the next gap is not a step's time
             if prev is not None:
                 outputs += self._complete(prev)
             return outputs
@@ -502,6 +510,8 @@ class LLMEngine:
             drafts = self.speculator.add_drafts(sched, self.block_manager, len(self.scheduler.running))
         self.num_steps += 1
         started = time.monotonic()
+        if self.step_latency is not None:
+            self._observe_step_time(sched, started)
         if self._trace is not None:
             self._trace_step(sched, started, overlapped=prev is not None)
         for seq in sched.seqs:
@@ -526,7 +536,19 @@ class LLMEngine:
             self.num_async_steps += 1
         else:
             outputs += self._complete(launched)
+            if not self.has_unfinished():
+                self._last_launch = None  # the engine goes idle: no next launch measures this one
         return outputs
+
+    def _observe_step_time(self, sched: SchedulerOutput, now: float) -> None:
+        """The previous launch's step time is the gap to this one (what a stream waits between
+        tokens, asynchronous scheduling included); remember this launch's shape."""
+        assert self.step_latency is not None
+        if self._last_launch is not None:
+            then, decodes, prefill = self._last_launch
+            self.step_latency.observe(decodes, prefill, now - then)
+        decodes = sum(1 for n in sched.num_new_tokens if n == 1)
+        self._last_launch = (now, decodes, sum(sched.num_new_tokens) - decodes)
 
     def _trace_step(self, sched: SchedulerOutput, now: float, overlapped: bool) -> None:
         """One JSON line per step (``LOOM_STEP_TRACE=FILE``): when it was scheduled, its prefill

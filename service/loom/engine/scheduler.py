@@ -4,7 +4,8 @@ Policy (iteration-level batching, TGI's budget names), in this order every step:
 
 1. **Decodes.** Every running sequence with one token to compute gets its slot, oldest first.
 2. **Running prefills** (chunked prefill): sequences part-way through their prompt get their next
-   chunk, oldest first, while ``max_batch_prefill_tokens`` lasts.
+   chunk, oldest first, while ``max_batch_prefill_tokens`` lasts (in a step with decodes, the
+   smaller budget of a latency target when one is set: ``--max-step-latency-ms``).
 3. **New prompts**, in queue order: priority first (lower value first), then arrival. Each
    starts on its longest cached prefix (prefix caching) and computes the rest, chunked to the
    budget left. Without chunking a prompt joins only whole, and, while sequences run, only when
@@ -74,6 +75,9 @@ class Scheduler:
         self.pending_forks: dict[int, list[Sequence]] = {}  # parent seq_id -> children to fork
         self.steps_since_prefill = 0
         self.counters = SchedulerCounters()
+        # --max-step-latency-ms (engine/step_latency.py): the prompt tokens a step that carries
+        # this many decode rows may prefill; None: max_batch_prefill_tokens for every step.
+        self.prefill_budget_with_decodes: Callable[[int], int] | None = None
 
     @property
     def num_preemptions(self) -> int:
@@ -121,6 +125,8 @@ class Scheduler:
         budget = self.config.max_batch_prefill_tokens
         decodes, chunks = self._running_work()
         budget = self._schedule_running(out, now, budget, decodes, is_decode=True)
+        if out.seqs and self.prefill_budget_with_decodes is not None:  # streams wait on this step
+            budget = min(budget, self.prefill_budget_with_decodes(len(out.seqs)))
         if self.config.enable_chunked_prefill:
             budget = self._schedule_running(out, now, budget, chunks, is_decode=False)
         if not out.preempted:

@@ -91,6 +91,9 @@ class AttentionBackend(Generic[PlanT]):
     # ``cap * tanh(scale * q.k / cap)`` before the mask and softmax. A model whose layers cap
     # their scores refuses a backend without it (see Attention.forward).
     supports_logits_soft_cap: bool = False
+    # True when forward() reads and writes the packed FP8 pool of ``loom.layers.kv_fp8``
+    # (``--kv-cache-dtype fp8``): e4m3 codes and a float32 scale per (token, KV head) row.
+    supports_fp8_kv_cache: bool = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -100,9 +103,35 @@ class AttentionBackend(Generic[PlanT]):
         self.dtype = dtype
         self.device = device
         self._graph_buffers: dict[int, StaticAttentionBuffers] = {}  # query_len -> buffers
+        self.fp8_kv_cache = False  # set by use_fp8_kv_cache(), before the pool is allocated
+
+    def use_fp8_kv_cache(self) -> None:
+        """Allocate (and read) the packed FP8 pool of ``loom.layers.kv_fp8`` from now on."""
+        from . import kv_fp8
+
+        if not self.supports_fp8_kv_cache:
+            raise ValueError(f"the {self.name!r} attention backend cannot read an FP8 KV cache")
+        kv_fp8.packed_row_bytes(self.head_dim)  # refuses a head_dim the format cannot align
+        self.fp8_kv_cache = True
+
+    @property
+    def kv_bytes_per_token_per_layer(self) -> int:
+        """Bytes one token's K and V take in one layer's pool."""
+        from . import kv_fp8
+
+        if self.fp8_kv_cache:
+            return 2 * self.num_kv_heads * kv_fp8.packed_row_bytes(self.head_dim)
+        return 2 * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
 
     def allocate_kv_cache(self, num_layers: int, num_blocks: int, block_size: int) -> list[torch.Tensor]:
-        """One cache tensor per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``."""
+        """One cache tensor per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` in the
+        model's dtype, or the packed FP8 pool ``[2, num_blocks, block_size, num_kv_heads, head_dim + 4]``
+        uint8 (``loom.layers.kv_fp8``)."""
+        if self.fp8_kv_cache:
+            from . import kv_fp8
+
+            return [kv_fp8.allocate(num_blocks, block_size, self.num_kv_heads, self.head_dim, self.device)
+                    for _ in range(num_layers)]
         shape = (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
         return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
 

@@ -63,11 +63,12 @@ def checkpoint_quantizer(model_dir: Path, quantize: str, registry: PluginRegistr
 
 def check_dense_quantize(model_dir: Path | None, quantize: str, registry: PluginRegistry) -> None:
     """``--quantize NAME`` on a dense checkpoint (``model_dir`` None: a random-weight model, which
-    has no checkpoint): NAME must quantize while loading, or find its own format there."""
+    has no checkpoint): NAME must quantize while loading, or find its own format there (a
+    random-weight model also takes the quantizers that ``quantizes_random_weights``: gptq, awq)."""
     if quantize in ("auto", "none"):
         return
     cls = registry.quantizer(quantize).load()
-    if cls.quantizes_while_loading:
+    if cls.quantizes_while_loading or (model_dir is None and getattr(cls, "quantizes_random_weights", False)):
         return
     if model_dir is not None and cls.for_checkpoint(model_dir):
         return

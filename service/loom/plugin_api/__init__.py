@@ -26,7 +26,7 @@ from .specs import (
 from .speculative import DraftRequest, Proposer, ProposerContext
 
 if TYPE_CHECKING:
-    from .attention import AttentionBackend, AttentionMetadata, StaticAttentionBuffers, write_kv
+    from .attention import AttentionBackend, AttentionMetadata, StaticAttentionBuffers, kv_fp8, write_kv
     from .moe import FusedMoEMethod
     from .quantization import (
         LinearMethod,
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     )
 
 _LAZY = {name: ".attention" for name in ("AttentionBackend", "AttentionMetadata", "StaticAttentionBuffers",
-                                         "write_kv")}
+                                         "kv_fp8", "write_kv")}
 _LAZY |= {name: ".quantization" for name in ("LinearMethod", "QuantizationConfig", "QuantizationError",
                                              "UnquantizedLinearMethod", "WeightLoader", "set_weight_attrs")}
 _LAZY["FusedMoEMethod"] = ".moe"
@@ -75,6 +75,7 @@ __all__ = [
     "WeightLoader",
     "default_registry",
     "hookimpl",
+    "kv_fp8",
     "normalise_name",
     "set_weight_attrs",
     "write_kv",

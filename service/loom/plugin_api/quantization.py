@@ -140,6 +140,10 @@ class QuantizationConfig(ABC):
     quant_methods: ClassVar[tuple[str, ...]] = ()
     # True: ``--quantize NAME`` on a dense checkpoint quantizes each layer while it loads.
     quantizes_while_loading: ClassVar[bool] = False
+    # True: ``--quantize NAME`` on a random-weight model (``random:NAME``, benchmarks) quantizes
+    # the drawn weights while they load, though a dense checkpoint is refused (GPTQ and AWQ need
+    # their calibrated checkpoints; random weights need only the format, for speed).
+    quantizes_random_weights: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod

@@ -30,9 +30,12 @@ def plugins_in_use(info: EngineInfo) -> list[pb.PluginInUse]:
     for entry in info.plugins:
         kind, _, rest = entry.partition(":")
         name, _, query = rest.partition("?")
-        if name and (kind, name) not in wanted:
+        if not name:
+            continue
+        if (kind, name) not in wanted:
             wanted.append((kind, name))
-            settings[(kind, name)] = dict(parse_qsl(query))
+        # the attention backend's entry carries settings only (e.g. an FP8 KV cache)
+        settings.setdefault((kind, name), {}).update(parse_qsl(query))
     try:
         from loom.plugin_api import default_registry
 

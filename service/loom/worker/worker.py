@@ -19,6 +19,7 @@ import structlog
 import torch
 
 from loom.config import ConfigError, EngineConfig
+from loom.layers.kv_fp8 import is_fp8_kv_cache_dtype
 from loom.lora.layers import LoraKernel, LoraSlots
 from loom.plugin_api import PluginRegistry
 from loom.process_tuning import keep_freed_memory
@@ -113,6 +114,12 @@ class Worker:
             backend_spec = registry.attention_backend("torch")
         self.backend = backend_spec.load()(shape.num_heads, shape.num_kv_heads, shape.head_dim, self.dtype,
                                            self.device)
+        if is_fp8_kv_cache_dtype(config.kv_cache_dtype):
+            try:
+                self.backend.use_fp8_kv_cache()
+            except ValueError as exc:
+                raise ConfigError(f"--kv-cache-dtype {config.kv_cache_dtype}: {exc}; the torch and paged "
+                                  "backends can") from exc
         self.model = cast(CausalLM, loaded.model)
         self.shape = shape
         self.info = LoadedModelInfo(
@@ -120,7 +127,7 @@ class Worker:
             quantization=loaded.quantization, attention_backend=backend_spec.name, num_layers=shape.num_layers,
             num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, vocab_size=shape.vocab_size,
             max_position_embeddings=shape.max_position_embeddings, eos_token_ids=eos_token_ids(model_dir),
-            plugins=loaded.plugin_entries())
+            plugins=loaded.plugin_entries() + self._kv_cache_entries(backend_spec.name))
         self.runner: ModelRunner | None = None
         self.lora: LoraSlots | None = None
         if config.num_lora_slots:
@@ -128,10 +135,17 @@ class Worker:
             self.lora = LoraSlots(cast(torch.nn.Module, self.model), config.num_lora_slots, config.max_lora_rank,
                                   self.device, self.dtype, _lora_kernel(self.device))
 
+    def _kv_cache_entries(self, backend: str) -> tuple[str, ...]:
+        """EngineInfo.plugins' entry for the attention backend's KV format (GetModelInfo, loom plugins)."""
+        if not self.backend.fp8_kv_cache:
+            return ()
+        return (f"attention:{backend}?kv_cache_dtype=fp8_e4m3&kv_cache_scales=per_token_and_head",)
+
     # -- the KV pool ---------------------------------------------------------------------------------
     @property
-    def kv_element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+    def kv_bytes_per_token(self) -> int:
+        """One token's K and V in every layer of the pool (FP8 codes and scales, or the model's dtype)."""
+        return self.shape.num_layers * self.backend.kv_bytes_per_token_per_layer
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """(Re)allocate the KV pool for ``num_blocks`` blocks and a runner over it."""

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import grpc.aio
 
+from ._balancing import channel_options
 from ._requests import (
     ChannelOptions,
     ChatMessageLike,
@@ -52,11 +53,14 @@ class AsyncLoomClient:
         root_certificates: bytes | None = None,
         certificate_chain: bytes | None = None,
         private_key: bytes | None = None,
+        load_balancing: str | None = None,
+        max_attempts: int = 1,
     ) -> None:
         self.target = target
         self.timeout = timeout
         self.metadata = api_key_metadata(api_key, metadata)
         credentials = resolve_credentials(credentials, root_certificates, certificate_chain, private_key)
+        options = channel_options(options, load_balancing, max_attempts)
         if credentials is None:
             self._channel = grpc.aio.insecure_channel(target, options=options)
         else:

@@ -24,6 +24,7 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from . import __version__
+from ._balancing import LOAD_BALANCING_POLICIES
 from ._requests import ChatMessageLike
 from ._security import read_pem, tls_credentials
 from .client import LoomClient
@@ -115,6 +116,19 @@ def _add_common(parser: argparse.ArgumentParser, *, suppress: bool) -> None:
         "--api-key",
         default=default(os.environ.get("LOOM_API_KEY")),
         help="send 'authorization: Bearer KEY' (default: $LOOM_API_KEY)",
+    )
+    parser.add_argument(
+        "--load-balancing",
+        choices=LOAD_BALANCING_POLICIES,
+        default=default(None),
+        help="gRPC policy over the addresses TARGET resolves to (dns:///host:port, ipv4:a:p,b:p)",
+    )
+    parser.add_argument(
+        "--max-attempts",
+        type=int,
+        default=default(1),
+        metavar="N",
+        help="try a call answered UNAVAILABLE before any output up to N times in all (max 5)",
     )
     parser.add_argument(
         "--metadata",
@@ -440,6 +454,8 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: T
             metadata=args.metadata,
             credentials=_credentials(args),
             api_key=args.api_key or None,
+            load_balancing=args.load_balancing,
+            max_attempts=args.max_attempts,
         ) as client:
             _COMMANDS[args.command](client, args, out, err)
     except (UsageError, ValueError, TypeError) as exc:

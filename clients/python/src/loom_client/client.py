@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from ._balancing import channel_options
 from ._requests import (
     ChannelOptions,
     ChatMessageLike,
@@ -50,6 +51,13 @@ class LoomClient:
     ``certificate_chain`` and ``private_key``; or pass any ``credentials``
     (``grpc.ssl_channel_credentials()``: TLS with the system's roots). ``options`` are gRPC
     channel arguments.
+
+    Several servers: give a target that resolves to all of them (``dns:///loom-headless:50051``
+    or ``ipv4:10.0.0.1:50051,10.0.0.2:50051``) with ``load_balancing="round_robin"`` (gRPC's own
+    policy: calls in turn over every connected server; the default, ``pick_first``, uses one).
+    ``max_attempts`` (up to 5) retries a call the server answered UNAVAILABLE before sending
+    anything, e.g. one that is draining, on the next server; a stream that fails after its first
+    token is raised, not replayed.
     """
 
     def __init__(
@@ -64,11 +72,14 @@ class LoomClient:
         root_certificates: bytes | None = None,
         certificate_chain: bytes | None = None,
         private_key: bytes | None = None,
+        load_balancing: str | None = None,
+        max_attempts: int = 1,
     ) -> None:
         self.target = target
         self.timeout = timeout
         self.metadata = api_key_metadata(api_key, metadata)
         credentials = resolve_credentials(credentials, root_certificates, certificate_chain, private_key)
+        options = channel_options(options, load_balancing, max_attempts)
         if credentials is None:
             self._channel = grpc.insecure_channel(target, options=options)
         else:

@@ -1,0 +1,385 @@
+"""Triton kernels over the packed layout of ``w4a16_layout``: GPTQ and AWQ (integer codes with
+zero points) and NF4 (a 16-value table) in one family, chosen by the number of tokens M:
+
+- M = 1 (a decode step of one sequence): a GEMV. Each program dequantizes a ``[BLOCK_K,
+  BLOCK_N]`` tile of ``W^T`` to float32 in registers and accumulates ``w * x`` elementwise,
+  summing over K once at the end: no tensor cores, no shared-memory round trip, so the time is
+  the time to read the packed weights.
+- 1 < M < ``DENSE_FROM_TOKENS``: a tiled GEMM, ``tl.dot`` of the activations with the tile
+  dequantized to the activations' dtype (float32 accumulation).
+- M >= ``DENSE_FROM_TOKENS`` (prefill): one kernel dequantizes the whole weight to a dense
+  ``W^T [K, N]`` and cuBLAS multiplies; dequantizing once costs little next to M x K x N FLOPs,
+  while the fused GEMM would redo it for every tile of M.
+
+Both fused kernels split K over programs when the output alone would not give the GPU enough
+of them (M small; targets: 8 GEMV or 4 GEMM programs an SM): each split writes float32 partial
+sums, and a second kernel adds them in a fixed order, adds the bias and casts (deterministic, no
+atomics).
+
+Every launch depends only on shapes (the plan is a function of M, N, K and the group size):
+no host synchronisation and no allocation that depends on data, so the kernels run inside CUDA
+graphs. Act-order layers read ``x[:, perm]`` while loading the activations.
+
+Accuracy: the weight is ``(q - zero) * scale`` (or ``table[q] * scale``) in float32 from
+scales stored in the activations' dtype. The GEMV multiplies in float32; the GEMM rounds the
+dequantized tile to the activations' dtype first (as the dense path does); both accumulate in
+float32 and round the output once. ``tests/gpu/test_quant_kernels_gpu.py`` states the bound.
+
+Triton is optional: without it this module imports and :func:`available` is False.
+"""
+
+# mypy: disable-error-code="no-untyped-def"
+# (Triton kernels take untyped pointer arguments; annotations there would change their meaning.)
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from loom import kernel_switches
+
+from .w4a16_layout import Segment, W4A16Layout
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:
+    HAS_TRITON = False
+
+
+def _jit(fn: Callable[..., Any]) -> Any:
+    """``triton.jit``; without triton the kernels stay plain functions, never launched."""
+    return triton.jit(fn) if HAS_TRITON else fn
+
+
+# At and above this many tokens a layer dequantizes its weight once and cuBLAS multiplies.
+# Overridable for tuning on a given GPU (LOOM_W4A16_DENSE_FROM=256 ...); read once at import.
+DENSE_FROM_TOKENS = int(os.environ.get("LOOM_W4A16_DENSE_FROM", "1024"))
+# Split K until the grid holds this many programs per SM (or a split has one K block left): the
+# GEMV's programs are small (a 64 x 64 tile), and a batch-1 decode needs many loads in flight.
+_PROGRAMS_PER_SM = {"gemv": 8, "gemm": 4}
+_MAX_SPLIT = 16
+
+
+def available() -> bool:
+    return HAS_TRITON
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernels
+# ------------------------------------------------------------------------------------------------
+
+
+@_jit
+def _weight_tile(qw_ptr, s_ptr, z_ptr, lut_ptr, k0, offs_n, n_mask, K, stride_qk, stride_sk,
+                 GROUP: tl.constexpr, BITS: tl.constexpr, F: tl.constexpr, LUT: tl.constexpr,
+                 ONE_GROUP: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``W^T[k0 : k0 + BLOCK_K, offs_n]`` as float32 (0 past K or N). k0 is a multiple of BLOCK_K;
+    ``F = 32 / BITS`` codes a word, ``WORDS = BLOCK_K / F`` word rows a tile, ``ONE_GROUP``:
+    ``GROUP % BLOCK_K == 0`` (constants the launcher derives: Triton's interpreter cannot)."""
+    rows = k0 // F + tl.arange(0, WORDS)  # word rows of the tile
+    words = tl.load(qw_ptr + rows[:, None] * stride_qk + offs_n[None, :],
+                    mask=(rows < K // F)[:, None] & n_mask[None, :], other=0)  # [BLOCK_K / F, BLOCK_N]
+    shifts = tl.arange(0, F) * BITS
+    # input r*F + j of a column sits in bits j*BITS of word r (an arithmetic shift, then the mask)
+    q = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)  # [BLOCK_K / F, F, BLOCK_N]
+    q = tl.reshape(q, (BLOCK_K, BLOCK_N))
+    if ONE_GROUP:  # the tile lies in one group: one row of scales (and zeros)
+        g = k0 // GROUP
+        s = tl.load(s_ptr + g * stride_sk + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if LUT:
+            v = tl.load(lut_ptr + q)
+        else:
+            z = tl.load(z_ptr + g * stride_sk + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            v = q.to(tl.float32) - z
+    else:  # groups smaller than the tile (or not aligned to it): each input's own group
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        g2 = (offs_k // GROUP)[:, None] * stride_sk + offs_n[None, :]
+        mask = (offs_k < K)[:, None] & n_mask[None, :]
+        s = tl.load(s_ptr + g2, mask=mask, other=0.0).to(tl.float32)
+        if LUT:
+            v = tl.load(lut_ptr + q)
+        else:
+            v = q.to(tl.float32) - tl.load(z_ptr + g2, mask=mask, other=0.0).to(tl.float32)
+    return v * s
+
+
+@_jit
+def _gemv_kernel(x_ptr, perm_ptr, qw_ptr, s_ptr, z_ptr, lut_ptr, bias_ptr, out_ptr,
+                 N, K, K_SPLIT, stride_qk, stride_sk, stride_os,
+                 GROUP: tl.constexpr, BITS: tl.constexpr, F: tl.constexpr, LUT: tl.constexpr,
+                 ONE_GROUP: tl.constexpr, WORDS: tl.constexpr, HAS_PERM: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # One program: BLOCK_N outputs of the one token, over K_SPLIT inputs (split pid_s).
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    k_start = pid_s * K_SPLIT
+    k_end = tl.minimum(k_start + K_SPLIT, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        if HAS_PERM:  # noqa: SIM108 (a constexpr branch, kept as a plain if for Triton)
+            src = tl.load(perm_ptr + offs_k, mask=k_mask, other=0)
+        else:
+            src = offs_k
+        x = tl.load(x_ptr + src, mask=k_mask, other=0.0).to(tl.float32)
+        w = _weight_tile(qw_ptr, s_ptr, z_ptr, lut_ptr, k0, offs_n, n_mask, K, stride_qk, stride_sk,
+                         GROUP, BITS, F, LUT, ONE_GROUP, BLOCK_K, WORDS, BLOCK_N)
+        acc += w * x[:, None]
+    y = tl.sum(acc, axis=0)  # [BLOCK_N]
+    if PARTIAL:
+        tl.store(out_ptr + pid_s * stride_os + offs_n, y, mask=n_mask)
+    else:
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@_jit
+def _gemm_kernel(x_ptr, perm_ptr, qw_ptr, s_ptr, z_ptr, lut_ptr, bias_ptr, out_ptr,
+                 M, N, K, K_SPLIT, stride_xm, stride_qk, stride_sk, stride_om, stride_os,
+                 GROUP: tl.constexpr, BITS: tl.constexpr, F: tl.constexpr, LUT: tl.constexpr,
+                 ONE_GROUP: tl.constexpr, WORDS: tl.constexpr, HAS_PERM: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, IEEE: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # One program: a [BLOCK_M, BLOCK_N] output tile over K_SPLIT inputs (split pid_s).
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_start = pid_s * K_SPLIT
+    k_end = tl.minimum(k_start + K_SPLIT, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        if HAS_PERM:  # noqa: SIM108 (a constexpr branch, kept as a plain if for Triton)
+            src = tl.load(perm_ptr + offs_k, mask=k_mask, other=0)
+        else:
+            src = offs_k
+        x = tl.load(x_rows + src[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = _weight_tile(qw_ptr, s_ptr, z_ptr, lut_ptr, k0, offs_n, n_mask, K, stride_qk, stride_sk,
+                         GROUP, BITS, F, LUT, ONE_GROUP, BLOCK_K, WORDS, BLOCK_N).to(x.dtype)
+        if IEEE:  # noqa: SIM108 - float32 activations: no TF32 rounding of the operands
+            acc = tl.dot(x, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc)
+    mask = m_mask[:, None] & n_mask[None, :]
+    if PARTIAL:
+        tl.store(out_ptr + pid_s * stride_os + offs_m[:, None] * stride_om + offs_n[None, :], acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@_jit
+def _split_sum_kernel(part_ptr, bias_ptr, out_ptr, N, SPLIT, stride_ps, stride_pm, stride_om,
+                      HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+    # The float32 partial sums of every split of row m, in split order, plus the bias, cast.
+    m = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for s in range(0, SPLIT):
+        acc += tl.load(part_ptr + s * stride_ps + m * stride_pm + offs_n, mask=n_mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@_jit
+def _dequant_kernel(perm_ptr, qw_ptr, s_ptr, z_ptr, lut_ptr, out_ptr, N, K, stride_qk, stride_sk, stride_ok,
+                    GROUP: tl.constexpr, BITS: tl.constexpr, F: tl.constexpr, LUT: tl.constexpr,
+                 ONE_GROUP: tl.constexpr, WORDS: tl.constexpr, HAS_PERM: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # One program: W^T[k tile, n tile] in the output dtype, rows put back in the layer's input order.
+    k0 = tl.program_id(0) * BLOCK_K
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    k_mask = offs_k < K
+    w = _weight_tile(qw_ptr, s_ptr, z_ptr, lut_ptr, k0, offs_n, n_mask, K, stride_qk, stride_sk,
+                     GROUP, BITS, F, LUT, ONE_GROUP, BLOCK_K, WORDS, BLOCK_N)
+    if HAS_PERM:  # noqa: SIM108 (a constexpr branch, kept as a plain if for Triton)
+        dst = tl.load(perm_ptr + offs_k, mask=k_mask, other=0)
+    else:
+        dst = offs_k
+    out = out_ptr + dst.to(tl.int64)[:, None] * stride_ok + offs_n[None, :]
+    tl.store(out, w.to(out_ptr.dtype.element_ty), mask=k_mask[:, None] & n_mask[None, :])
+
+
+# ------------------------------------------------------------------------------------------------
+# Launch plans
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Plan:
+    kind: str  # "gemv", "gemm" or "dense"
+    block_m: int
+    block_n: int
+    block_k: int
+    split: int  # programs along K
+    k_split: int  # inputs per split (a multiple of block_k)
+    num_warps: int
+    num_stages: int
+
+
+def block_k_for(group: int) -> int:
+    """The largest K tile that stays inside one group (one row of scales a tile); 64 with
+    per-input scale gathers when the group size is not a multiple of 16."""
+    for b in (128, 64, 32, 16):
+        if group % b == 0:
+            return b
+    return 64
+
+
+@functools.lru_cache(maxsize=4096)
+def plan(m: int, n: int, k: int, group: int, sms: int, dense_from: int) -> Plan:
+    """How a call of ``m`` tokens on an ``n x k`` layer runs (a pure function of the shapes)."""
+    bk = block_k_for(group)
+    if m >= dense_from:
+        return Plan("dense", 0, 128, bk, 1, k, 4, 1)
+    if m == 1:  # a [64, 64] float32 accumulator: 32 registers a thread, several programs an SM
+        kind, bm, bn, warps, stages = "gemv", 1, 64, 4, 4
+        bk = min(bk, 64)  # still inside one group: group sizes are multiples of 64 or of bk
+    elif m <= 16:
+        kind, bm, bn, warps, stages = "gemm", 16, 64, 4, 4
+    elif m <= 32:
+        kind, bm, bn, warps, stages = "gemm", 32, 64, 4, 4
+    elif m <= 64:
+        kind, bm, bn, warps, stages = "gemm", 64, 128, 4, 3
+    else:
+        kind, bm, bn, warps, stages = "gemm", 128, 128, 8, 3
+    k_blocks = -(-k // bk)
+    tiles = -(-n // bn) * -(-m // bm)
+    split = 1
+    while tiles * split < _PROGRAMS_PER_SM[kind] * sms and split * 2 <= min(_MAX_SPLIT, k_blocks):
+        split *= 2
+    k_split = -(-k_blocks // split) * bk
+    split = -(-k // k_split)  # no empty split
+    return Plan(kind, bm, bn, bk, split, k_split, warps, stages)
+
+
+@functools.cache
+def _sm_count(device_index: int | None) -> int:
+    return int(torch.cuda.get_device_properties(device_index or 0).multi_processor_count)
+
+
+def sm_count(device: torch.device) -> int:
+    return _sm_count(device.index) if device.type == "cuda" else 4
+
+
+# ------------------------------------------------------------------------------------------------
+# Entry points
+# ------------------------------------------------------------------------------------------------
+
+
+def _seg_args(layout: W4A16Layout, seg: Segment) -> tuple[torch.Tensor, ...]:
+    cols = slice(seg.start, seg.end)
+    qw, s = layout.qweight[:, cols], layout.scales[:, cols]
+    z = layout.zeros[:, cols] if layout.zeros is not None else s  # not read for NF4
+    perm = seg.perm if seg.perm is not None else qw  # not read without act-order
+    lut = seg.table if seg.table is not None else s  # not read for integer codes
+    return perm, qw, s, z, lut
+
+
+def _layout_flags(layout: W4A16Layout, seg: Segment, block_k: int) -> dict[str, Any]:
+    f = 32 // layout.bits
+    return dict(GROUP=layout.group_size, BITS=layout.bits, F=f, LUT=seg.table is not None,
+                ONE_GROUP=layout.group_size % block_k == 0, WORDS=block_k // f, HAS_PERM=seg.perm is not None)
+
+
+def w4a16_linear(x: torch.Tensor, layout: W4A16Layout, bias: torch.Tensor | None = None,
+                 dense_from: int | None = None) -> torch.Tensor:
+    """``x [..., K] @ W^T (+ bias)`` in ``x``'s dtype, W given by ``layout``."""
+    k, n = layout.in_features, layout.out_features
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.view(*lead, n)
+    p = plan(m, n, k, layout.group_size, sm_count(x.device), DENSE_FROM_TOKENS if dense_from is None else dense_from)
+    if p.kind == "dense":
+        wt = dequantize_t(layout, x.dtype, p)
+        if bias is None:
+            torch.matmul(x2, wt, out=out)
+        else:
+            torch.addmm(bias.to(x.dtype), x2, wt, out=out)
+        return out.view(*lead, n)
+    for seg in layout.segments:
+        _fused(x2, layout, seg, bias, out[:, seg.start:seg.end], p)
+    return out.view(*lead, n)
+
+
+def _fused(x2: torch.Tensor, layout: W4A16Layout, seg: Segment, bias: torch.Tensor | None, out: torch.Tensor,
+           p: Plan) -> None:
+    m, k = x2.shape
+    n = seg.end - seg.start
+    perm, qw, s, z, lut = _seg_args(layout, seg)
+    b = bias[seg.start:seg.end] if bias is not None else s
+    partial = p.split > 1
+    target = torch.empty(p.split, m, n, dtype=torch.float32, device=x2.device) if partial else out
+    stride_os = target.stride(0) if partial else 0
+    stride_om = target.stride(1) if partial else out.stride(0)
+    flags = dict(**_layout_flags(layout, seg, p.block_k), HAS_BIAS=bias is not None, PARTIAL=partial,
+                 BLOCK_N=p.block_n, BLOCK_K=p.block_k, num_warps=p.num_warps, num_stages=p.num_stages)
+    if p.kind == "gemv":
+        _gemv_kernel[(triton.cdiv(n, p.block_n), p.split)](x2, perm, qw, s, z, lut, b, target, n, k, p.k_split, qw.stride(0), s.stride(0),
+                           stride_os, **flags)
+    else:
+        _gemm_kernel[(triton.cdiv(n, p.block_n), triton.cdiv(m, p.block_m), p.split)](x2, perm, qw, s, z, lut, b, target, m, n, k, p.k_split, x2.stride(0), qw.stride(0),
+                           s.stride(0), stride_om, stride_os, IEEE=x2.dtype == torch.float32,
+                           BLOCK_M=p.block_m, **flags)
+    if partial:
+        block = 256
+        _split_sum_kernel[(m, triton.cdiv(n, block))](target, b, out, n, p.split, target.stride(0),
+                                                     target.stride(1), out.stride(0), HAS_BIAS=bias is not None,
+                                                     BLOCK_N=block, num_warps=4)
+
+
+def dequantize_t(layout: W4A16Layout, dtype: torch.dtype, p: Plan | None = None) -> torch.Tensor:
+    """``W^T [K, N]`` in ``dtype``, in the layer's input order, by the dequantizing kernel."""
+    k, n = layout.in_features, layout.out_features
+    p = p or plan(DENSE_FROM_TOKENS, n, k, layout.group_size, 1, DENSE_FROM_TOKENS)
+    wt = torch.empty(k, n, dtype=dtype, device=layout.qweight.device)
+    for seg in layout.segments:
+        perm, qw, s, z, lut = _seg_args(layout, seg)
+        dst = wt[:, seg.start:seg.end]
+        grid = (triton.cdiv(k, p.block_k), triton.cdiv(seg.end - seg.start, p.block_n))
+        _dequant_kernel[grid](perm, qw, s, z, lut, dst, seg.end - seg.start, k, qw.stride(0), s.stride(0),
+                              dst.stride(0), **_layout_flags(layout, seg, p.block_k), BLOCK_N=p.block_n,
+                              BLOCK_K=p.block_k, num_warps=4)
+    return wt
+
+
+def repacks_on(device: torch.device) -> bool:
+    """Whether layers loaded on ``device`` are repacked for these kernels (CUDA, Triton installed)."""
+    return device.type == "cuda" and HAS_TRITON
+
+
+def layer_kernel(layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """A ``DequantLinearMethod`` kernel: the layer's repacked weight (None when it was not
+    repacked, when ``LOOM_FUSED_KERNELS=0``, or for another activation dtype)."""
+    layout = layer.__dict__.get("w4a16")
+    if layout is None or not kernel_switches.fused_kernels or x.dtype != layout.dtype:
+        return None
+    return w4a16_linear(x, layout, bias)

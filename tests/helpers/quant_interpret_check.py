@@ -1,0 +1,152 @@
+"""The quantizers' Triton kernels on the CPU, through Triton's interpreter.
+
+Run as a script in its own process (``TRITON_INTERPRET`` must be set before the kernels are
+defined, and must not leak into a process that compiles them for a GPU); prints one line per
+case and exits non-zero on a failure. ``tests/unit/test_quant_triton_interpreter.py`` runs it.
+
+- W4A16 (``w4a16_triton``): the GEMV (one token), the tiled GEMM with split-K, and the
+  dequantize-then-matmul path, on small layouts of integer codes (GPTQ / AWQ) and NF4 tables,
+  with act-order permutations, fused segments, 2-, 4- and 8-bit codes, a bias, and group sizes
+  inside / across / not aligned with the K tiles; against the layout's torch dequantization,
+  within the bound ``|y - ref| <= (2u + K 2^-24) (|x| @ |W|^T) + u |ref|`` (u: the unit roundoff
+  of the activations' dtype: the dequantized weight is rounded once, its bf16 scale once, the
+  output once; float32 accumulation).
+- FP8 (``fp8_triton.quantize_rows``): codes and scales bit for bit equal to the CPU emulation.
+
+bf16 GEMM cases are left to the GPU tests: the interpreter of triton 3.6 computes bf16 dots
+wrongly (numpy has no bf16); the bf16 GEMV and dequantizing kernels are covered here.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _setup() -> None:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from helpers import triton_interpret
+
+    triton_interpret.setup_script()
+
+
+def int_layout(k: int, n: int, group: int, bits: int, parts: list[int], act_order: bool, dtype: Any,
+               seed: int) -> Any:
+    import torch
+
+    from loom_plugins.quant import w4a16_layout as wl
+
+    g = torch.Generator().manual_seed(seed)
+    gs = k if group == -1 else group
+    maxq = (1 << bits) - 1
+    codes = torch.randint(0, maxq + 1, (k, n), generator=g, dtype=torch.int32)
+    zeros = torch.randint(0, maxq + 1, (k // gs, n), generator=g, dtype=torch.int32)
+    scales = (torch.rand(k // gs, n, generator=g) * 0.01 + 0.001).half()
+    g_idx = None
+    if act_order:  # one order per part (distinct): one segment each
+        g_idx = torch.stack([torch.randperm(k, generator=g) // gs for _ in parts]).to(torch.int32)
+    return wl.from_int_codes(codes, zeros, scales, bits, group, parts, g_idx, dtype)
+
+
+def nf4_layout(k: int, parts: list[int], distinct_tables: bool, dtype: Any, seed: int) -> Any:
+    import torch
+
+    from loom_plugins.quant import w4a16_layout as wl
+    from loom_plugins.quant.nf4 import nf4_table, quantize_nf4
+
+    g = torch.Generator().manual_seed(seed)
+    made = []
+    for i, rows in enumerate(parts):
+        packed, absmax = quantize_nf4(torch.randn(rows, k, generator=g))
+        table = nf4_table() * (1.0 + 0.25 * i if distinct_tables else 1.0)
+        made.append((packed, absmax, table, 64, (rows, k)))
+    return wl.from_nf4_parts(made, dtype)
+
+
+def check_w4a16(label: str, layout: Any, m: int, dtype: Any, bias: bool, dense: bool, seed: int) -> bool:
+    import torch
+
+    from loom_plugins.quant import w4a16_triton as wt
+
+    g = torch.Generator().manual_seed(seed)
+    k, n = layout.in_features, layout.out_features
+    x = torch.randn(m, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    p = wt.plan(m, n, k, layout.group_size, wt.sm_count(x.device), 1 if dense else wt.DENSE_FROM_TOKENS)
+    y = wt.w4a16_linear(x, layout, b, dense_from=1 if dense else None)
+    w = layout.dequantize(torch.float32).double()  # [N, K], the torch path of the same layout
+    ref = x.double() @ w.t() + (b.double() if b is not None else 0.0)
+    s = x.double().abs() @ w.abs().t()
+    u = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}[dtype]
+    bound = (2 * u + k * 2.0**-24) * s + u * ref.abs() + 1e-30
+    err = (y.double() - ref).abs()
+    ok = y.shape == (m, n) and y.dtype == dtype and bool((err <= bound).all())
+    print(f"{'ok  ' if ok else 'FAIL'} {label}: {p.kind} split {p.split} segments {len(layout.segments)}, "
+          f"max err / bound {float((err / bound).max()):.3f}", flush=True)
+    return ok
+
+
+def check_fp8_rows(dtype: Any, m: int, k: int, static: bool, seed: int) -> bool:
+    import torch
+
+    from loom_plugins.quant.fp8 import fake_quantize_activations, quantize_fp8
+    from loom_plugins.quant.fp8_triton import quantize_rows
+
+    g = torch.Generator().manual_seed(seed)
+    # rows from tiny to large magnitudes, one all-zero row, values in e4m3's subnormal range
+    x = (torch.randn(m, k, generator=g) * torch.logspace(-4, 3, m).unsqueeze(1)).to(dtype)
+    x[m // 2] = 0
+    scale_in = torch.tensor([0.0173], dtype=torch.float32) if static else None
+    q, scales = quantize_rows(x, scale_in)
+    xf = x.float()
+    expected_scale = scale_in.expand(m, 1) if scale_in is not None else \
+        (xf.abs().amax(dim=-1, keepdim=True) / 448.0).clamp(min=1e-12)
+    expected = quantize_fp8(xf, expected_scale)
+    ok = (torch.equal(scales, expected_scale) and torch.equal(q.view(torch.uint8), expected.view(torch.uint8))
+          and torch.equal((q.float() * scales).to(dtype), fake_quantize_activations(x, scale_in)))
+    print(f"{'ok  ' if ok else 'FAIL'} fp8 rows {dtype} {m}x{k} {'static' if static else 'dynamic'}", flush=True)
+    return ok
+
+
+def main() -> int:
+    _setup()
+    import torch
+
+    f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
+    results = [
+        check_w4a16("gptq g32 fp32 M=1", int_layout(128, 64, 32, 4, [64], False, f32, 0), 1, f32, False, False, 0),
+        check_w4a16("gptq g64 bf16 M=1 bias", int_layout(256, 96, 64, 4, [96], False, bf16, 1), 1, bf16, True,
+                    False, 1),
+        check_w4a16("gptq g32 fp16 M=3", int_layout(128, 64, 32, 4, [64], False, f16, 2), 3, f16, False, False, 2),
+        check_w4a16("act-order 2 parts fp32 M=5 bias", int_layout(256, 96, 128, 4, [64, 32], True, f32, 3), 5, f32,
+                    True, False, 3),
+        check_w4a16("act-order fp16 M=1", int_layout(256, 64, 64, 4, [32, 32], True, f16, 4), 1, f16, False, False,
+                    4),
+        check_w4a16("8-bit g64 fp16 M=1 bias", int_layout(256, 96, 64, 8, [96], False, f16, 5), 1, f16, True, False,
+                    5),
+        check_w4a16("2-bit g32 fp32 M=20", int_layout(256, 64, 32, 2, [64], False, f32, 6), 20, f32, False, False, 6),
+        check_w4a16("per channel fp32 M=2", int_layout(192, 64, -1, 4, [64], False, f32, 7), 2, f32, True, False, 7),
+        check_w4a16("group 24 (not a tile) fp32 M=2", int_layout(120, 64, 24, 4, [64], False, f32, 8), 2, f32, False,
+                    False, 8),
+        check_w4a16("group 24 (not a tile) bf16 M=1", int_layout(120, 64, 24, 4, [64], False, bf16, 9), 1, bf16,
+                    False, False, 9),
+        check_w4a16("nf4 2 tables fp32 M=17", nf4_layout(128, [32, 32], True, f32, 10), 17, f32, False, False, 10),
+        check_w4a16("nf4 fp16 M=1", nf4_layout(128, [64], False, f16, 11), 1, f16, False, False, 11),
+        check_w4a16("nf4 bf16 M=1 bias", nf4_layout(192, [32, 32], False, bf16, 12), 1, bf16, True, False, 12),
+        check_w4a16("dense path act-order fp16 M=4", int_layout(128, 64, 32, 4, [32, 32], True, f16, 13), 4, f16,
+                    True, True, 13),
+        check_w4a16("dense path nf4 bf16 M=3", nf4_layout(128, [32, 32], True, bf16, 14), 3, bf16, False, True, 14),
+        check_fp8_rows(f32, 6, 300, False, 0),
+        check_fp8_rows(bf16, 5, 5000, False, 1),  # two BLOCK-long passes per row
+        check_fp8_rows(f16, 4, 64, False, 2),
+        check_fp8_rows(bf16, 3, 96, True, 3),
+    ]
+    print(f"{sum(results)} of {len(results)} cases passed", flush=True)
+    return 0 if all(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""The GPU kernels' packed layout (``loom_plugins.quant.w4a16_layout``) and its launch plans, on the
+CPU: GPTQ (v1, act-order, 8-bit, per channel), AWQ and NF4 layers repack into it exactly (its
+dequantization equals the checkpoint's, bit for bit), act-order becomes one permutation of the
+inputs, and the plans depend on shapes only. The kernels themselves run in Triton's interpreter
+(test_quant_triton_interpreter.py) and on a GPU (tests/gpu/test_quant_kernels_gpu.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from helpers import quant_layers as ql
+
+from loom_plugins.quant import w4a16_layout as wl
+from loom_plugins.quant.int_packing import pack_rows
+from loom_plugins.quant.w4a16_triton import block_k_for, plan
+
+K, PARTS = 256, [64, 32, 32]
+
+
+def _layout(layer: Any, dtype: torch.dtype) -> wl.W4A16Layout:
+    if hasattr(layer, "nf4_parts"):  # NF4: what process_weights_after_loading repacks on CUDA
+        parts = [(getattr(layer, f"nf4_codes_{i}"), getattr(layer, f"nf4_absmax_{i}"), getattr(layer, f"nf4_table_{i}"),
+                  bs, shape) for i, (bs, shape) in sorted(layer.nf4_parts.items())]
+        return wl.from_nf4_parts(parts, dtype)
+    layer.w4a16_dtype = dtype
+    return layer.quant_method.to_layout(layer)
+
+
+@pytest.mark.parametrize("scheme", [
+    ql.gptq_scheme(32), ql.gptq_scheme(64, act_order=True), ql.gptq_scheme(-1, sym=False), ql.gptq_scheme(32, bits=8),
+    ql.gptq_scheme(64, bits=2), ql.awq_scheme(32), ql.awq_scheme(64), ql.nf4_scheme(), ql.while_loading_scheme("nf4"),
+    ql.while_loading_scheme("gptq"), ql.while_loading_scheme("awq"),
+], ids=lambda s: s.name)
+def test_repacked_layout_dequantizes_exactly_like_the_checkpoint(scheme: ql.Scheme) -> None:
+    layer = ql.build_layer(scheme, K, PARTS, ql.dense_parts(K, PARTS, seed=1), "cpu", torch.float32)
+    reference = layer.quant_method.dequantize(layer, torch.float32)  # the checkpoint's own path
+    nf4 = scheme.name.startswith("nf4")
+    # GPTQ / AWQ scales are fp16 and survive fp16 exactly; NF4's absmax is float32
+    for dtype in (torch.float32,) if nf4 else (torch.float32, torch.float16):
+        layout = _layout(layer, dtype)
+        assert layout.dtype == dtype and layout.qweight.dtype == torch.int32
+        assert layout.qweight.shape == (K * layout.bits // 32, sum(PARTS))
+        assert torch.equal(layout.dequantize(torch.float32), reference)
+    for dtype, unit in ((torch.bfloat16, 2**-8), *(((torch.float16, 2**-11),) if nf4 else ())):
+        rounded = _layout(layer, dtype).dequantize(torch.float32)
+        # a scale rounded to the activations' dtype moves each weight by at most its unit roundoff
+        assert bool(((rounded - reference).abs() <= reference.abs() * unit).all())
+        assert not torch.equal(rounded, reference)
+
+
+def test_act_order_becomes_one_permutation_per_distinct_part() -> None:
+    """Parts with the same g_idx share a segment (one launch); a part with its own order gets its own."""
+    layer = ql.build_layer(ql.gptq_scheme(32, act_order=True), K, PARTS, ql.dense_parts(K, PARTS, seed=2), "cpu",
+                           torch.float32)
+    layout = _layout(layer, torch.float32)
+    # quant_layers draws one order per part size: q (64 rows) has its own, k and v (32 rows) share one
+    assert [(s.start, s.end) for s in layout.segments] == [(0, 64), (64, 128)]
+    for seg in layout.segments:
+        assert seg.perm is not None and sorted(seg.perm.tolist()) == list(range(K))
+        part = 0 if seg.start == 0 else 1
+        g_idx = layer.g_idx[part].long()
+        assert torch.equal(g_idx[seg.perm.long()], torch.arange(K) // 32)  # groups contiguous in kernel order
+
+
+def test_group_permutation() -> None:
+    assert wl.group_permutation(torch.arange(12) // 4, 4, 3) is None  # already in order: nothing to gather
+    g = torch.tensor([2, 0, 1, 0, 2, 1, 1, 0, 2, 2, 0, 1])
+    perm = wl.group_permutation(g, 4, 3)
+    assert perm is not None and torch.equal(g[perm.long()], torch.arange(12) // 4)
+    with pytest.raises(wl.NotRepackable, match="do not each hold 4 inputs"):
+        wl.group_permutation(torch.tensor([0, 0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 2]), 4, 3)
+
+
+def test_nf4_blocks_that_straddle_rows_are_not_repacked() -> None:
+    from loom_plugins.quant.nf4 import nf4_table, quantize_nf4
+
+    packed, absmax = quantize_nf4(torch.randn(4, 96))  # 96 inputs: blocks of 64 cross rows
+    with pytest.raises(wl.NotRepackable, match="do not tile each row"):
+        wl.from_nf4_parts([(packed, absmax, nf4_table(), 64, (4, 96))], torch.float32)
+
+
+def test_int32_packing_matches_the_checkpoint_packer(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(wl, "_SHIFT_CHUNK", 64)  # several chunks
+    g = torch.Generator().manual_seed(0)
+    for bits in (2, 4, 8):
+        values = torch.randint(0, 1 << bits, (256, 40), generator=g)
+        assert torch.equal(wl.pack_rows_int32(values, bits), pack_rows(values, bits))
+
+
+@pytest.mark.parametrize(("n", "k", "group"), [(6144, 4096, 128), (4096, 14336, 128), (28672, 4096, 64),
+                                               (576, 1536, 32), (192, 576, -1)])
+def test_plans_depend_on_shapes_and_cover_k(n: int, k: int, group: int) -> None:
+    gs = k if group == -1 else group
+    sms = 132
+    for m in (1, 2, 7, 16, 32, 33, 64, 300, 1023):
+        p = plan(m, n, k, gs, sms, 1024)
+        assert p.kind == ("gemv" if m == 1 else "gemm")
+        assert p.block_k == (min(64, block_k_for(gs)) if m == 1 else block_k_for(gs))
+        assert p.k_split % p.block_k == 0
+        assert (p.split - 1) * p.k_split < k <= p.split * p.k_split  # every split has inputs, all are covered
+        tiles = -(-n // p.block_n) * (1 if m == 1 else -(-m // p.block_m))
+        # enough programs for the GPU, unless K ran out of blocks to split
+        assert tiles * p.split >= 4 * sms or p.split * 2 > min(16, -(-k // p.block_k))
+        assert plan(m, n, k, gs, sms, 1024) is p  # cached: no work per call
+    assert plan(1024, n, k, gs, sms, 1024).kind == "dense"
+    assert gs % block_k_for(gs) == 0 or block_k_for(gs) == 64
