@@ -51,7 +51,7 @@ def add_env_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup, 
     if raw is not None:
         try:
             default = parse_bool(raw) if flag_is_switch else (type(raw) if type else raw)
-        except ValueError as exc:
+        except (ValueError, argparse.ArgumentTypeError) as exc:
             print(f"loom: environment variable {var}={raw!r}: {exc}", file=sys.stderr)
             raise SystemExit(2) from exc
     text = f"{help} [env {var}]" if help else f"[env {var}]"

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 # --kv-cache-dtype values: auto keeps the model's dtype; fp8 is e4m3 (loom/layers/kv_fp8.py)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# A LoRA adapter's name (its adapter_id on requests): what a metric label and a log field can hold.
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 class ConfigError(ValueError):
@@ -84,6 +86,19 @@ class EngineConfig:
     # the ranks behind (a hung rank); start-up (loading, warm-up) gets shard_start_timeout.
     shard_step_timeout: float = 120.0
     shard_start_timeout: float = 900.0
+    # LoRA adapters (loom/lora/): loaded at start (--lora-adapters NAME=DIR,...); at most
+    # max_loras resident at once (None: 4, or as many as given at start if more; 0 turns LoRA
+    # off), each of rank at most max_lora_rank (the slot tables are sized by both).
+    lora_adapters: tuple[tuple[str, str], ...] = ()
+    max_loras: int | None = None
+    max_lora_rank: int = 16
+
+    @property
+    def num_lora_slots(self) -> int:
+        """Adapters resident at once (the device's slot tables, slot 0 the base model aside)."""
+        if self.max_loras is not None:
+            return self.max_loras
+        return max(4, len(self.lora_adapters)) if self.lora_adapters else 0
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -130,6 +145,7 @@ class EngineConfig:
                               f"{self.grammar_compile_timeout}")
         if self.grammar_cache_mib < 0:
             raise ConfigError(f"--grammar-cache-mib must be at least 0, got {self.grammar_cache_mib}")
+        self._check_lora()
         if self.max_step_latency_ms is not None and not 0 < self.max_step_latency_ms < float("inf"):
             raise ConfigError(f"--max-step-latency-ms must be a positive number of milliseconds, got "
                               f"{self.max_step_latency_ms}")
@@ -137,6 +153,9 @@ class EngineConfig:
             raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
         if not 1 <= self.num_shard <= 64:
             raise ConfigError(f"--num-shard must be between 1 and 64, got {self.num_shard}")
+        if self.num_shard > 1 and self.num_lora_slots:
+            raise ConfigError(f"LoRA adapters (--lora-adapters, --max-loras) are not served with --num-shard "
+                              f"{self.num_shard} yet: use one shard, or no adapters")
         for flag, seconds in (("--shard-step-timeout", self.shard_step_timeout),
                               ("--shard-start-timeout", self.shard_start_timeout)):
             if not 0 < seconds < float("inf"):
@@ -145,3 +164,22 @@ class EngineConfig:
             raise ConfigError("cpu_kv_cache_sequences must be at least 1")
         if not 0.0 < self.cpu_kv_memory_fraction <= 1.0:
             raise ConfigError("cpu_kv_memory_fraction must be in (0, 1]")
+
+    def _check_lora(self) -> None:
+        if self.max_loras is not None and not 0 <= self.max_loras <= 256:
+            raise ConfigError(f"--max-loras must be between 0 (LoRA off) and 256, got {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= 512:
+            raise ConfigError(f"--max-lora-rank must be between 1 and 512, got {self.max_lora_rank}")
+        names = [name for name, _ in self.lora_adapters]
+        for name, path in self.lora_adapters:
+            if not ADAPTER_NAME.fullmatch(name):
+                raise ConfigError(f"--lora-adapters: {name!r} is not an adapter name (letters, digits, '.', '_', "
+                                  "'-', at most 128, starting with a letter or digit)")
+            if not path:
+                raise ConfigError(f"--lora-adapters: {name}= names no directory (NAME=DIR)")
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ConfigError(f"--lora-adapters: {', '.join(dupes)} given more than once")
+        if len(names) > self.num_lora_slots:
+            raise ConfigError(f"--lora-adapters gives {len(names)} adapters, more than --max-loras "
+                              f"{self.num_lora_slots}")

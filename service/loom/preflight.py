@@ -36,6 +36,7 @@ def check_engine_config(config: EngineConfig, registry: PluginRegistry | None = 
         raise ConfigError(str(exc)) from None
     _check_architecture(config.model_id, registry)
     _check_shards(config, device_type)
+    _check_lora_adapters(config)
 
 
 def _check_shards(config: EngineConfig, device_type: str) -> None:
@@ -62,6 +63,21 @@ def _check_shards(config: EngineConfig, device_type: str) -> None:
         return  # not a model directory, or unreadable: the loader says why
     if isinstance(fields, dict) and "num_attention_heads" in fields:
         check_shardable(SimpleNamespace(**fields), n)
+
+
+def _check_lora_adapters(config: EngineConfig) -> None:
+    """Each --lora-adapters directory holds a PEFT adapter's two files and a config that is a JSON
+    object (the rest, shapes against the model included, is checked once the model is loaded)."""
+    from loom.lora.peft_adapter import CONFIG_FILE, WEIGHTS_FILE
+
+    for name, path in config.lora_adapters:
+        root = Path(path).expanduser()
+        if not root.is_dir():
+            raise ConfigError(f"--lora-adapters {name}={path}: not a directory")
+        for file in (CONFIG_FILE, WEIGHTS_FILE):
+            if not (root / file).is_file():
+                raise ConfigError(f"--lora-adapters {name}={path}: {file} is missing (a PEFT LoRA directory has "
+                                  f"{CONFIG_FILE} and {WEIGHTS_FILE})")
 
 
 def _check_architecture(model_id: str | None, registry: PluginRegistry) -> None:

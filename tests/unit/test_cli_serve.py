@@ -68,6 +68,10 @@ def test_invalid_config_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
      "--max-input-tokens (100) must be below --max-total-tokens (50)"),
     (["--model-id", "/nonexistent/model"], "--model-id '/nonexistent/model' does not exist"),
     (["--model-id", "random:nosuch"], "unknown random-weight shape 'nosuch'"),
+    (["--lora-adapters", "a=/nonexistent/adapter"], "--lora-adapters a=/nonexistent/adapter: not a directory"),
+    (["--lora-adapters", "a=/tmp,a=/tmp"], "--lora-adapters: a given more than once"),
+    (["--lora-adapters", "a=/tmp,b=/tmp", "--max-loras", "1"], "--lora-adapters gives 2 adapters, more than --max-loras 1"),
+    (["--max-lora-rank", "0"], "--max-lora-rank must be between 1 and 512, got 0"),
 ])
 def test_configuration_errors_are_one_line_before_loading(
         argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -109,3 +113,17 @@ def test_an_unavailable_attention_backend_names_the_reason(capsys: pytest.Captur
     assert main(["serve", "--attention-backend", "paged", "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("loom serve: --attention-backend paged "), err
+
+
+def test_lora_flags(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    s = settings(["--lora-adapters", "sql=/m/sql, chat=/m/chat", "--max-lora-rank", "32"])
+    assert s.engine.lora_adapters == (("sql", "/m/sql"), ("chat", "/m/chat")) and s.engine.max_lora_rank == 32
+    assert s.engine.num_lora_slots == 4 and settings([]).engine.num_lora_slots == 0
+    assert settings(["--max-loras", "2"]).engine.num_lora_slots == 2
+    monkeypatch.setenv("LOOM_LORA_ADAPTERS", "x=/m/x")
+    assert settings([]).engine.lora_adapters == (("x", "/m/x"),)
+    monkeypatch.setenv("LOOM_LORA_ADAPTERS", "no-equals-sign")
+    with pytest.raises(SystemExit):
+        build_parser()
+    err = capsys.readouterr().err
+    assert "LOOM_LORA_ADAPTERS" in err and "NAME=DIR" in err

@@ -73,6 +73,9 @@ def test_service_has_exactly_the_contracted_rpcs() -> None:
         "Generate": ("GenerateRequest", "GenerateResponse", False),
         "GenerateStream": ("GenerateStreamRequest", "GenerateStreamResponse", True),
         "Tokenize": ("TokenizeRequest", "TokenizeResponse", False),
+        "LoadAdapter": ("LoadAdapterRequest", "LoadAdapterResponse", False),
+        "UnloadAdapter": ("UnloadAdapterRequest", "UnloadAdapterResponse", False),
+        "ListAdapters": ("ListAdaptersRequest", "ListAdaptersResponse", False),
         "GetModelInfo": ("GetModelInfoRequest", "GetModelInfoResponse", False),
     }
     assert not any(m.client_streaming for m in service.methods)

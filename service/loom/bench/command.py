@@ -23,6 +23,7 @@ import platform
 import shlex
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ MODEL_WORKLOADS = ("W1", "W2")
 SERVING_WORKLOADS = ("W3",)
 PREFIX_WORKLOADS = ("W4",)
 STRUCTURED_WORKLOADS = ("S1",)
+LORA_WORKLOADS = ("L1",)
 SPECULATION_WORKLOADS = ("C3",)
 
 
@@ -47,7 +49,8 @@ def add_bench_command(sub: Any) -> None:
     p.add_argument("--workloads", default="C0,C1,C2",
                    help="comma-separated: C0,C1,C2 (CPU, SmolLM2), W1,W2 (decode latency, offline "
                         "throughput), W3 (serving through gRPC), W4 (prefix cache), C3 (speculation on copy-heavy "
-                        "chat requests, SmolLM2; --device cuda --dtype bfloat16 makes it W5 a), S1 (structured output)")
+                        "chat requests, SmolLM2; --device cuda --dtype bfloat16 makes it W5 a), S1 (structured output), "
+                        "L1 (W2 over 8 LoRA adapters and the base model)")
     p.add_argument("--peer", choices=["none", "hf"], default="none", help="also run this peer in the same run")
     p.add_argument("--model-id", default=None,
                    help="model dir, .gguf or random:NAME (random:llama-8b, random:llama-1b, ...); "
@@ -132,8 +135,8 @@ def software_info(device: torch.device) -> dict[str, Any]:
     return info
 
 
-async def _run_loom(cfg: EngineConfig, workloads: list[Workload],
-                    full_warmup: bool = False) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
+async def _run_loom(cfg: EngineConfig, workloads: list[Workload], full_warmup: bool = False,
+                    adapters: Sequence[str] = ()) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
     from loom.engine.core_process import AsyncEngineClient
 
     from .run_loom import run_engine_workload
@@ -142,7 +145,8 @@ async def _run_loom(cfg: EngineConfig, workloads: list[Workload],
     info = await client.start()
     freeze_startup_objects()  # as the server's front end does once started
     try:
-        results = {w.name: await run_engine_workload(client, w, full_warmup=full_warmup) for w in workloads}
+        results = {w.name: await run_engine_workload(client, w, full_warmup=full_warmup, adapters=adapters)
+                   for w in workloads}
     finally:
         await client.shutdown()
     return results, dataclasses.asdict(info)
@@ -374,6 +378,25 @@ def _run_structured(args: argparse.Namespace, device: torch.device, result: dict
           f"{t['with_grammar_out_tok_s_mean']:.1f} vs without {t['without_out_tok_s_mean']:.1f} "
           f"({t['ratio_mean']:.3f}x); {v['valid_of_eos']}/{v['ended_by_eos']} outputs ended by EOS are valid",
           flush=True)
+def _run_lora(args: argparse.Namespace, device: torch.device, result: dict[str, Any]) -> None:
+    """L1: W2 spread round-robin over 8 LoRA adapters of rank 16 and the base model, against W2
+    on the base model alone (loom/bench/lora.py). On the CPU (SmolLM2) W2 is shrunk to 16
+    requests of 32 new tokens (4 of 8 with --quick): a harness check, not the GPU figure."""
+    from .lora import run_l1
+    from .workloads import serving_w2
+
+    if device.type == "cuda":
+        w2 = gpu_workload("W2", args.model_id, args.quick, args.w2_requests)
+    else:
+        w2 = serving_w2(args.w2_requests or (4 if args.quick else 16), new=8 if args.quick else 32)
+    cfg = engine_config(args, device, [w2])
+    entry = run_l1(cfg, w2)
+    result["workloads"]["L1"] = entry
+    print(f"L1: {entry['adapters']['out_tok_s']:.1f} out tok/s over 8 adapters and the base, "
+          f"{entry['base_alone']['out_tok_s']:.1f} on the base alone: {entry['ratio']:.3f}x (target >= 0.8x)",
+          flush=True)
+
+
 def _run_speculation(args: argparse.Namespace, result: dict[str, Any]) -> None:
     """C3 (CPU) / W5 (a) (with --device cuda --dtype bfloat16): the same copy-heavy requests
     with and without --speculate, batch 1 and all at once (loom/bench/speculation.py)."""
@@ -405,7 +428,7 @@ def run_bench(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     names = [n.strip().upper() for n in args.workloads.split(",") if n.strip()]
     known = (CPU_WORKLOADS + MODEL_WORKLOADS + SERVING_WORKLOADS + PREFIX_WORKLOADS + SPECULATION_WORKLOADS
-             + STRUCTURED_WORKLOADS)
+             + STRUCTURED_WORKLOADS + LORA_WORKLOADS)
     unknown = [n for n in names if n not in known]
     if unknown:
         print(f"loom bench: unknown workload(s) {', '.join(unknown)}; choose from {', '.join(known)}",
@@ -426,7 +449,7 @@ def run_bench(args: argparse.Namespace) -> int:
     try:
         if cpu_names:
             _run_cpu_workloads(args, cpu_names, result)
-        if model_names or "W3" in names or "W4" in names or "S1" in names:
+        if model_names or "W3" in names or "W4" in names or "S1" in names or "L1" in names:
             device = resolve_device(args.device)
             result["machine"].update(software_info(device))
             if model_names:
@@ -437,6 +460,8 @@ def run_bench(args: argparse.Namespace) -> int:
                 _run_prefix_cache(args, device, result)
             if "S1" in names:
                 _run_structured(args, device, result)
+            if "L1" in names:
+                _run_lora(args, device, result)
         if "C3" in names:
             _run_speculation(args, result)
     except ConfigError as exc:

@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import statistics
 import time
+from collections.abc import Sequence
 
 from loom.engine.core_process import AsyncEngineClient
 from loom.engine.types import EngineRequest, SamplingParams, StoppingParams
@@ -45,12 +46,14 @@ async def warm_up(client: AsyncEngineClient, w: Workload, tag: str = "", full: b
 
 
 async def run_engine_workload(client: AsyncEngineClient, w: Workload, tag: str = "",
-                              full_warmup: bool = False) -> dict[str, float]:
-    """Submit every request of ``w`` at once; wall time from first submit to last token."""
+                              full_warmup: bool = False, adapters: Sequence[str] = ()) -> dict[str, float]:
+    """Submit every request of ``w`` at once; wall time from first submit to last token.
+    ``adapters``: request i uses LoRA adapter ``adapters[i % len(adapters)]`` ("" the base model)."""
 
     async def one(i: int, prompt: list[int], new: int, t0: float) -> tuple[float, list[float]]:
         req = EngineRequest(f"{tag}{w.name}-{i}", tuple(prompt), SamplingParams(),
-                            StoppingParams(max_new_tokens=new, ignore_eos=True))
+                            StoppingParams(max_new_tokens=new, ignore_eos=True),
+                            adapter_id=adapters[i % len(adapters)] if adapters else "")
         stamps: list[float] = []
         async for out in client.generate(req):
             if out.error:

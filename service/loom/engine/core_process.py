@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import multiprocessing as mp
 import os
 import signal
@@ -33,6 +34,9 @@ from loom.process_tuning import freeze_startup_objects
 from .types import (
     AbortCompletion,
     AbortRequest,
+    AdapterCommand,
+    AdapterInfo,
+    AdapterReply,
     AddRequest,
     EngineFailed,
     EngineInfo,
@@ -125,18 +129,28 @@ def run_engine_core(config: EngineConfig, conn: Connection, log_json: bool = Fal
 
 def _serve_pipe(engine: LLMEngine, conn: Connection, send_lock: threading.Lock) -> None:
     """The step loop: requests and aborts in between steps, outputs after each, until "shutdown"."""
+    from .llm_engine import RequestRejected
+
     while True:
         # Block only when idle; otherwise pick up whatever arrived during the last step. While the
         # only requests wait for their grammars to compile, look again every few milliseconds.
-        if not engine.has_unfinished():
+        if not engine.has_unfinished() and not engine.adapters_loading:
             conn.poll(None)
         elif not engine.has_schedulable():
             conn.poll(_GRAMMAR_POLL_S)
+        for reply in engine.adapter_replies():  # adapters whose files are read: installed between steps
+            with send_lock:
+                conn.send(reply)
         while conn.poll(0):
             msg: ToEngine = conn.recv()
             if isinstance(msg, AddRequest):
                 try:
                     engine.add_request(msg.request)
+                except RequestRejected as exc:
+                    with send_lock:
+                        conn.send(StepOutputs([EngineOutput(msg.request.request_id, 0, [], [],
+                                                            finish_reason=FinishReason.ERROR, error=str(exc),
+                                                            rejection=exc.rejection)]))
                 except ValueError as exc:
                     with send_lock:
                         conn.send(StepOutputs([EngineOutput(msg.request.request_id, 0, [], [],
@@ -148,6 +162,11 @@ def _serve_pipe(engine: LLMEngine, conn: Connection, send_lock: threading.Lock) 
             elif isinstance(msg, StatsQuery):
                 with send_lock:
                     conn.send(StatsReply(engine.stats()))
+            elif isinstance(msg, AdapterCommand):
+                answer = engine.adapter_command(msg)
+                if answer is not None:
+                    with send_lock:
+                        conn.send(answer)
             elif isinstance(msg, Shutdown):
                 return
             else:
@@ -170,6 +189,9 @@ class AsyncEngineClient:
         self._proc: Any = None
         self._queues: dict[str, asyncio.Queue[EngineOutput | Exception]] = {}
         self._stats_waiters: list[asyncio.Future[EngineStats]] = []
+        self._adapter_waiters: dict[int, asyncio.Future[AdapterReply]] = {}
+        self._adapter_ops = itertools.count(1)
+        self.adapters: tuple[AdapterInfo, ...] = ()  # the LoRA adapters loaded now (updated by each reply)
         self.info: EngineInfo | None = None
         self.dead: str | None = None
         self.died = asyncio.Event()  # set the moment the engine is found dead (not on shutdown)
@@ -193,6 +215,7 @@ class AsyncEngineClient:
             raise EngineDeadError(f"engine failed to start: {msg.reason}")
         assert isinstance(msg, EngineReady), msg
         self.info = msg.info
+        self.adapters = msg.info.adapters
         loop.add_reader(parent.fileno(), self._on_readable)
         return msg.info
 
@@ -213,6 +236,11 @@ class AsyncEngineClient:
                 elif isinstance(msg, EngineFailed):  # after start: a tensor-parallel rank was lost
                     self._fail_all(msg.reason)
                     return
+                elif isinstance(msg, AdapterReply):
+                    self.adapters = msg.adapters
+                    waiter = self._adapter_waiters.pop(msg.op_id, None)
+                    if waiter is not None and not waiter.done():
+                        waiter.set_result(msg)
         except (EOFError, OSError) as exc:
             self._fail_all(f"engine process died: {exc!r}")
 
@@ -227,6 +255,10 @@ class AsyncEngineClient:
         for fut in self._stats_waiters:
             fut.set_exception(EngineDeadError(reason))
         self._stats_waiters.clear()
+        for waiter in self._adapter_waiters.values():
+            if not waiter.done():
+                waiter.set_exception(EngineDeadError(reason))
+        self._adapter_waiters.clear()
 
     def _send(self, msg: ToEngine) -> None:
         if self.dead:
@@ -287,6 +319,18 @@ class AsyncEngineClient:
         self._stats_waiters.append(fut)
         self._send(StatsQuery())
         return await fut
+
+    async def adapter_command(self, name: str, path: str | None) -> AdapterReply:
+        """Load (``path`` given) or unload the LoRA adapter ``name``; the engine's reply (a load
+        returns once its files are read, checked and installed)."""
+        op_id = next(self._adapter_ops)
+        fut: asyncio.Future[AdapterReply] = asyncio.get_running_loop().create_future()
+        self._adapter_waiters[op_id] = fut
+        try:
+            self._send(AdapterCommand(op_id, name, path))
+            return await fut
+        finally:
+            self._adapter_waiters.pop(op_id, None)
 
     @property
     def num_in_flight(self) -> int:

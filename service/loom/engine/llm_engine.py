@@ -39,6 +39,8 @@ from .sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from .step_latency import StepLatencyModel
 from .step_planner import PlannedStep, plan_step
 from .types import (
+    AdapterCommand,
+    AdapterReply,
     EngineInfo,
     EngineOutput,
     EngineRequest,
@@ -50,6 +52,7 @@ from .types import (
 )
 
 if TYPE_CHECKING:
+    from loom.lora.manager import AdapterManager
     from loom.structured.driver import StructuredOutput
 
 log = structlog.get_logger(__name__)
@@ -62,6 +65,14 @@ def _needs_host_tokens(seq: Sequence) -> bool:
     sp = seq.sampling
     return (sp.repetition_penalty != 1.0 or sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0
             or (sp.prompt_logprobs and not seq.prompt_logprobs_sent) or sp.constraint is not None)
+
+
+class RequestRejected(ValueError):
+    """A request refused before it is queued, for its own sake (an adapter_id not loaded)."""
+
+    def __init__(self, message: str, rejection: Rejection) -> None:
+        super().__init__(message)
+        self.rejection = rejection
 
 
 class _RepeatLastToken(Proposer):
@@ -110,6 +121,7 @@ class LLMEngine:
     def _start(self, config: EngineConfig, registry: PluginRegistry, started: float) -> None:
         """Size the pool, warm up, capture graphs: everything after the worker loaded the model."""
         model = self.worker.info
+        self.adapters: AdapterManager | None = self._load_startup_adapters()
         self.eos_token_ids = model.eos_token_ids
         self.vocab_size = model.vocab_size
         self.requests: dict[str, list[Sequence]] = {}
@@ -178,7 +190,10 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             vocab_size=model.vocab_size,
             eos_token_ids=self.eos_token_ids,
-            plugins=model.plugins,
+            plugins=model.plugins + self._lora_plugin_entry(),
+            adapters=self.adapters.infos() if self.adapters is not None else (),
+            max_loras=config.num_lora_slots,
+            max_lora_rank=config.max_lora_rank if config.num_lora_slots else 0,
             num_shard=config.num_shard,
         )
         if isinstance(self.worker, ShardedWorker):
@@ -343,6 +358,54 @@ class LLMEngine:
             )
         return num_blocks
 
+    # -- LoRA adapters (loom.lora) -------------------------------------------------------------------
+    def _load_startup_adapters(self) -> AdapterManager | None:
+        worker = self.worker
+        if not isinstance(worker, Worker) or worker.lora is None:  # LoRA off, or sharded (refused)
+            return None
+        lora = worker.lora
+        from loom.lora.manager import AdapterManager
+        from loom.lora.peft_adapter import AdapterError
+
+        manager = AdapterManager(lora.targets, lora.max_loras, lora.max_rank, worker.dtype,
+                                 worker.install_adapter, worker.clear_adapter)
+        for name, path in self.config.lora_adapters:
+            try:
+                manager.load_now(name, path)
+            except (AdapterError, ValueError) as exc:
+                raise ConfigError(f"--lora-adapters {name}={path}: {exc}") from exc
+        return manager
+
+    def _lora_plugin_entry(self) -> tuple[str, ...]:
+        """GetModelInfo's plugins: the LoRA delta's kernel and its limits, when LoRA is on."""
+        lora = self.worker.lora
+        if lora is None:
+            return ()
+        kernel = "triton-bgmv" if lora.kernel is not None else "torch"
+        return (f"lora:{kernel}?max_loras={lora.max_loras}&max_lora_rank={lora.max_rank}",)
+
+    def adapter_command(self, cmd: AdapterCommand) -> AdapterReply | None:
+        """Start a load (answered later by :meth:`adapter_replies`) or unload now; the reply, or
+        None while a load reads its files."""
+        if self.adapters is None:
+            return AdapterReply(cmd.op_id, "FAILED_PRECONDITION",
+                                "LoRA adapters are off: start the server with --max-loras N (or --lora-adapters)")
+        if cmd.path is not None:
+            return self.adapters.start_load(cmd.op_id, cmd.name, cmd.path)
+        loaded = self.adapters.lookup(cmd.name)
+        users = 0 if loaded is None else sum(
+            1 for seqs in self.requests.values() if seqs and seqs[0].adapter_id == loaded.key
+            and not all(s.is_finished for s in seqs))
+        return self.adapters.unload(cmd.op_id, cmd.name, users)
+
+    def adapter_replies(self) -> list[AdapterReply]:
+        """Loads whose files are read: installed into their slot now, between steps."""
+        return self.adapters.finished() if self.adapters is not None and self.adapters.num_loading else []
+
+    @property
+    def adapters_loading(self) -> bool:
+        return self.adapters is not None and self.adapters.num_loading > 0
+
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:
         if request.request_id in self.requests:
@@ -353,15 +416,28 @@ class LLMEngine:
         if seed is None and request.sampling.do_sample:
             seed = self._rng.getrandbits(63)
         # Completion i draws with seed + i: re-running it alone with that seed reproduces it.
+        key, slot = self._adapter_of(request)
         seqs = [Sequence(request, i, None if seed is None else seed + i) for i in range(max(1, request.n))]
         for seq in seqs:
             seq.max_model_len = self.max_model_len
+            seq.adapter_id, seq.lora_slot = key, slot
         self.requests[request.request_id] = seqs
         if request.sampling.constraint is not None:
             # Not schedulable until its grammar compiles (off this loop): see _admit_constrained.
             self._structured_output().hold(request.request_id, request.sampling.constraint, seqs)
             return
         self.scheduler.add(seqs[0], seqs[1:])
+
+    def _adapter_of(self, request: EngineRequest) -> tuple[str, int]:
+        """The request's adapter key and slot ("", 0: the base model); an adapter_id that is not
+        loaded is refused (NOT_FOUND), never served by the base model."""
+        if not request.adapter_id:
+            return "", 0
+        loaded = self.adapters.lookup(request.adapter_id) if self.adapters is not None else None
+        if loaded is None:
+            raise RequestRejected(f"adapter_id {request.adapter_id!r}: no such adapter is loaded",
+                                  Rejection("NOT_FOUND", "adapter_id", "ADAPTER_NOT_FOUND"))
+        return loaded.key, loaded.slot
 
     def abort(self, request_id: str) -> None:
         for seq in self.requests.pop(request_id, []):

@@ -45,7 +45,11 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of this sequence's full, computed blocks
-        self.adapter_id = ""  # LoRA adapter: part of every block hash, so adapters never share KV
+        # LoRA: the adapter's unique key (its name and load number: a name unloaded and loaded
+        # again from other files is another adapter), part of every block hash, so adapters
+        # never share KV; and its slot on the device (0: the base model)
+        self.adapter_id = ""
+        self.lora_slot = 0
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.cumulative_logprob = 0.0

@@ -119,8 +119,15 @@ def plan_step(sched: SchedulerOutput, block_size: int, vocab_size: int, eos_toke
         blocks_to_copy=list(sched.blocks_to_copy),
         num_drafts=[len(d) for d in seq_drafts] if seq_drafts is not None else None,
         draft_token_ids=[t for d in seq_drafts for t in d] if seq_drafts is not None else [],
+        lora_slots=_lora_slots(sched.seqs),
     )
     return PlannedStep(plan, sample_seqs, prompt_seqs)
+
+
+def _lora_slots(seqs: list[Sequence]) -> list[int] | None:
+    """Each sequence's adapter slot (its rows are one segment of the step), or None: no adapter."""
+    slots = [s.lora_slot for s in seqs]
+    return slots if any(slots) else None
 
 
 def sampling_plan(seqs: list[Sequence], vocab_size: int, eos_token_ids: tuple[int, ...] = (),

@@ -61,6 +61,7 @@ class EngineRequest:
     priority: int = 0  # lower is served first (as vLLM); 0 is the default
     n: int = 1  # completions sharing the prompt's prefill
     arrival_time: float = field(default_factory=time.monotonic)
+    adapter_id: str = ""  # a loaded LoRA adapter's name; "" = the base model
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,18 @@ class EngineOutput:
 
 
 @dataclass(frozen=True)
+class AdapterInfo:
+    """A loaded LoRA adapter, as GetModelInfo and ListAdapters report it."""
+
+    name: str
+    path: str
+    rank: int
+    alpha: float
+    use_rslora: bool
+    target_modules: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class EngineInfo:
     """What the engine core reports about itself once the model is loaded and the pool sized."""
 
@@ -122,6 +135,9 @@ class EngineInfo:
     eos_token_ids: tuple[int, ...]
     plugins: tuple[str, ...] = ()
     num_shard: int = 1  # tensor-parallel ranks the model is split over
+    adapters: tuple[AdapterInfo, ...] = ()  # loaded at start (--lora-adapters)
+    max_loras: int = 0  # adapters resident at once (0: LoRA off)
+    max_lora_rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -178,7 +194,18 @@ class Shutdown:
     pass
 
 
-ToEngine = AddRequest | AbortRequest | AbortCompletion | StatsQuery | Shutdown
+@dataclass(frozen=True)
+class AdapterCommand:
+    """Load (``path`` set) or unload (``path`` None) the LoRA adapter ``name``; answered by an
+    :class:`AdapterReply` with the same ``op_id`` once done (a load reads its files off the step
+    loop)."""
+
+    op_id: int
+    name: str
+    path: str | None = None
+
+
+ToEngine = AddRequest | AbortRequest | AbortCompletion | StatsQuery | AdapterCommand | Shutdown
 
 
 @dataclass(frozen=True)
@@ -204,4 +231,17 @@ class StatsReply:
     stats: EngineStats
 
 
-FromEngine = EngineReady | EngineFailed | StepOutputs | StatsReply
+@dataclass(frozen=True)
+class AdapterReply:
+    """How an :class:`AdapterCommand` ended: ``status`` "OK" or a gRPC status code name, a
+    message naming the field or tensor at fault, and the adapters loaded now."""
+
+    op_id: int
+    status: str
+    message: str = ""
+    field: str = ""
+    adapter: AdapterInfo | None = None  # the adapter loaded or unloaded
+    adapters: tuple[AdapterInfo, ...] = ()
+
+
+FromEngine = EngineReady | EngineFailed | StepOutputs | StatsReply | AdapterReply

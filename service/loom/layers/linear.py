@@ -20,6 +20,8 @@ row-parallel bias): it is copied whole.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -30,6 +32,9 @@ from loom.plugin_api.quantization import (
     UnquantizedLinearMethod,
     set_weight_attrs,
 )
+
+if TYPE_CHECKING:
+    from loom.lora.layers import LoraLayerWeights
 
 
 class WeightShapeError(ValueError):
@@ -79,7 +84,12 @@ def load_slice(dst: torch.Tensor, loaded: torch.Tensor, dim: int | None, start: 
 
 
 class LinearBase(nn.Module):
-    """``y = x @ W^T + b`` as its quantization method computes it; W's parameters are the method's."""
+    """``y = x @ W^T + b`` as its quantization method computes it; W's parameters are the method's.
+
+    With LoRA adapters served (``loom.lora``), ``lora`` holds the layer's adapter slot tables and
+    each row's adapter delta is added to the method's output, whatever the method."""
+
+    lora: LoraLayerWeights | None = None
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool, quant_config: QuantizationConfig | None,
                  prefix: str, input_size_per_partition: int, output_partition_sizes: list[int],
@@ -106,7 +116,8 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out (this rank's)]
-        return self.quant_method.apply(self, x, self.bias)
+        out = self.quant_method.apply(self, x, self.bias)
+        return out if self.lora is None else self.lora.add_to(x, out)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.input_size_per_partition}, out_features={sum(self.output_partition_sizes)}, "
@@ -269,7 +280,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in (this rank's, or all)] -> [..., out]
         if self.tp_size == 1:
-            return self.quant_method.apply(self, x, self.bias)
+            out = self.quant_method.apply(self, x, self.bias)
+            return out if self.lora is None else self.lora.add_to(x, out)
         if not self.input_is_parallel:
             x = x.narrow(-1, self.tp_rank * self.input_size_per_partition, self.input_size_per_partition)
         out = all_reduce(self.quant_method.apply(self, x, None))

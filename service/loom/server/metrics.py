@@ -103,6 +103,10 @@ class Metrics:
             ["kind"], registry=r)
         for kind in CONSTRAINT_KINDS:
             self.constrained_requests.labels(kind=kind)
+        self.adapter_requests = Counter(
+            "loom_adapter_requests",
+            "Validated generation requests for a LoRA adapter, by adapter_id (loaded adapters only: an "
+            "unknown id is refused before it is counted)", ["adapter"], registry=r)
         # -- token latency (what TGI lacks) -----------------------------------------------------
         self.time_to_first_token = Histogram(
             "loom_time_to_first_token_seconds", "Seconds from a request's arrival to its first generated token",

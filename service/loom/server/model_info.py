@@ -51,6 +51,8 @@ def plugins_in_use(info: EngineInfo) -> list[pb.PluginInUse]:
 
 def _plugin(registry: Any, kind: str, name: str | None, architecture: str) -> pb.PluginInUse:
     dist, version = "unknown", "unknown"
+    if kind == "lora":  # built into the server, not a registered plugin (docs/lora.md)
+        return pb.PluginInUse(kind=kind, name=name or "", distribution="loom-server", version=loom.__version__)
     try:
         if kind == "model":
             # The engine names either the plugin ("llama") or the HF class ("LlamaForCausalLM").
@@ -90,4 +92,6 @@ def model_info_response(info: EngineInfo, settings: ServerSettings, limits: Requ
         vocab_size=info.vocab_size,
         num_shard=info.num_shard,
         has_chat_template=has_chat_template,
+        max_loras=info.max_loras,
+        max_lora_rank=info.max_lora_rank,
     )

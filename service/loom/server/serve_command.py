@@ -39,6 +39,9 @@ _ENGINE_FLAGS: list[tuple[str, Any, str]] = [
     ("--num-shard", int, "tensor parallelism: split the model over N ranks (one GPU each; gloo ranks on CPU)"),
     ("--shard-step-timeout", float, "seconds a sharded step may take before the server ends, naming the hung rank"),
     ("--shard-start-timeout", float, "seconds the ranks may take to load and warm up before the server ends"),
+    ("--max-loras", int, "LoRA adapters loaded at once (slots on the device); unset: 4 (or as many as "
+                         "--lora-adapters gives) when --lora-adapters is set, else 0: LoRA off"),
+    ("--max-lora-rank", int, "highest rank of a LoRA adapter (sizes each slot)"),
 ]
 _SERVER_FLAGS: list[tuple[str, Any, str]] = [
     ("--host", str, "address to listen on"),
@@ -110,6 +113,9 @@ def add_serve_command(subparsers: Any) -> None:
     add_env_argument(group, "--async-scheduling", type=str,
                      default=engine_defaults.async_scheduling,
                      help="auto, on or off: prepare the next step while the device runs this one (auto: on CUDA)")
+    add_env_argument(group, "--lora-adapters", type=_parse_adapters, default=(),
+                     help="LoRA adapters loaded at start: NAME=DIR,NAME=DIR (PEFT directories); requests "
+                          "name them in adapter_id (docs/lora.md)")
     group.add_argument("--speculator-option", type=_parse_option, action="append", default=[],
                        help="KEY=VALUE for the speculator plugin (repeatable), e.g. max_n=3 for ngram")
     parser.set_defaults(func=run_serve)
@@ -120,6 +126,19 @@ def _parse_option(text: str) -> tuple[str, str]:
     if not sep or not key.strip():
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
     return key.strip(), value.strip()
+
+
+def _parse_adapters(text: str) -> tuple[tuple[str, str], ...]:
+    """``NAME=DIR,NAME=DIR`` -> ((NAME, DIR), ...); names are checked by EngineConfig."""
+    out = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise argparse.ArgumentTypeError(f"expected NAME=DIR, got {item!r}")
+        out.append((name.strip(), path.strip()))
+    return tuple(out)
 
 
 def _parse_sizes(text: str) -> tuple[int, ...]:
@@ -138,6 +157,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
                           cuda_graphs=tuple(args.cuda_graphs),
                           async_scheduling=args.async_scheduling,
                           speculator_options=tuple(args.speculator_option or ()),
+                          lora_adapters=tuple(args.lora_adapters or ()),
                           fault_injection=args.fault_injection)
     server = {_dest(f): getattr(args, _dest(f))
               for f, _, _ in (*_SERVER_FLAGS, *_SECURITY_FLAGS, *_OBSERVABILITY_FLAGS)}

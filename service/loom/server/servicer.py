@@ -1,4 +1,5 @@
-"""loom.v1.GenerationService: the four RPCs over the engine client.
+"""loom.v1.GenerationService: the RPCs over the engine client (generation, tokenization, model
+information, and LoRA adapters: ``adapters.py``).
 
 Each generation handler: admission (UNAVAILABLE / RESOURCE_EXHAUSTED before any work), a request
 id bound into the logs, validation, then the engine. Every failure is turned into a rich status
@@ -30,6 +31,14 @@ from loom.structured.checks import ConstraintChecker
 from loom_client.v1 import generation_pb2 as pb
 from loom_client.v1 import generation_pb2_grpc as pb_grpc
 
+from .adapters import (
+    AdapterClient,
+    adapter_proto,
+    check_load,
+    check_unload,
+    not_found,
+    reply_error,
+)
 from .admission import Admission
 from .errors import (
     FieldViolation,
@@ -75,6 +84,8 @@ def to_service_error(exc: BaseException) -> ServiceError:
             return ValidationError([FieldViolation(r.field, str(exc))], reason=r.reason)
         if r is not None and r.status == "FAILED_PRECONDITION":
             return failed_precondition(str(exc), r.reason)
+        if r is not None and r.status == "NOT_FOUND":
+            return ServiceError(grpc.StatusCode.NOT_FOUND, str(exc), r.reason)
         return internal(f"generation failed: {exc}", r.reason if r is not None else "GENERATION_FAILED")
     if isinstance(exc, RequestEndedError):  # the server's shutdown ended it, not the request's fault
         return unavailable(f"{exc}; retry on another replica", "SHUTDOWN")
@@ -118,6 +129,9 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
               streaming: bool, arrival: float) -> GenerationPlan:
         b = self._backend()
         plan = validate_generate(request, engine_id, b.tokenizer, b.limits, streaming, arrival, b.constraints)
+        adapter = plan.engine_request.adapter_id
+        if adapter and adapter not in {a.name for a in getattr(b.engine, "adapters", ())}:
+            raise not_found(adapter)  # never served by the base model instead
         log.info("request admitted", prompt_tokens=len(plan.engine_request.prompt_token_ids),
                  max_new_tokens=plan.engine_request.stopping.max_new_tokens, n=plan.n, best_of=plan.best_of,
                  do_sample=plan.engine_request.sampling.do_sample, stream=streaming)
@@ -221,7 +235,61 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: Any) -> pb.GetModelInfoResponse:
         try:
-            return self._backend().model_info
+            b = self._backend()
+            adapters = getattr(b.engine, "adapters", ())
+            if not adapters:
+                return b.model_info
+            info = pb.GetModelInfoResponse()
+            info.CopyFrom(b.model_info)
+            info.adapters.extend(adapter_proto(a) for a in adapters)
+            return info
+        except Exception as exc:
+            error = to_service_error(exc)
+        await context.abort_with_status(error.to_grpc_status())
+        raise AssertionError("unreachable")
+
+    # -- LoRA adapters (loom.lora) -----------------------------------------------------------------
+    def _adapter_client(self) -> AdapterClient:
+        engine = self._backend().engine
+        if not hasattr(engine, "adapter_command"):
+            raise failed_precondition("this server's engine does not serve LoRA adapters", "ADAPTER_UNAVAILABLE")
+        return engine  # type: ignore[return-value]
+
+    async def _adapter_command(self, name: str, path: str | None) -> pb.Adapter:
+        reply = await self._adapter_client().adapter_command(name, path)
+        error = reply_error(reply)
+        if error is not None:
+            raise error
+        assert reply.adapter is not None
+        log.info("adapter loaded" if path is not None else "adapter unloaded", adapter=name,
+                 path=reply.adapter.path, rank=reply.adapter.rank)
+        return adapter_proto(reply.adapter)
+
+    async def LoadAdapter(self, request: pb.LoadAdapterRequest, context: Any) -> pb.LoadAdapterResponse:
+        try:
+            check_load(request)
+            return pb.LoadAdapterResponse(adapter=await self._adapter_command(request.adapter_id, request.path))
+        except Exception as exc:
+            error = to_service_error(exc)
+        self._log_failure(error, rpc="LoadAdapter", adapter=request.adapter_id[:140])
+        await context.abort_with_status(error.to_grpc_status())
+        raise AssertionError("unreachable")
+
+    async def UnloadAdapter(self, request: pb.UnloadAdapterRequest, context: Any) -> pb.UnloadAdapterResponse:
+        try:
+            check_unload(request)
+            return pb.UnloadAdapterResponse(adapter=await self._adapter_command(request.adapter_id, None))
+        except Exception as exc:
+            error = to_service_error(exc)
+        self._log_failure(error, rpc="UnloadAdapter", adapter=request.adapter_id[:140])
+        await context.abort_with_status(error.to_grpc_status())
+        raise AssertionError("unreachable")
+
+    async def ListAdapters(self, request: pb.ListAdaptersRequest, context: Any) -> pb.ListAdaptersResponse:
+        try:
+            b = self._backend()
+            return pb.ListAdaptersResponse(adapters=[adapter_proto(a) for a in getattr(b.engine, "adapters", ())],
+                                           max_loras=b.info.max_loras, max_lora_rank=b.info.max_lora_rank)
         except Exception as exc:
             error = to_service_error(exc)
         await context.abort_with_status(error.to_grpc_status())

@@ -105,6 +105,8 @@ class RequestTelemetry:
         constraint = req.sampling.constraint
         if constraint is not None:  # its field names the kind: parameters.constraint.<kind>
             self._m.constrained_requests.labels(kind=constraint.field.rsplit(".", 1)[-1]).inc()
+        if req.adapter_id:
+            self._m.adapter_requests.labels(adapter=req.adapter_id).inc()
 
     def observe(self, engine: EngineClient) -> EngineClient:
         """``engine`` with every output of this request seen by :meth:`output` on its way."""

@@ -19,6 +19,7 @@ from loom.frontend.tokenizer import Tokenizer
 from loom.structured.checks import ConstraintChecker
 from loom_client.v1 import generation_pb2 as pb
 
+from .adapters import check_adapter_name
 from .constraint import check_constraint, read_constraint
 from .errors import FieldViolation, ValidationError, in_all
 from .prompt_input import check_input, check_size, check_special_token_parsing, tokenize_prompt
@@ -185,6 +186,8 @@ def validate_generate(
     n, best_of = _check_counts(c, p, limits, sampling.do_sample, streaming)
     constraint, shape_violations = read_constraint(p)
     c.violations.extend(shape_violations)
+    if request.adapter_id:
+        c.violations.extend(check_adapter_name(request.adapter_id))
     if c.violations:
         raise ValidationError(c.violations)
     if constraint is not None:
@@ -230,6 +233,7 @@ def validate_generate(
         priority=p.priority,
         n=best_of,
         arrival_time=arrival,
+        adapter_id=request.adapter_id,
     )
     return GenerationPlan(
         engine_request=engine_request,

@@ -31,6 +31,7 @@ import structlog
 import torch
 
 from loom.layers.attention import AttentionBackend, AttentionMetadata, ForwardContext, forward_context
+from loom.lora.layers import LoraBatch, lora_batch
 
 if TYPE_CHECKING:
     from .model_runner import StepInputs
@@ -46,7 +47,7 @@ class CudaGraphRunner:
     inputs they read."""
 
     def __init__(self, sizes: Sequence[int], block_size: int, device: torch.device,
-                 query_lens: Sequence[int] = (1,)) -> None:
+                 query_lens: Sequence[int] = (1,), lora: bool = False) -> None:
         if not sizes:
             raise ValueError("no CUDA graph batch sizes given")
         if not query_lens or min(query_lens) < 1:
@@ -62,6 +63,9 @@ class CudaGraphRunner:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (bs, q) -> graph
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}  # (bs, q) -> [bs * q, hidden] in the pool
         self.num_replays = 0
+        # LoRA: the rows' adapter slots, a fixed buffer the captured kernels read (0: base model)
+        self.lora = lora
+        self.lora_slots: torch.Tensor | None = None
 
     def capture(self, model: ModelForward, backend: AttentionBackend[Any], kv_caches: list[torch.Tensor],
                 max_blocks_per_seq: int) -> None:
@@ -80,6 +84,8 @@ class CudaGraphRunner:
         with torch.inference_mode():
             self.input_ids = torch.zeros(mb * capturable[-1], dtype=torch.int64, device=dev)
             self.positions = torch.zeros(mb * capturable[-1], dtype=torch.int64, device=dev)
+            if self.lora:
+                self.lora_slots = torch.zeros(mb * capturable[-1], dtype=torch.int32, device=dev)
             pool = None
             for q in reversed(capturable):
                 backend.init_cuda_graph_state(mb, max_blocks_per_seq, self.block_size, q)
@@ -88,7 +94,8 @@ class CudaGraphRunner:
                     ctx = ForwardContext(backend, kv_caches, meta, backend.prepare(meta))
 
                     def forward(t: int = bs * q, ctx: ForwardContext = ctx) -> torch.Tensor:
-                        with forward_context(ctx):
+                        slots = None if self.lora_slots is None else LoraBatch(self.lora_slots[:t], [], True)
+                        with forward_context(ctx), lora_batch(slots):
                             out: torch.Tensor = model(self.input_ids[:t], self.positions[:t])  # [t, H]
                             return out
 
@@ -128,6 +135,10 @@ class CudaGraphRunner:
         bs, q = key
         self.input_ids[:t].copy_(inputs.input_ids)
         self.positions[:t].copy_(inputs.positions)
+        if self.lora_slots is not None:
+            self.lora_slots.zero_()  # padding rows and base rows: slot 0
+            if inputs.lora is not None:
+                self.lora_slots[:t].copy_(inputs.lora.token_slots)
         self.backend.prepare_replay(inputs.meta, bs, q)
         self.graphs[key].replay()
         self.num_replays += 1
@@ -160,6 +171,7 @@ def maybe_capture_cuda_graphs(
     device: torch.device,
     max_batch_size: int | None = None,
     query_lens: Sequence[int] = (1,),
+    lora: bool = False,
 ) -> CudaGraphRunner | None:
     """Capture graphs when they apply (CUDA device, sizes given, a backend that can capture one of
     ``query_lens``); None otherwise. A capture that fails is logged and leaves graphs off, not
@@ -175,7 +187,7 @@ def maybe_capture_cuda_graphs(
         log.info("cuda graphs off: the attention backend does not support them", attention_backend=backend.name,
                  query_lens=sorted(set(query_lens)))
         return None
-    runner = CudaGraphRunner(wanted, block_size, device, query_lens)
+    runner = CudaGraphRunner(wanted, block_size, device, query_lens, lora)
     max_blocks = -(-max_model_len // block_size)
     try:
         runner.capture(model, backend, kv_caches, max_blocks)

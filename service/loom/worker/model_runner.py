@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from loom.layers.attention import AttentionBackend, AttentionMetadata, ForwardContext, forward_context
+from loom.lora.layers import LoraBatch, LoraSlots, lora_batch
 from loom.plugin_api.model import CausalLM
 from loom.sample.batch import build_sampling_batch
 from loom.sample.sampler import Sampler, prompt_logprobs
@@ -42,6 +43,7 @@ class StepInputs:
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
     plan: StepPlan | None = None  # what they were staged from (None: a test's hand-made step)
+    lora: LoraBatch | None = None  # the rows' adapter slots (None: every row is the base model)
 
 
 @dataclass
@@ -72,6 +74,7 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self.stager = Stager(device)
+        self.lora: LoraSlots | None = None  # the adapters' slot tables (the worker's; None: no LoRA)
         # The last launched step's sampled ids [N] (device): inputs for rows whose token the
         # host has not read back yet (StepPlan.pending_rows / pending_src index it).
         self.last_sampled: torch.Tensor | None = None
@@ -106,7 +109,19 @@ class ModelRunner:
             input_ids.index_copy_(0, stage.to_device(plan.pending_rows, torch.int64),
                                   self.last_sampled.index_select(0, src))
         return StepInputs(input_ids=input_ids, positions=stage.to_device(plan.positions, torch.int64), meta=meta,
-                          plan=plan)
+                          plan=plan, lora=self._lora_batch(plan))
+
+    def _lora_batch(self, plan: StepPlan) -> LoraBatch | None:
+        """The step's row -> adapter slot map: each sequence's slot repeated over its rows (its
+        segment); on the CPU also the rows of each adapter present, for the torch path."""
+        if self.lora is None or plan.lora_slots is None:
+            return None
+        seg_slots = torch.tensor(plan.lora_slots, dtype=torch.int32)  # [B]
+        token_slots = seg_slots.repeat_interleave(torch.tensor(plan.query_lens, dtype=torch.int64))  # [T]
+        if self.lora.kernel is not None:
+            return LoraBatch(token_slots.to(self.device, non_blocking=True), [], use_kernel=True)
+        rows = [(int(s), (token_slots == s).nonzero().squeeze(1)) for s in seg_slots.unique().tolist() if s]
+        return LoraBatch(token_slots, rows)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate whole blocks in every layer's pool."""
@@ -142,7 +157,8 @@ class ModelRunner:
         hidden = self.cuda_graphs.try_run(inputs) if self.cuda_graphs is not None else None
         if hidden is None:
             plan = self.backend.prepare(inputs.meta)  # once per step; every layer reads it
-            with forward_context(ForwardContext(self.backend, self.kv_caches, inputs.meta, plan)):
+            with forward_context(ForwardContext(self.backend, self.kv_caches, inputs.meta, plan)), \
+                    lora_batch(inputs.lora):
                 hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
         return hidden
 

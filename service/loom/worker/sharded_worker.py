@@ -159,6 +159,11 @@ class ShardedWorker:
         return self.local.runner
 
     @property
+    def lora(self) -> None:
+        """LoRA is not served with tensor parallelism yet (EngineConfig refuses the combination)."""
+        return None
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """One token's K and V in one rank's pool (every rank's is the same size)."""
         return self.local.kv_bytes_per_token

@@ -54,6 +54,9 @@ class StepPlan:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
     num_drafts: list[int] | None = None  # [N] drafts each sampled sequence verifies (None: none)
     draft_token_ids: list[int] = field(default_factory=list)  # [sum of num_drafts] in order
+    # LoRA: each scheduled sequence's adapter slot (aligned with query_lens: its rows are one
+    # segment), 0 = the base model; None when no row of the step uses an adapter
+    lora_slots: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -24,6 +24,7 @@ import torch
 from loom.config import ConfigError, EngineConfig
 from loom.distributed.parallel_state import get_tp_size
 from loom.layers.kv_fp8 import is_fp8_kv_cache_dtype
+from loom.lora.layers import LoraKernel, LoraSlots
 from loom.plugin_api import PluginRegistry
 from loom.process_tuning import keep_freed_memory
 
@@ -140,6 +141,11 @@ class Worker:
             max_position_embeddings=shape.max_position_embeddings, eos_token_ids=eos_token_ids(model_dir),
             plugins=loaded.plugin_entries() + self._kv_cache_entries(backend_spec.name))
         self.runner: ModelRunner | None = None
+        self.lora: LoraSlots | None = None
+        if config.num_lora_slots:
+            # Before any runner or CUDA graph: the layers' slot tables are part of what they read.
+            self.lora = LoraSlots(cast(torch.nn.Module, self.model), config.num_lora_slots, config.max_lora_rank,
+                                  self.device, self.dtype, _lora_kernel(self.device))
 
     def _kv_cache_entries(self, backend: str) -> tuple[str, ...]:
         """EngineInfo.plugins' entry for the attention backend's KV format (GetModelInfo, loom plugins)."""
@@ -161,6 +167,7 @@ class Worker:
         # Tests only (--fault-injection): a runner that fails chosen requests on purpose.
         runner_cls = FaultInjectingRunner if self.config.fault_injection else ModelRunner
         self.runner = runner_cls(self.model, self.backend, kv_caches, bs, self.shape.vocab_size, self.device)
+        self.runner.lora = self.lora
 
     def free_kv_cache(self) -> None:
         self.runner = None
@@ -173,7 +180,7 @@ class Worker:
         runner = self._runner()
         runner.cuda_graphs = maybe_capture_cuda_graphs(
             self.config.cuda_graphs, self.model, self.backend, runner.kv_caches, self.config.block_size,
-            max_model_len, self.device, self.config.max_batch_size, query_lens)
+            max_model_len, self.device, self.config.max_batch_size, query_lens, lora=self.lora is not None)
 
     @property
     def max_graph_batch_size(self) -> int | None:
@@ -205,6 +212,16 @@ class Worker:
         _, total = torch.cuda.mem_get_info(dev)
         return activations, weights_and_state, total
 
+    # -- LoRA adapters (loom.lora) ----------------------------------------------------------------------
+    def install_adapter(self, slot: int, tables: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy an adapter's tables (``loom.lora.layers.adapter_tables``) into ``slot``, between steps."""
+        assert self.lora is not None, "LoRA is off (--max-loras 0)"
+        self.lora.install(slot, tables)
+
+    def clear_adapter(self, slot: int) -> None:
+        assert self.lora is not None, "LoRA is off (--max-loras 0)"
+        self.lora.clear(slot)
+
     # -- steps -------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> LaunchedStep:
         """Queue a step on the device; :meth:`finish` reads its results."""
@@ -217,3 +234,14 @@ class Worker:
         if self.runner is None:
             raise RuntimeError("the worker has no KV pool: init_kv_cache first")
         return self.runner
+
+
+def _lora_kernel(device: torch.device) -> LoraKernel | None:
+    """CUDA: the built-in plugins' segmented Triton kernel for the LoRA delta (one launch per
+    layer, CUDA-graph capturable); elsewhere None (the torch path, grouped by adapter)."""
+    if device.type != "cuda":
+        return None
+    import importlib
+
+    module = importlib.import_module("loom_plugins.lora.sgmv_triton")
+    return cast(LoraKernel, module.lora_shrink_expand)

@@ -77,9 +77,11 @@ def generate_request(
     parameters: pb.Parameters | None,
     options: ParameterOptions,
     parse_special_tokens: bool | None = None,
+    adapter_id: str = "",
 ) -> _GenerateRequestT:
-    """A GenerateRequest or GenerateStreamRequest with exactly one input and the merged parameters."""
-    request = cls(request_id=request_id)
+    """A GenerateRequest or GenerateStreamRequest with exactly one input and the merged parameters
+    (``adapter_id``: a loaded LoRA adapter's name; empty: the base model)."""
+    request = cls(request_id=request_id, adapter_id=adapter_id)
     which = _one_input(text=text, token_ids=token_ids, messages=messages)
     _check_text_only(which, parse_special_tokens)
     if which == "text":

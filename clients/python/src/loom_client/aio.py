@@ -85,6 +85,7 @@ class AsyncLoomClient:
         messages: Sequence[ChatMessageLike] | None = None,
         add_generation_prompt: bool = True,
         parse_special_tokens: bool | None = None,
+        adapter_id: str = "",
         request_id: str = "",
         parameters: pb.Parameters | None = None,
         timeout: float | None = None,
@@ -102,6 +103,7 @@ class AsyncLoomClient:
             parameters=parameters,
             options=options,
             parse_special_tokens=parse_special_tokens,
+            adapter_id=adapter_id,
         )
         response: pb.GenerateResponse = await self._stub.Generate(
             request, **self._call_kwargs(timeout, metadata)
@@ -116,6 +118,7 @@ class AsyncLoomClient:
         messages: Sequence[ChatMessageLike] | None = None,
         add_generation_prompt: bool = True,
         parse_special_tokens: bool | None = None,
+        adapter_id: str = "",
         request_id: str = "",
         parameters: pb.Parameters | None = None,
         timeout: float | None = None,
@@ -137,6 +140,7 @@ class AsyncLoomClient:
             parameters=parameters,
             options=options,
             parse_special_tokens=parse_special_tokens,
+            adapter_id=adapter_id,
         )
         return self._stream(request, self._call_kwargs(timeout, metadata))
 
@@ -182,6 +186,33 @@ class AsyncLoomClient:
         """The served model, the server's limits and its plugins."""
         response: pb.GetModelInfoResponse = await self._stub.GetModelInfo(
             pb.GetModelInfoRequest(), **self._call_kwargs(timeout, metadata)
+        )
+        return response
+
+    async def load_adapter(
+        self, adapter_id: str, path: str, *, timeout: float | None = None, metadata: Metadata | None = None
+    ) -> pb.Adapter:
+        """Load the PEFT LoRA directory ``path`` (on the server) as ``adapter_id``; returns once it serves."""
+        response: pb.LoadAdapterResponse = await self._stub.LoadAdapter(
+            pb.LoadAdapterRequest(adapter_id=adapter_id, path=path), **self._call_kwargs(timeout, metadata)
+        )
+        return response.adapter
+
+    async def unload_adapter(
+        self, adapter_id: str, *, timeout: float | None = None, metadata: Metadata | None = None
+    ) -> pb.Adapter:
+        """Unload a LoRA adapter (FAILED_PRECONDITION while requests use it)."""
+        response: pb.UnloadAdapterResponse = await self._stub.UnloadAdapter(
+            pb.UnloadAdapterRequest(adapter_id=adapter_id), **self._call_kwargs(timeout, metadata)
+        )
+        return response.adapter
+
+    async def list_adapters(
+        self, *, timeout: float | None = None, metadata: Metadata | None = None
+    ) -> pb.ListAdaptersResponse:
+        """The LoRA adapters loaded now, and the server's limits on them."""
+        response: pb.ListAdaptersResponse = await self._stub.ListAdapters(
+            pb.ListAdaptersRequest(), **self._call_kwargs(timeout, metadata)
         )
         return response
 

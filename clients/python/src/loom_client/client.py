@@ -104,6 +104,7 @@ class LoomClient:
         messages: Sequence[ChatMessageLike] | None = None,
         add_generation_prompt: bool = True,
         parse_special_tokens: bool | None = None,
+        adapter_id: str = "",
         request_id: str = "",
         parameters: pb.Parameters | None = None,
         timeout: float | None = None,
@@ -130,6 +131,7 @@ class LoomClient:
             parameters=parameters,
             options=options,
             parse_special_tokens=parse_special_tokens,
+            adapter_id=adapter_id,
         )
         response: pb.GenerateResponse = self._stub.Generate(request, **self._call_kwargs(timeout, metadata))
         return response
@@ -142,6 +144,7 @@ class LoomClient:
         messages: Sequence[ChatMessageLike] | None = None,
         add_generation_prompt: bool = True,
         parse_special_tokens: bool | None = None,
+        adapter_id: str = "",
         request_id: str = "",
         parameters: pb.Parameters | None = None,
         timeout: float | None = None,
@@ -163,6 +166,7 @@ class LoomClient:
             parameters=parameters,
             options=options,
             parse_special_tokens=parse_special_tokens,
+            adapter_id=adapter_id,
         )
         call = self._stub.GenerateStream(request, **self._call_kwargs(timeout, metadata))
         return _cancelling(call)
@@ -198,6 +202,33 @@ class LoomClient:
         """The served model, the server's limits and its plugins."""
         response: pb.GetModelInfoResponse = self._stub.GetModelInfo(
             pb.GetModelInfoRequest(), **self._call_kwargs(timeout, metadata)
+        )
+        return response
+
+    def load_adapter(
+        self, adapter_id: str, path: str, *, timeout: float | None = None, metadata: Metadata | None = None
+    ) -> pb.Adapter:
+        """Load the PEFT LoRA directory ``path`` (on the server) as ``adapter_id``; returns once it serves."""
+        response: pb.LoadAdapterResponse = self._stub.LoadAdapter(
+            pb.LoadAdapterRequest(adapter_id=adapter_id, path=path), **self._call_kwargs(timeout, metadata)
+        )
+        return response.adapter
+
+    def unload_adapter(
+        self, adapter_id: str, *, timeout: float | None = None, metadata: Metadata | None = None
+    ) -> pb.Adapter:
+        """Unload a LoRA adapter (FAILED_PRECONDITION while requests use it)."""
+        response: pb.UnloadAdapterResponse = self._stub.UnloadAdapter(
+            pb.UnloadAdapterRequest(adapter_id=adapter_id), **self._call_kwargs(timeout, metadata)
+        )
+        return response.adapter
+
+    def list_adapters(
+        self, *, timeout: float | None = None, metadata: Metadata | None = None
+    ) -> pb.ListAdaptersResponse:
+        """The LoRA adapters loaded now, and the server's limits on them."""
+        response: pb.ListAdaptersResponse = self._stub.ListAdapters(
+            pb.ListAdaptersRequest(), **self._call_kwargs(timeout, metadata)
         )
         return response
 

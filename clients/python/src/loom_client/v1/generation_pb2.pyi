@@ -78,6 +78,7 @@ class GenerateRequest(_message.Message):
     CHAT_FIELD_NUMBER: _builtins.int
     PARAMETERS_FIELD_NUMBER: _builtins.int
     PARSE_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
+    ADAPTER_ID_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller-chosen id, echoed in the response and in server logs and metrics. When empty the
     server assigns a unique id. At most 256 bytes.
@@ -95,6 +96,10 @@ class GenerateRequest(_message.Message):
     the ordinary characters it is: set it when the text comes from people who must not be able to
     forge chat turns, system prompts or an end of sequence. Applies to text input only; must not
     be false with chat input, and has no effect on token_ids.
+    """
+    adapter_id: _builtins.str
+    """The LoRA adapter to generate with: the name of a loaded adapter (see ListAdapters). Empty:
+    the base model. A name that is not loaded fails with NOT_FOUND, never runs the base model.
     """
     @_builtins.property
     def token_ids(self) -> Global___TokenIds:
@@ -120,10 +125,11 @@ class GenerateRequest(_message.Message):
         chat: Global___Chat | None = ...,
         parameters: Global___Parameters | None = ...,
         parse_special_tokens: _builtins.bool | None = ...,
+        adapter_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_parse_special_tokens", b"_parse_special_tokens", "chat", b"chat", "input", b"input", "parameters", b"parameters", "parse_special_tokens", b"parse_special_tokens", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parse_special_tokens", b"_parse_special_tokens", "chat", b"chat", "input", b"input", "parameters", b"parameters", "parse_special_tokens", b"parse_special_tokens", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parse_special_tokens", b"_parse_special_tokens", "adapter_id", b"adapter_id", "chat", b"chat", "input", b"input", "parameters", b"parameters", "parse_special_tokens", b"parse_special_tokens", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__parse_special_tokens: _TypeAlias = _typing.Literal["parse_special_tokens"]  # noqa: Y015
     _WhichOneofArgType__parse_special_tokens: _TypeAlias = _typing.Literal["_parse_special_tokens", b"_parse_special_tokens"]  # noqa: Y015
@@ -190,6 +196,7 @@ class GenerateStreamRequest(_message.Message):
     CHAT_FIELD_NUMBER: _builtins.int
     PARAMETERS_FIELD_NUMBER: _builtins.int
     PARSE_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
+    ADAPTER_ID_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller-chosen id, echoed in every response message. When empty the server assigns a unique
     id. At most 256 bytes.
@@ -204,6 +211,8 @@ class GenerateStreamRequest(_message.Message):
     """Whether markup in `text` that spells a special token becomes that token, as in
     GenerateRequest. Unset: true.
     """
+    adapter_id: _builtins.str
+    """The LoRA adapter to generate with, as in GenerateRequest. Empty: the base model."""
     @_builtins.property
     def token_ids(self) -> Global___TokenIds:
         """Prompt token ids, used as given: no special tokens are added."""
@@ -230,10 +239,11 @@ class GenerateStreamRequest(_message.Message):
         chat: Global___Chat | None = ...,
         parameters: Global___Parameters | None = ...,
         parse_special_tokens: _builtins.bool | None = ...,
+        adapter_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_parse_special_tokens", b"_parse_special_tokens", "chat", b"chat", "input", b"input", "parameters", b"parameters", "parse_special_tokens", b"parse_special_tokens", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parse_special_tokens", b"_parse_special_tokens", "chat", b"chat", "input", b"input", "parameters", b"parameters", "parse_special_tokens", b"parse_special_tokens", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parse_special_tokens", b"_parse_special_tokens", "adapter_id", b"adapter_id", "chat", b"chat", "input", b"input", "parameters", b"parameters", "parse_special_tokens", b"parse_special_tokens", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__parse_special_tokens: _TypeAlias = _typing.Literal["parse_special_tokens"]  # noqa: Y015
     _WhichOneofArgType__parse_special_tokens: _TypeAlias = _typing.Literal["_parse_special_tokens", b"_parse_special_tokens"]  # noqa: Y015
@@ -1219,6 +1229,9 @@ class GetModelInfoResponse(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _builtins.int
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _builtins.int
     NUM_SHARD_FIELD_NUMBER: _builtins.int
+    ADAPTERS_FIELD_NUMBER: _builtins.int
+    MAX_LORAS_FIELD_NUMBER: _builtins.int
+    MAX_LORA_RANK_FIELD_NUMBER: _builtins.int
     model_id: _builtins.str
     """The model's identifier: a Hugging Face id, directory or .gguf file name."""
     architecture: _builtins.str
@@ -1244,17 +1257,27 @@ class GetModelInfoResponse(_message.Message):
     """Tensor-parallel ranks the model is split over (`loom serve --num-shard`): 1 when it is not
     split; on GPUs, one GPU per rank.
     """
+    max_loras: _builtins.int
+    """Most LoRA adapters loaded at once (--max-loras); 0: LoRA is off."""
+    max_lora_rank: _builtins.int
+    """Highest rank an adapter may have (--max-lora-rank)."""
     @_builtins.property
     def limits(self) -> Global___ModelLimits:
         """Request limits the server enforces."""
 
     @_builtins.property
     def plugins(self) -> _containers.RepeatedCompositeFieldContainer[Global___PluginInUse]:
-        """The plugins in use: attention backend, model architecture, quantizer, speculative decoder."""
+        """The plugins in use: attention backend, model architecture, quantizer, speculative decoder,
+        LoRA kernel.
+        """
 
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Token ids that end generation (FINISH_REASON_EOS_TOKEN) unless ignore_eos is set."""
+
+    @_builtins.property
+    def adapters(self) -> _containers.RepeatedCompositeFieldContainer[Global___Adapter]:
+        """The LoRA adapters loaded now, by name."""
 
     def __init__(
         self,
@@ -1271,14 +1294,212 @@ class GetModelInfoResponse(_message.Message):
         vocab_size: _builtins.int = ...,
         has_chat_template: _builtins.bool = ...,
         num_shard: _builtins.int = ...,
+        adapters: _abc.Iterable[Global___Adapter] | None = ...,
+        max_loras: _builtins.int = ...,
+        max_lora_rank: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "block_size", b"block_size", "device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "has_chat_template", b"has_chat_template", "limits", b"limits", "model_id", b"model_id", "num_shard", b"num_shard", "plugins", b"plugins", "server_version", b"server_version", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters", b"adapters", "architecture", b"architecture", "block_size", b"block_size", "device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "has_chat_template", b"has_chat_template", "limits", b"limits", "max_lora_rank", b"max_lora_rank", "max_loras", b"max_loras", "model_id", b"model_id", "num_shard", b"num_shard", "plugins", b"plugins", "server_version", b"server_version", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetModelInfoResponse: _TypeAlias = GetModelInfoResponse  # noqa: Y015
+
+@_typing.final
+class Adapter(_message.Message):
+    """A loaded LoRA adapter."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADAPTER_ID_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    ALPHA_FIELD_NUMBER: _builtins.int
+    USE_RSLORA_FIELD_NUMBER: _builtins.int
+    TARGET_MODULES_FIELD_NUMBER: _builtins.int
+    adapter_id: _builtins.str
+    """Its name: what requests put in `adapter_id`."""
+    path: _builtins.str
+    """The directory it was loaded from, on the server."""
+    rank: _builtins.int
+    """Its rank (`r` of adapter_config.json; the largest module rank if a rank_pattern sets others)."""
+    alpha: _builtins.float
+    """`lora_alpha`: each module's output gains alpha / rank (alpha / sqrt(rank) with rsLoRA) times
+    x A^T B^T.
+    """
+    use_rslora: _builtins.bool
+    """Whether it uses rsLoRA scaling."""
+    @_builtins.property
+    def target_modules(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The projections it adapts, among q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj and
+        down_proj.
+        """
+
+    def __init__(
+        self,
+        *,
+        adapter_id: _builtins.str = ...,
+        path: _builtins.str = ...,
+        rank: _builtins.int = ...,
+        alpha: _builtins.float = ...,
+        use_rslora: _builtins.bool = ...,
+        target_modules: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter_id", b"adapter_id", "alpha", b"alpha", "path", b"path", "rank", b"rank", "target_modules", b"target_modules", "use_rslora", b"use_rslora"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Adapter: _TypeAlias = Adapter  # noqa: Y015
+
+@_typing.final
+class LoadAdapterRequest(_message.Message):
+    """Load a LoRA adapter under a name."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADAPTER_ID_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    adapter_id: _builtins.str
+    """The name requests will use: letters, digits, '.', '_' and '-', at most 128, starting with a
+    letter or digit.
+    """
+    path: _builtins.str
+    """A PEFT adapter directory on the server (adapter_config.json and adapter_model.safetensors)."""
+    def __init__(
+        self,
+        *,
+        adapter_id: _builtins.str = ...,
+        path: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter_id", b"adapter_id", "path", b"path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadAdapterRequest: _TypeAlias = LoadAdapterRequest  # noqa: Y015
+
+@_typing.final
+class LoadAdapterResponse(_message.Message):
+    """The adapter loaded."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADAPTER_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def adapter(self) -> Global___Adapter:
+        """What was loaded."""
+
+    def __init__(
+        self,
+        *,
+        adapter: Global___Adapter | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadAdapterResponse: _TypeAlias = LoadAdapterResponse  # noqa: Y015
+
+@_typing.final
+class UnloadAdapterRequest(_message.Message):
+    """Unload a LoRA adapter."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADAPTER_ID_FIELD_NUMBER: _builtins.int
+    adapter_id: _builtins.str
+    """The name it was loaded under."""
+    def __init__(
+        self,
+        *,
+        adapter_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter_id", b"adapter_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnloadAdapterRequest: _TypeAlias = UnloadAdapterRequest  # noqa: Y015
+
+@_typing.final
+class UnloadAdapterResponse(_message.Message):
+    """The adapter unloaded."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADAPTER_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def adapter(self) -> Global___Adapter:
+        """What was unloaded."""
+
+    def __init__(
+        self,
+        *,
+        adapter: Global___Adapter | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnloadAdapterResponse: _TypeAlias = UnloadAdapterResponse  # noqa: Y015
+
+@_typing.final
+class ListAdaptersRequest(_message.Message):
+    """List the LoRA adapters loaded."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListAdaptersRequest: _TypeAlias = ListAdaptersRequest  # noqa: Y015
+
+@_typing.final
+class ListAdaptersResponse(_message.Message):
+    """The LoRA adapters loaded now."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADAPTERS_FIELD_NUMBER: _builtins.int
+    MAX_LORAS_FIELD_NUMBER: _builtins.int
+    MAX_LORA_RANK_FIELD_NUMBER: _builtins.int
+    max_loras: _builtins.int
+    """Most adapters loaded at once (--max-loras); 0: LoRA is off."""
+    max_lora_rank: _builtins.int
+    """Highest rank an adapter may have (--max-lora-rank)."""
+    @_builtins.property
+    def adapters(self) -> _containers.RepeatedCompositeFieldContainer[Global___Adapter]:
+        """By name."""
+
+    def __init__(
+        self,
+        *,
+        adapters: _abc.Iterable[Global___Adapter] | None = ...,
+        max_loras: _builtins.int = ...,
+        max_lora_rank: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters", b"adapters", "max_lora_rank", b"max_lora_rank", "max_loras", b"max_loras"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListAdaptersResponse: _TypeAlias = ListAdaptersResponse  # noqa: Y015
 
 @_typing.final
 class ModelLimits(_message.Message):
@@ -1380,7 +1601,10 @@ class PluginInUse(_message.Message):
     VERSION_FIELD_NUMBER: _builtins.int
     SETTINGS_FIELD_NUMBER: _builtins.int
     kind: _builtins.str
-    """What it provides: "attention", "model", "quantizer" or "speculative"."""
+    """What it provides: "attention", "model", "quantizer", "speculative", or "lora" (the kernel
+    computing LoRA adapters' deltas, "torch" or "triton-bgmv", with settings max_loras and
+    max_lora_rank; built in, listed while LoRA is on).
+    """
     name: _builtins.str
     """The plugin's name within its kind ("sdpa", "llama"...)."""
     distribution: _builtins.str

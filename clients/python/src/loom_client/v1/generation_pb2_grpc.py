@@ -55,6 +55,21 @@ class GenerationServiceStub:
                 request_serializer=loom_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=loom_dot_v1_dot_generation__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/loom.v1.GenerationService/LoadAdapter',
+                request_serializer=loom_dot_v1_dot_generation__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=loom_dot_v1_dot_generation__pb2.LoadAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/loom.v1.GenerationService/UnloadAdapter',
+                request_serializer=loom_dot_v1_dot_generation__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=loom_dot_v1_dot_generation__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListAdapters = channel.unary_unary(
+                '/loom.v1.GenerationService/ListAdapters',
+                request_serializer=loom_dot_v1_dot_generation__pb2.ListAdaptersRequest.SerializeToString,
+                response_deserializer=loom_dot_v1_dot_generation__pb2.ListAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServiceServicer:
@@ -90,6 +105,35 @@ class GenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """Loads a LoRA adapter (a PEFT directory on the server's file system) while serving; requests
+        name it in `adapter_id` once this returns. The files are read and checked off the step loop:
+        generation goes on meanwhile. Errors: INVALID_ARGUMENT naming the config field or tensor of
+        an adapter that is malformed or does not fit the model (wrong shapes, a target other than
+        q/k/v/o/gate/up/down_proj, a rank above max_lora_rank, missing files, bad JSON);
+        ALREADY_EXISTS for a name already loaded; RESOURCE_EXHAUSTED when max_loras adapters are
+        loaded; FAILED_PRECONDITION when the server was started without LoRA (--max-loras 0).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Unloads a LoRA adapter. Refused with FAILED_PRECONDITION while requests that name it are
+        queued or running (it does not wait for them: retry once they end); NOT_FOUND for a name
+        not loaded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListAdapters(self, request, context):
+        """Lists the LoRA adapters loaded now.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +156,21 @@ def add_GenerationServiceServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=loom_dot_v1_dot_generation__pb2.GetModelInfoRequest.FromString,
                     response_serializer=loom_dot_v1_dot_generation__pb2.GetModelInfoResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=loom_dot_v1_dot_generation__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=loom_dot_v1_dot_generation__pb2.LoadAdapterResponse.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=loom_dot_v1_dot_generation__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=loom_dot_v1_dot_generation__pb2.UnloadAdapterResponse.SerializeToString,
+            ),
+            'ListAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAdapters,
+                    request_deserializer=loom_dot_v1_dot_generation__pb2.ListAdaptersRequest.FromString,
+                    response_serializer=loom_dot_v1_dot_generation__pb2.ListAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -223,6 +282,87 @@ class GenerationService:
             '/loom.v1.GenerationService/GetModelInfo',
             loom_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
             loom_dot_v1_dot_generation__pb2.GetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loom.v1.GenerationService/LoadAdapter',
+            loom_dot_v1_dot_generation__pb2.LoadAdapterRequest.SerializeToString,
+            loom_dot_v1_dot_generation__pb2.LoadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loom.v1.GenerationService/UnloadAdapter',
+            loom_dot_v1_dot_generation__pb2.UnloadAdapterRequest.SerializeToString,
+            loom_dot_v1_dot_generation__pb2.UnloadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loom.v1.GenerationService/ListAdapters',
+            loom_dot_v1_dot_generation__pb2.ListAdaptersRequest.SerializeToString,
+            loom_dot_v1_dot_generation__pb2.ListAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

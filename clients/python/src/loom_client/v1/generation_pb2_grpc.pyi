@@ -56,6 +56,22 @@ class GenerationServiceStub:
     """Tokenizes text or a chat conversation exactly as Generate would, without generating."""
     GetModelInfo: _grpc.UnaryUnaryMultiCallable[_generation_pb2.GetModelInfoRequest, _generation_pb2.GetModelInfoResponse]
     """Describes the loaded model, the server's limits and the plugins in use."""
+    LoadAdapter: _grpc.UnaryUnaryMultiCallable[_generation_pb2.LoadAdapterRequest, _generation_pb2.LoadAdapterResponse]
+    """Loads a LoRA adapter (a PEFT directory on the server's file system) while serving; requests
+    name it in `adapter_id` once this returns. The files are read and checked off the step loop:
+    generation goes on meanwhile. Errors: INVALID_ARGUMENT naming the config field or tensor of
+    an adapter that is malformed or does not fit the model (wrong shapes, a target other than
+    q/k/v/o/gate/up/down_proj, a rank above max_lora_rank, missing files, bad JSON);
+    ALREADY_EXISTS for a name already loaded; RESOURCE_EXHAUSTED when max_loras adapters are
+    loaded; FAILED_PRECONDITION when the server was started without LoRA (--max-loras 0).
+    """
+    UnloadAdapter: _grpc.UnaryUnaryMultiCallable[_generation_pb2.UnloadAdapterRequest, _generation_pb2.UnloadAdapterResponse]
+    """Unloads a LoRA adapter. Refused with FAILED_PRECONDITION while requests that name it are
+    queued or running (it does not wait for them: retry once they end); NOT_FOUND for a name
+    not loaded.
+    """
+    ListAdapters: _grpc.UnaryUnaryMultiCallable[_generation_pb2.ListAdaptersRequest, _generation_pb2.ListAdaptersResponse]
+    """Lists the LoRA adapters loaded now."""
 
 @_typing.type_check_only
 class GenerationServiceAsyncStub(GenerationServiceStub):
@@ -72,6 +88,22 @@ class GenerationServiceAsyncStub(GenerationServiceStub):
     """Tokenizes text or a chat conversation exactly as Generate would, without generating."""
     GetModelInfo: _aio.UnaryUnaryMultiCallable[_generation_pb2.GetModelInfoRequest, _generation_pb2.GetModelInfoResponse]  # type: ignore[assignment]
     """Describes the loaded model, the server's limits and the plugins in use."""
+    LoadAdapter: _aio.UnaryUnaryMultiCallable[_generation_pb2.LoadAdapterRequest, _generation_pb2.LoadAdapterResponse]  # type: ignore[assignment]
+    """Loads a LoRA adapter (a PEFT directory on the server's file system) while serving; requests
+    name it in `adapter_id` once this returns. The files are read and checked off the step loop:
+    generation goes on meanwhile. Errors: INVALID_ARGUMENT naming the config field or tensor of
+    an adapter that is malformed or does not fit the model (wrong shapes, a target other than
+    q/k/v/o/gate/up/down_proj, a rank above max_lora_rank, missing files, bad JSON);
+    ALREADY_EXISTS for a name already loaded; RESOURCE_EXHAUSTED when max_loras adapters are
+    loaded; FAILED_PRECONDITION when the server was started without LoRA (--max-loras 0).
+    """
+    UnloadAdapter: _aio.UnaryUnaryMultiCallable[_generation_pb2.UnloadAdapterRequest, _generation_pb2.UnloadAdapterResponse]  # type: ignore[assignment]
+    """Unloads a LoRA adapter. Refused with FAILED_PRECONDITION while requests that name it are
+    queued or running (it does not wait for them: retry once they end); NOT_FOUND for a name
+    not loaded.
+    """
+    ListAdapters: _aio.UnaryUnaryMultiCallable[_generation_pb2.ListAdaptersRequest, _generation_pb2.ListAdaptersResponse]  # type: ignore[assignment]
+    """Lists the LoRA adapters loaded now."""
 
 class GenerationServiceServicer(metaclass=_abc_1.ABCMeta):
     """Generation on the single model this server has loaded."""
@@ -109,5 +141,39 @@ class GenerationServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_generation_pb2.GetModelInfoResponse, _abc.Awaitable[_generation_pb2.GetModelInfoResponse]]:
         """Describes the loaded model, the server's limits and the plugins in use."""
+
+    @_abc_1.abstractmethod
+    def LoadAdapter(
+        self,
+        request: _generation_pb2.LoadAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_generation_pb2.LoadAdapterResponse, _abc.Awaitable[_generation_pb2.LoadAdapterResponse]]:
+        """Loads a LoRA adapter (a PEFT directory on the server's file system) while serving; requests
+        name it in `adapter_id` once this returns. The files are read and checked off the step loop:
+        generation goes on meanwhile. Errors: INVALID_ARGUMENT naming the config field or tensor of
+        an adapter that is malformed or does not fit the model (wrong shapes, a target other than
+        q/k/v/o/gate/up/down_proj, a rank above max_lora_rank, missing files, bad JSON);
+        ALREADY_EXISTS for a name already loaded; RESOURCE_EXHAUSTED when max_loras adapters are
+        loaded; FAILED_PRECONDITION when the server was started without LoRA (--max-loras 0).
+        """
+
+    @_abc_1.abstractmethod
+    def UnloadAdapter(
+        self,
+        request: _generation_pb2.UnloadAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_generation_pb2.UnloadAdapterResponse, _abc.Awaitable[_generation_pb2.UnloadAdapterResponse]]:
+        """Unloads a LoRA adapter. Refused with FAILED_PRECONDITION while requests that name it are
+        queued or running (it does not wait for them: retry once they end); NOT_FOUND for a name
+        not loaded.
+        """
+
+    @_abc_1.abstractmethod
+    def ListAdapters(
+        self,
+        request: _generation_pb2.ListAdaptersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_generation_pb2.ListAdaptersResponse, _abc.Awaitable[_generation_pb2.ListAdaptersResponse]]:
+        """Lists the LoRA adapters loaded now."""
 
 def add_GenerationServiceServicer_to_server(servicer: GenerationServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

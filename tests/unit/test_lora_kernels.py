@@ -1,0 +1,54 @@
+"""The LoRA Triton kernels checked on the CPU through Triton's interpreter (in a child process,
+as the paged backend's are), and on a real GPU where there is one."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_lora_kernels_match_the_torch_path_in_interpreter() -> None:
+    """The kernels alone against the torch path, then inside a whole engine's layers (the CUDA
+    path: the runner's device slot map) against peft's merged model."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "lora_interpret_check.py")],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "FAIL" not in proc.stdout and proc.stdout.count("ok case") == 4, proc.stdout
+    assert "ok engine case" in proc.stdout, proc.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_lora_kernels_on_the_gpu_and_in_a_cuda_graph() -> None:
+    from loom.lora.layers import LoraBatch, LoraLayerWeights, lora_batch
+    from loom_plugins.lora.sgmv_triton import lora_shrink_expand
+
+    dev = torch.device("cuda")
+    layer = LoraLayerWeights(5, 48, 576, [576, 192, 192], torch.bfloat16, dev)
+    for s in range(1, 5):
+        layer.write(s, torch.randn(48, 576, device=dev) * 0.05, torch.randn(960, 48, device=dev) * 0.05)
+    slots = torch.tensor([0, 1, 2, 3, 4, 4, 0, 1], dtype=torch.int32, device=dev)
+    x = torch.randn(8, 576, device=dev, dtype=torch.bfloat16)
+    base = torch.randn(8, 960, device=dev, dtype=torch.bfloat16)
+    rows = [(s, (slots == s).nonzero().squeeze(1)) for s in range(1, 5)]
+    with lora_batch(LoraBatch(slots, rows)):
+        expected = layer.add_to(x, base.clone())
+    out = base.clone()
+    graph = torch.cuda.CUDAGraph()
+    lora_shrink_expand(x, layer.a, layer.b, slots, out.clone())  # compile outside the capture
+    with torch.cuda.graph(graph):
+        lora_shrink_expand(x, layer.a, layer.b, slots, out)
+    out.copy_(base)
+    graph.replay()
+    assert torch.equal(out[slots == 0], base[slots == 0])
+    torch.testing.assert_close(out.float(), expected.float(), atol=0.05, rtol=0.02)
