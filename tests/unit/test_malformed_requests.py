@@ -244,8 +244,11 @@ def test_buf_curl_reflects_with_each_protocol(protocol: str) -> None:
 
     (code, out, err), (health_code, health_out, health_err) = run(main)
     assert code == 0, err
+    # every method of the service as the proto declares it (generation, Tokenize, GetModelInfo, adapters)
+    service = pb.DESCRIPTOR.services_by_name["GenerationService"]
     assert {line for line in out.split() if line.startswith("loom.")} == {
-        f"loom.v1.GenerationService/{m}" for m in ("Generate", "GenerateStream", "Tokenize", "GetModelInfo")}
+        f"loom.v1.GenerationService/{m.name}" for m in service.methods}
+    assert {"Generate", "GenerateStream", "Tokenize", "GetModelInfo", "LoadAdapter"} <= {m.name for m in service.methods}
     assert "grpc.health.v1.Health/List" in out
     assert health_code == 0, health_err
     assert json.loads(health_out)["statuses"]["loom.v1.GenerationService"]["status"] == "SERVING"
