@@ -129,6 +129,9 @@ def _check_attention_backend(config: EngineConfig, registry: PluginRegistry, dev
     if config.block_size % spec.block_size_multiple:
         raise ConfigError(f"--attention-backend {spec.name} needs a --block-size that is a multiple of "
                           f"{spec.block_size_multiple}, got {config.block_size}")
+    if config.kv_cache_dtype != "auto" and not getattr(spec.load(), "supports_fp8_kv_cache", False):
+        raise ConfigError(f"--attention-backend {spec.name} cannot read an FP8 KV cache (--kv-cache-dtype "
+                          f"{config.kv_cache_dtype}); the torch and paged backends can")
 
 
 def _check_quantizer(quantize: str, registry: PluginRegistry) -> None:

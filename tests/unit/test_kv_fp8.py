@@ -144,3 +144,12 @@ def test_get_model_info_lists_the_kv_format_on_the_attention_plugin() -> None:
     attention = [p for p in plugins if p.kind == "attention"]
     assert len(attention) == 1 and attention[0].name == "paged"  # settings only: no second entry
     assert dict(attention[0].settings) == {"kv_cache_dtype": "fp8_e4m3", "kv_cache_scales": "per_token_and_head"}
+
+
+def test_a_backend_without_fp8_support_is_refused_before_the_model_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    from loom.preflight import check_engine_config
+
+    monkeypatch.setattr(TorchAttentionBackend, "supports_fp8_kv_cache", False)
+    with pytest.raises(ConfigError, match="--attention-backend torch cannot read an FP8 KV cache"):
+        check_engine_config(EngineConfig(device="cpu", attention_backend="torch", kv_cache_dtype="fp8"))
+    check_engine_config(EngineConfig(device="cpu", attention_backend="torch"))  # the dtype's cache is fine

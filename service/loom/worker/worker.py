@@ -121,12 +121,18 @@ class Worker:
             log.info("attention backend: torch, the default one cannot cap attention scores (Gemma 2)",
                      default=backend_spec.name)
             backend_spec = registry.attention_backend("torch")
+        fp8_kv = is_fp8_kv_cache_dtype(config.kv_cache_dtype)
+        if fp8_kv and not config.attention_backend and not getattr(backend_spec.load(), "supports_fp8_kv_cache", False):
+            fallback = "paged" if self.device.type == "cuda" and not capped else "torch"
+            log.info(f"attention backend: {fallback}, the default one cannot read an FP8 KV cache",
+                     default=backend_spec.name)
+            backend_spec = registry.attention_backend(fallback)
         # This rank's heads: q heads split evenly; KV heads split, or one each (replicated) when
         # the ranks outnumber them (as QKVParallelLinear lays them out).
         num_heads = shape.num_heads // self.tp_size
         num_kv_heads = max(1, shape.num_kv_heads // self.tp_size)
         self.backend = backend_spec.load()(num_heads, num_kv_heads, shape.head_dim, self.dtype, self.device)
-        if is_fp8_kv_cache_dtype(config.kv_cache_dtype):
+        if fp8_kv:
             try:
                 self.backend.use_fp8_kv_cache()
             except ValueError as exc:
