@@ -252,6 +252,11 @@ class FakeGeneration(pb_grpc.GenerationServiceServicer):
                 usage=pb.Usage(prompt_tokens=4, generated_tokens=3) if last else None,
             )
 
+    def ListAdapters(self, request: pb.ListAdaptersRequest, context: grpc.ServicerContext) -> pb.ListAdaptersResponse:
+        self._record(request, context)
+        return pb.ListAdaptersResponse(max_loras=4, max_lora_rank=16, adapters=[pb.Adapter(
+            adapter_id="sql", path="/m/sql", rank=8, alpha=16, target_modules=["q_proj", "v_proj"])])
+
     def Tokenize(self, request: pb.TokenizeRequest, context: grpc.ServicerContext) -> pb.TokenizeResponse:
         self._record(request, context)
         words = request.text.split()
@@ -548,3 +553,17 @@ def test_cli_constraints(fake_server: tuple[str, FakeGeneration], tmp_path: Path
     assert code == 2 and "--json-schema: cannot read" in err
     code, _, err = _cli("--target", target, "generate", "hi", "--regex", "a", "--choice", "b")
     assert code == 2 and "at most one constraint" in err
+
+
+def test_cli_adapter_id_and_adapters(fake_server: tuple[str, FakeGeneration]) -> None:
+    target, servicer = fake_server
+    code, _, _ = _cli("--target", target, "generate", "hi", "--adapter-id", "sql")
+    assert code == 0 and servicer.requests[-1].adapter_id == "sql"
+    code, _, _ = _cli("--target", target, "stream", "hi", "--adapter-id", "sql")
+    assert code == 0 and servicer.requests[-1].adapter_id == "sql"
+    code, _, _ = _cli("--target", target, "generate", "hi")
+    assert code == 0 and servicer.requests[-1].adapter_id == ""  # the base model
+    code, out, _ = _cli("--target", target, "adapters")
+    assert (code, out) == (0, "max_loras: 4, max_lora_rank: 16\nsql\trank 8\talpha 16\tq_proj,v_proj\t/m/sql\n")
+    code, out, _ = _cli("--target", target, "adapters", "--json")
+    assert code == 0 and json.loads(out)["adapters"][0]["adapter_id"] == "sql"

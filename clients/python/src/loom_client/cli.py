@@ -173,6 +173,7 @@ def _add_prompt(parser: argparse.ArgumentParser, *, token_ids: bool) -> None:
 def _add_generation(parser: argparse.ArgumentParser) -> None:
     _add_prompt(parser, token_ids=True)
     parser.add_argument("--request-id", default="", help="request id (server-assigned when empty)")
+    parser.add_argument("--adapter-id", default="", help="LoRA adapter to generate with (empty: the base model)")
     parser.add_argument(
         "--verbose", "-v", action="store_true", help="print finish reasons and usage to stderr"
     )
@@ -251,6 +252,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = commands.add_parser(
         "info", help="describe the served model and limits", description="describe the served model"
+    )
+    _add_common(sub, suppress=True)
+    sub = commands.add_parser(
+        "adapters", help="list the LoRA adapters loaded", description="list the LoRA adapters loaded"
     )
     _add_common(sub, suppress=True)
     return parser
@@ -344,7 +349,7 @@ def _credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
 
 
 def _run_generate(client: LoomClient, args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
-    reply = client.generate(request_id=args.request_id, **_prompt(args), **_options(args))
+    reply = client.generate(request_id=args.request_id, adapter_id=args.adapter_id, **_prompt(args), **_options(args))
     if args.json:
         out.write(_to_json(reply) + "\n")
         return
@@ -364,7 +369,8 @@ def _run_generate(client: LoomClient, args: argparse.Namespace, out: TextIO, err
 def _run_stream(client: LoomClient, args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
     live = args.n is None or args.n <= 1  # several completions interleave: print them at the end
     texts: dict[int, list[str]] = {}
-    for chunk in client.stream(request_id=args.request_id, **_prompt(args), **_options(args)):
+    for chunk in client.stream(request_id=args.request_id, adapter_id=args.adapter_id, **_prompt(args),
+                               **_options(args)):
         if args.json:
             out.write(_to_json(chunk, compact=True) + "\n")
             out.flush()
@@ -435,11 +441,22 @@ def _all_fields(message: Message) -> list[tuple[Any, Any]]:
     return [(field, getattr(message, field.name)) for field in message.DESCRIPTOR.fields]
 
 
+def _run_adapters(client: LoomClient, args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
+    listed = client.list_adapters()
+    if args.json:
+        out.write(_to_json(listed) + "\n")
+        return
+    out.write(f"max_loras: {listed.max_loras}, max_lora_rank: {listed.max_lora_rank}\n")
+    for a in listed.adapters:
+        out.write(f"{a.adapter_id}\trank {a.rank}\talpha {a.alpha:g}\t{','.join(a.target_modules)}\t{a.path}\n")
+
+
 _COMMANDS: dict[str, Callable[[LoomClient, argparse.Namespace, TextIO, TextIO], None]] = {
     "generate": _run_generate,
     "stream": _run_stream,
     "tokenize": _run_tokenize,
     "info": _run_info,
+    "adapters": _run_adapters,
 }
 
 
