@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -142,3 +143,20 @@ def engine_pid(server_pid: int) -> int:
     engines = [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
     assert len(engines) == 1, children
     return engines[0]
+
+
+def stream_into(server: ServerProcess, tokens: int, results: list[object], started: threading.Event) -> None:
+    """A stream of ``tokens`` tokens (EOS ignored) for a thread: appends the messages, or the
+    RpcError that ended it, to ``results``; ``started`` is set at its first message (or error)."""
+    params = pb.Parameters(stopping=pb.StoppingParameters(max_new_tokens=tokens, ignore_eos=True))
+    try:
+        call = server.stub.GenerateStream(pb.GenerateStreamRequest(text="Once upon a time", parameters=params),
+                                          timeout=300)
+        messages = []
+        for msg in call:
+            messages.append(msg)
+            started.set()
+        results.append(messages)
+    except grpc.RpcError as exc:
+        started.set()
+        results.append(exc)

@@ -28,16 +28,23 @@ GENERATE = "/loom.v1.GenerationService/Generate"
 LONG = pb.Parameters(stopping=pb.StoppingParameters(max_new_tokens=4000, ignore_eos=True))
 
 
-def rpc_count(server: ServerProcess, method: str, code: str) -> float:
+def metric(server: ServerProcess, sample_name: str, **labels: str) -> float:
+    """The value of one sample of the server's /metrics (0 when it is not there yet)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as resp:
         text = resp.read().decode()
     for family in text_string_to_metric_families(text):
-        if family.name == "loom_grpc_requests":
-            for sample in family.samples:
-                if (sample.name.endswith("_total") and sample.labels.get("method") == method
-                        and sample.labels.get("code") == code):
-                    return sample.value
+        for sample in family.samples:
+            if sample.name == sample_name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
     return 0.0
+
+
+def rpc_count(server: ServerProcess, method: str, code: str) -> float:
+    return metric(server, "loom_grpc_requests_total", method=method, code=code)
+
+
+def generation_requests(server: ServerProcess) -> float:
+    return metric(server, "loom_request_count_total")
 
 
 @pytest.fixture
@@ -54,14 +61,6 @@ def two_servers(tiny_llama_dir: Path, server_logs: Path) -> Iterator[tuple[Serve
             if server.proc.poll() is None:
                 os.killpg(server.proc.pid, signal.SIGKILL)
             server.stop(10)
-
-
-def generation_requests(server: ServerProcess) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    (value,) = [s.value for f in text_string_to_metric_families(text) if f.name == "loom_request_count"
-                for s in f.samples if s.name == "loom_request_count_total"]
-    return value
 
 
 def warm_up(client: LoomClient, a: ServerProcess, b: ServerProcess) -> None:

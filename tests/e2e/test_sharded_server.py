@@ -20,7 +20,7 @@ import pytest
 
 from loom_client.v1 import generation_pb2 as pb
 
-from .server_process import ServerProcess, engine_pid, start_server
+from .server_process import ServerProcess, engine_pid, start_server, stream_into
 
 pytestmark = pytest.mark.e2e
 
@@ -46,21 +46,6 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _stream(server: ServerProcess, tokens: int, results: list[object], started: threading.Event) -> None:
-    params = pb.Parameters(stopping=pb.StoppingParameters(max_new_tokens=tokens, ignore_eos=True))
-    try:
-        call = server.stub.GenerateStream(pb.GenerateStreamRequest(text="Once upon a time", parameters=params),
-                                          timeout=300)
-        messages = []
-        for msg in call:
-            messages.append(msg)
-            started.set()
-        results.append(messages)
-    except grpc.RpcError as exc:
-        started.set()
-        results.append(exc)
-
-
 @pytest.fixture
 def sharded_server(tiny_llama_dir: Path, server_logs: Path, request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
     server = start_server(tiny_llama_dir, server_logs, f"sharded-{request.node.name}", "--num-shard", "2",
@@ -81,7 +66,7 @@ def test_model_info_reports_the_shards_and_sigterm_drains_and_stops_every_rank(s
     assert len(ranks) == 1
     results: list[object] = []
     started = threading.Event()
-    thread = threading.Thread(target=_stream, args=(server, 60, results, started))
+    thread = threading.Thread(target=stream_into, args=(server, 60, results, started))
     thread.start()
     assert started.wait(60)
     os.killpg(server.proc.pid, signal.SIGTERM)  # as a supervisor does: every process of the group
@@ -103,7 +88,7 @@ def test_a_rank_killed_mid_stream_ends_the_server_naming_it(sharded_server: Serv
     [rank1] = _rank_pids(server)
     results: list[object] = []
     started = threading.Event()
-    thread = threading.Thread(target=_stream, args=(server, 400, results, started))
+    thread = threading.Thread(target=stream_into, args=(server, 400, results, started))
     thread.start()
     assert started.wait(60)
     killed = time.monotonic()

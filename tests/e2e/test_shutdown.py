@@ -22,24 +22,9 @@ from grpc_status import rpc_status
 
 from loom_client.v1 import generation_pb2 as pb
 
-from .server_process import ServerProcess, engine_pid, start_server
+from .server_process import ServerProcess, engine_pid, start_server, stream_into
 
 pytestmark = pytest.mark.e2e
-
-
-def _stream(server: ServerProcess, tokens: int, results: list[object], started: threading.Event) -> None:
-    params = pb.Parameters(stopping=pb.StoppingParameters(max_new_tokens=tokens, ignore_eos=True))
-    try:
-        call = server.stub.GenerateStream(pb.GenerateStreamRequest(text="Once upon a time", parameters=params),
-                                          timeout=300)
-        messages = []
-        for msg in call:
-            messages.append(msg)
-            started.set()
-        results.append(messages)
-    except grpc.RpcError as exc:
-        started.set()
-        results.append(exc)
 
 
 def _final_pool_stats(log: str) -> tuple[int, int, int]:
@@ -68,7 +53,7 @@ def test_sigterm_to_the_process_group_drains_in_flight_streams(group_server: Ser
     assert os.getpgid(engine) == server.proc.pid  # the engine is in the group the signal reaches
     results: list[object] = []
     started = [threading.Event() for _ in range(3)]
-    threads = [threading.Thread(target=_stream, args=(server, 1500, results, ev)) for ev in started]
+    threads = [threading.Thread(target=stream_into, args=(server, 1500, results, ev)) for ev in started]
     for t in threads:
         t.start()
     for ev in started:
@@ -108,7 +93,7 @@ def test_requests_left_at_the_end_of_the_grace_period_get_unavailable_shutdown(
     results: list[object] = []
     started = [threading.Event() for _ in range(4)]
     # Three run (the server's limit) and one waits in the queue; none can finish within 2 s.
-    threads = [threading.Thread(target=_stream, args=(server, 4000, results, ev)) for ev in started]
+    threads = [threading.Thread(target=stream_into, args=(server, 4000, results, ev)) for ev in started]
     for t in threads[:3]:
         t.start()
     for ev in started[:3]:
