@@ -94,11 +94,19 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(fp8_dtype())
 
 
+def _row_scale(xf: torch.Tensor, dim: int) -> torch.Tensor:
+    """max |x| / 448 along ``dim`` (kept), at least ``_TINY``: divided tensor by tensor, so
+    correctly rounded on every device as the Triton kernel's div_rn (CUDA divides by a Python
+    scalar as a multiply by its reciprocal, a bit off in some rows)."""
+    amax = xf.abs().amax(dim=dim, keepdim=True)
+    return (amax / torch.full_like(amax, FP8_MAX)).clamp(min=_TINY)
+
+
 def fake_quantize_activations(x: torch.Tensor, input_scale: torch.Tensor | None) -> torch.Tensor:
     """``x`` as a W8A8 kernel sees it: rounded to e4m3 with the static per-tensor ``input_scale``,
     or with per-token scales (each row's max |x| / 448) when it is None."""
     xf = x.float()
-    scale = input_scale if input_scale is not None else (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_TINY)
+    scale = input_scale if input_scale is not None else _row_scale(xf, dim=-1)
     return (quantize_fp8(xf, scale).float() * scale).to(x.dtype)
 
 
@@ -241,7 +249,7 @@ class FP8WhileLoadingMethod(QuantizeWhileLoading):
                                params_dtype, weight_loader)
 
     def quantize(self, layer: Any, weight: torch.Tensor) -> None:
-        scale = (weight.float().abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=_TINY)  # [out, 1]
+        scale = _row_scale(weight.float(), dim=1)  # [out, 1]
         layer.register_buffer("weight_fp8", quantize_fp8(weight, scale))
         layer.register_buffer("weight_scale", scale)
 

@@ -65,7 +65,17 @@ def _check(step: PagedStep, hq: int, hkv: int, d: int, dtype: torch.dtype, windo
     torch.cuda.synchronize()
     assert torch.equal(cache, torch_cache), "K/V written to the pool differ from the torch backend's"
     assert torch.isfinite(out).all()
-    torch.testing.assert_close(out, expect, **TOL[dtype])  # type: ignore[arg-type]
+    if soft_cap is None:
+        torch.testing.assert_close(out, expect, **TOL[dtype])  # type: ignore[arg-type]
+    else:
+        # The torch backend caps scores as transformers' eager Gemma 2 does, in the model's dtype:
+        # scores of tens rounded to bf16 are off by up to 0.125 before the softmax. The kernel
+        # caps float32 scores, so it is held to the float32 reference instead, element by element
+        # (bf16 against float32: 0.04 + 2%), and must be at least as close to it as torch is.
+        torch.testing.assert_close(out.float(), ref, atol=4e-2, rtol=2e-2)
+        rel_torch = ((expect.float() - ref).norm() / ref.norm()).item()
+        rel_paged = ((out.float() - ref).norm() / ref.norm()).item()
+        assert rel_paged <= max(rel_torch, REL_NORM[dtype] / 4), (rel_paged, rel_torch)
     rel = ((out.float() - ref).norm() / ref.norm()).item()
     assert rel < REL_NORM[dtype], f"relative error {rel:.2e} against the float32 reference"
 
@@ -89,8 +99,6 @@ def test_sliding_window(mode: str) -> None:
     _check(step, 8, 2, 128, torch.bfloat16, window=100)
 
 
-@pytest.mark.xfail(strict=True, reason="the paged kernel's soft cap gives wrong scores on the H200 (2026-12-02: "
-                   "12% of elements off by up to 0.18 in bf16); the backend does not declare it, Gemma 2 runs on torch")
 @pytest.mark.parametrize("mode", ["decode", "prefill", "cached", "verify", "mixed"])
 @pytest.mark.parametrize("window", [None, 100])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -238,10 +246,12 @@ def _graph_vs_eager(n: int, q: int) -> None:
 @pytest.mark.parametrize("mode", ["decode", "prefill", "cached", "verify", "mixed"])
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(32, 8, 128), (9, 3, 64)])
 def test_fp8_kv_cache_matches_the_reference_over_what_the_pool_holds(mode: str, hq: int, hkv: int, d: int) -> None:
-    """--kv-cache-dtype fp8 on the GPU: the pool's bytes after the write within one e4m3 step of
-    kv_fp8.write's (the GPU's division and conversion may round a tie the other way), and the
-    bf16 output within bf16 tolerance of the float32 reference over the dequantized pool."""
-    from helpers.fp8_kv_cases import pack, reference, unpack
+    """--kv-cache-dtype fp8 on the GPU: the pool's bytes after the write are kv_fp8.write's (both
+    divide correctly rounded and convert to nearest even), and the bf16 output is within bf16
+    rounding of the float32 reference over the dequantized pool: a relative error norm under 1%,
+    and no element off by more than 0.04 + 2% (a bf16 kernel against float32, where the other
+    tests compare two bf16 backends)."""
+    from helpers.fp8_kv_cases import pack, reference
 
     rng = random.Random(hash((mode, hq)) & 0xFFFF)
     step = make_step(_seqs(mode, rng), num_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=torch.bfloat16,
@@ -252,6 +262,7 @@ def test_fp8_kv_cache_matches_the_reference_over_what_the_pool_holds(mode: str, 
     pool = pack(step.kv_cache.float())
     out = backend.forward(step.q, step.k, step.v, pool, step.meta, backend.prepare(step.meta), d**-0.5, None)
     mismatched = (pool != expected_pool).float().mean().item()
-    assert mismatched < 1e-3, f"{mismatched:.2%} of the pool's bytes differ from kv_fp8.write's"
-    torch.testing.assert_close(unpack(pool), unpack(expected_pool), rtol=2**-3, atol=1e-6)
-    torch.testing.assert_close(out.float(), expected, **TOL[torch.bfloat16])  # type: ignore[arg-type]
+    assert mismatched == 0, f"{mismatched:.3%} of the pool's bytes differ from kv_fp8.write's"
+    rel = ((out.float() - expected).norm() / expected.norm()).item()
+    assert rel < REL_NORM[torch.bfloat16], f"relative error {rel:.2e} against the float32 reference"
+    torch.testing.assert_close(out.float(), expected, atol=4e-2, rtol=2e-2)

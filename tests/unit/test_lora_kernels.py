@@ -35,8 +35,14 @@ def test_lora_kernels_on_the_gpu_and_in_a_cuda_graph() -> None:
 
     dev = torch.device("cuda")
     layer = LoraLayerWeights(5, 48, 576, [576, 192, 192], torch.bfloat16, dev)
+    # A [slot, parts * rank, in] stacks each part's A; B [slot, out, parts * rank] is block
+    # diagonal (part i's rows read only part i's rank columns), as LoraSlots writes them.
+    offsets = [(0, 576), (576, 768), (768, 960)]
     for s in range(1, 5):
-        layer.write(s, torch.randn(48, 576, device=dev) * 0.05, torch.randn(960, 48, device=dev) * 0.05)
+        b = torch.zeros(960, 3 * 48, device=dev)
+        for i, (lo, hi) in enumerate(offsets):
+            b[lo:hi, i * 48:(i + 1) * 48] = torch.randn(hi - lo, 48, device=dev) * 0.05
+        layer.write(s, torch.randn(3 * 48, 576, device=dev) * 0.05, b)
     slots = torch.tensor([0, 1, 2, 3, 4, 4, 0, 1], dtype=torch.int32, device=dev)
     x = torch.randn(8, 576, device=dev, dtype=torch.bfloat16)
     base = torch.randn(8, 960, device=dev, dtype=torch.bfloat16)

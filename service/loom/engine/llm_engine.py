@@ -361,7 +361,8 @@ class LLMEngine:
     # -- LoRA adapters (loom.lora) -------------------------------------------------------------------
     def _load_startup_adapters(self) -> AdapterManager | None:
         worker = self.worker
-        if not isinstance(worker, Worker) or worker.lora is None:  # LoRA off, or sharded (refused)
+        # (ShardedWorker, not Worker: tests stand a factory in for the module's Worker)
+        if isinstance(worker, ShardedWorker) or worker.lora is None:  # sharded (refused), or LoRA off
             return None
         lora = worker.lora
         from loom.lora.manager import AdapterManager

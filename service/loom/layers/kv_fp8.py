@@ -69,8 +69,12 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     gets scale 0 and codes 0 (it dequantizes to zeros)."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1)  # [...]
-    scale = amax / FP8_MAX
-    inv = torch.where(amax > 0, FP8_MAX / amax, torch.zeros_like(amax))
+    # Both divisions tensor by tensor, so correctly rounded on every device, as the Triton write
+    # kernel's div_rn: CUDA divides by a Python scalar as a multiply by its reciprocal, and
+    # ``448 / t`` is ``t.reciprocal() * 448``, each a bit off in some rows.
+    max_t = torch.full_like(amax, FP8_MAX)
+    scale = amax / max_t
+    inv = torch.where(amax > 0, max_t / torch.where(amax > 0, amax, 1.0), torch.zeros_like(amax))
     # clamp: amax * (448 / amax) can round to just above 448, which e4m3 would turn into NaN
     codes = (xf * inv.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return codes, scale

