@@ -46,6 +46,17 @@ def test_zero_rows_and_views_share_the_pool() -> None:
     assert scales[0, 2, 3, 0].item() == pytest.approx(7 / 448)  # slot 11 = block 2, offset 3
     torch.testing.assert_close(unpack(pool)[1, 2, 3, 0], -torch.arange(8.0), rtol=2**-4, atol=0)
     assert kv_fp8.packed_row_bytes(64) == 68
+    # The block's codes first, then its scales: every row of codes 16-byte aligned for D % 16 == 0.
+    flat = pool.view(2, 3, -1)  # [2, nb, block bytes]
+    assert torch.equal(flat[1, 2, : 4 * 2 * 8].view(4, 2, 8), codes[1, 2].view(torch.uint8))
+    assert torch.equal(flat[1, 2, 4 * 2 * 8 :].view(torch.float32).view(4, 2), scales[1, 2])
+    big = kv_fp8.allocate(2, 16, 8, 128, torch.device("cpu"))
+    big_codes, big_scales = kv_fp8.views(big)
+    assert big_codes.stride() == (2 * 16 * 8 * 132, 16 * 8 * 132, 8 * 128, 128, 1)
+    assert all(st % 16 == 0 for st in big_codes.stride()[:-1])
+    # a selection of blocks (what read_blocks and swapping take) keeps the layout
+    some = pool.index_select(1, torch.tensor([2]))
+    torch.testing.assert_close(unpack(some)[1, 0], unpack(pool)[1, 2])
     with pytest.raises(ValueError, match="divisible by 4"):
         kv_fp8.packed_row_bytes(30)
 

@@ -1,10 +1,17 @@
 """The FP8 KV cache format (``--kv-cache-dtype fp8``): e4m3 codes with one scale per token and head.
 
-A layer's pool stays one tensor, of bytes: ``[2, num_blocks, block_size, Hkv, D + 4]`` uint8. Each
-(token, KV head) row holds its ``D`` float8_e4m3fn codes followed by its float32 scale, so a row
-is ``x ~= codes * scale`` with ``scale = max|x| / 448`` (448: e4m3's largest finite value). The
-K/V of one token cost ``D + 4`` bytes a head instead of ``2 D`` in bf16: 1.88x the tokens at
-``D = 64``, 1.94x at ``D = 128``.
+A layer's pool stays one tensor, of bytes, allocated as ``[2, num_blocks, block_size, Hkv, D + 4]``
+uint8 (so that whole-block operations, the block size and the head count read as for a dense
+pool). Within a block the bytes are not rows of ``D + 4``: the block's ``block_size x Hkv x D``
+float8_e4m3fn codes come first, ``[block_size, Hkv, D]`` contiguous, then its ``block_size x Hkv``
+float32 scales, ``[block_size, Hkv]``. Every row of codes then starts 16-byte aligned (``D`` a
+multiple of 16), so kernels load K/V with wide vector loads; rows of ``D + 4`` bytes were only
+4-byte aligned, and on the H200 that made attention over the FP8 pool slower than over bf16
+(2026-12-02). :func:`views` is the one place that knows this layout.
+
+A (token, KV head) row is ``x ~= codes * scale`` with ``scale = max|x| / 448`` (448: e4m3's
+largest finite value). The K/V of one token cost ``D + 4`` bytes a head instead of ``2 D`` in
+bf16: 1.88x the tokens at ``D = 64``, 1.94x at ``D = 128``.
 
 Why a scale per token and head rather than per layer: it needs no calibration (a static scale must
 be known before the first K/V is written and clips whatever a later prompt exceeds it by), every
@@ -28,7 +35,7 @@ __all__ = ["KV_CACHE_DTYPES", "allocate", "dequantize", "is_fp8_kv_cache_dtype",
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
-SCALE_BYTES = 4  # one float32 after each row's codes
+SCALE_BYTES = 4  # one float32 a (token, head) row, after the block's codes
 
 
 def is_fp8_kv_cache_dtype(name: str) -> bool:
@@ -55,10 +62,22 @@ def is_packed(kv_cache: torch.Tensor) -> bool:
 
 def views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The pool as codes ``[2, nb, bs, Hkv, D]`` float8_e4m3fn and scales ``[2, nb, bs, Hkv]``
-    float32, both views of the same bytes (writes through them land in the pool)."""
-    d = kv_cache.shape[-1] - SCALE_BYTES
-    codes = kv_cache[..., :d].view(FP8_DTYPE)
-    scales = kv_cache[..., d:].view(torch.float32)[..., 0]
+    float32, both views of the same bytes (writes through them land in the pool).
+
+    Any pool whose blocks are each contiguous works (a slice or selection of blocks too)."""
+    two, nb, bs, hkv, row = kv_cache.shape
+    d = row - SCALE_BYTES
+    s_kv, s_blk = kv_cache.stride(0), kv_cache.stride(1)
+    if kv_cache.stride()[2:] != (hkv * row, row, 1) or (nb > 1 and s_blk < bs * hkv * row):
+        raise ValueError("an FP8 KV pool's blocks must each be contiguous")
+    if s_kv % SCALE_BYTES or s_blk % SCALE_BYTES or kv_cache.storage_offset() % SCALE_BYTES:
+        raise ValueError("an FP8 KV pool must be 4-byte aligned")
+    base = kv_cache.storage_offset()
+    codes = kv_cache.as_strided((two, nb, bs, hkv, d), (s_kv, s_blk, hkv * d, d, 1), base).view(FP8_DTYPE)
+    # float32 over the same storage (views of a uint8 tensor as float32 need 4-aligned strides)
+    words = kv_cache.view(torch.float32)  # [2, nb, bs, Hkv, row / 4]
+    scales = words.as_strided((two, nb, bs, hkv), (s_kv // SCALE_BYTES, s_blk // SCALE_BYTES, hkv, 1),
+                              (base + bs * hkv * d) // SCALE_BYTES)
     return codes, scales
 
 
@@ -93,12 +112,13 @@ def round_trip(x: torch.Tensor) -> torch.Tensor:
 
 def write(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
     """Quantize new ``k``/``v`` ``[T, Hkv, D]`` and write them at flat ``slots`` of a packed pool."""
-    _, num_blocks, bs, hkv, row = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * bs, hkv, row)
+    bs = kv_cache.shape[2]
+    codes_pool, scales_pool = views(kv_cache)
+    blocks, offsets = slots // bs, slots % bs  # [T] each
     for i, x in enumerate((k, v)):
         codes, scales = quantize(x)  # [T, Hkv, D], [T, Hkv]
-        packed = torch.cat([codes.view(torch.uint8), scales.unsqueeze(-1).contiguous().view(torch.uint8)], dim=-1)
-        flat[i].index_copy_(0, slots, packed)
+        codes_pool[i].view(torch.uint8).index_put_((blocks, offsets), codes.view(torch.uint8))
+        scales_pool[i].index_put_((blocks, offsets), scales)
 
 
 def read_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
