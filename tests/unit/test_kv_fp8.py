@@ -52,6 +52,7 @@ def test_zero_rows_and_views_share_the_pool() -> None:
     assert torch.equal(flat[1, 2, 4 * 2 * 8 :].view(torch.float32).view(4, 2), scales[1, 2])
     big = kv_fp8.allocate(2, 16, 8, 128, torch.device("cpu"))
     big_codes, big_scales = kv_fp8.views(big)
+    assert big_scales.stride() == (2 * 16 * 8 * 33, 16 * 8 * 33, 8, 1)  # float32 words
     assert big_codes.stride() == (2 * 16 * 8 * 132, 16 * 8 * 132, 8 * 128, 128, 1)
     assert all(st % 16 == 0 for st in big_codes.stride()[:-1])
     # a selection of blocks (what read_blocks and swapping take) keeps the layout
