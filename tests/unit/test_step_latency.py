@@ -35,13 +35,26 @@ def test_model_fits_step_time_and_budgets_the_prefill() -> None:
     for i in range(40):  # step_s = 10 ms + 1 ms a decode row + 0.1 ms a prompt token
         decodes, prefill = i % 7, (i * 37) % 500
         model.observe(decodes, prefill, 0.010 + 0.001 * decodes + 0.0001 * prefill)
-    a, b, c = model.coefficients or (0, 0, 0)
-    assert (a, b, c) == pytest.approx((0.010, 0.001, 0.0001), rel=1e-6)
+    a, m, b, c = model.coefficients or (0, 0, 0, 0)
+    assert (a + m, b, c) == pytest.approx((0.010, 0.001, 0.0001), rel=1e-6)
     assert model.prefill_budget(10) == pytest.approx(300, abs=1)  # (50 - 10 - 10) ms / 0.1 ms, rounded down
     assert model.prefill_budget(45) == 16  # the decodes alone miss the target: prompts still advance
     assert StepLatencyModel(10.0, max_tokens=512).prefill_budget(1) == 256
     with pytest.raises(ConfigError, match="--max-step-latency-ms must be a positive number"):
         EngineConfig(max_step_latency_ms=0)
+
+
+def test_steps_with_prompt_tokens_pay_their_own_intercept() -> None:
+    """A GPU replays a graph for decode-only steps and launches mixed ones eagerly: 8 ms more for
+    any prompt tokens. One intercept for both would budget mixed steps past the target."""
+    model = StepLatencyModel(target_s=0.050, max_tokens=4096, min_tokens=16)
+    for i in range(60):
+        decodes, prefill = 20 + i % 9, 0 if i % 3 == 0 else 50 + (i * 37) % 400
+        model.observe(decodes, prefill, 0.004 + 0.008 * (prefill > 0) + 0.0002 * decodes + 0.00005 * prefill)
+    a, m, b, c = model.coefficients or (0, 0, 0, 0)
+    assert (a, m, b, c) == pytest.approx((0.004, 0.008, 0.0002, 0.00005), rel=1e-6)
+    assert model.prefill_budget(30) == 640  # (50 - 4 - 8 - 6) ms / 0.05 ms
+    assert 0.004 + 0.008 + 0.0002 * 30 + 0.00005 * model.prefill_budget(30) == pytest.approx(0.050)
 
 
 def test_noise_without_prefill_keeps_the_cold_budget() -> None:
