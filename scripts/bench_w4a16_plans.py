@@ -35,6 +35,7 @@ def _import() -> tuple[Any, Any]:
 
     make_importable()
     import helpers.quant_layers as ql
+
     from loom_plugins.quant import w4a16_triton as wt
 
     return ql, wt
