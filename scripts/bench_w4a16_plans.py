@@ -150,7 +150,7 @@ def main() -> None:
                 x = torch.randn(m, k, device=device, dtype=dtype)
                 out = torch.empty(m, n, device=device, dtype=dtype)
 
-                def run(p: Any, x: torch.Tensor = x, out: torch.Tensor = out) -> None:
+                def run(p: Any, x: torch.Tensor = x, out: torch.Tensor = out, layout: Any = layout) -> None:
                     for seg in layout.segments:
                         wt._fused(x, layout, seg, None, out[:, seg.start:seg.end], p)
 
