@@ -169,8 +169,8 @@ def main() -> None:
                         continue
                     ok = torch.allclose(out.float(), ref_out.float(), rtol=2e-2, atol=2e-2)
                     timings.append({"plan": p.__dict__, "s": s, "matches_current": ok})
-                cur_s = _time_graphed(lambda: run(current), device)
-                bf16_s = _time_graphed(lambda: torch.matmul(x, dense.t(), out=out), device)
+                cur_s = _time_graphed(lambda c=current: run(c), device)
+                bf16_s = _time_graphed(lambda x=x, out=out, w=dense: torch.matmul(x, w.t(), out=out), device)
                 limit_s = (packed_bytes + x.numel() * x.element_size() + out.numel() * out.element_size()) / bandwidth
                 good = [t for t in timings if "s" in t and t["matches_current"]]
                 best = min(good, key=lambda t: t["s"]) if good else None
