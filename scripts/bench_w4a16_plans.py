@@ -80,14 +80,17 @@ def _copy_bandwidth(device: torch.device) -> float:
 
 def _candidates(wt: Any, m: int, n: int, k: int, group: int, quick: bool) -> list[Any]:
     bks = [b for b in (32, 64, 128) if group % b == 0 or b == 64]
+    warps: list[int]
+    stages: list[int]
+    per_sm: list[int]
     if m == 1:
         shapes = [(1, bn) for bn in ((64, 128) if quick else (32, 64, 128, 256))]
-        warps, stages, per_sm = (4,) if quick else (2, 4, 8), (2, 4) if quick else (1, 2, 3, 4), (4, 8, 16, 32)
+        warps, stages, per_sm = [4] if quick else [2, 4, 8], [2, 4] if quick else [1, 2, 3, 4], [4, 8, 16, 32]
         kind = "gemv"
     else:
         bms = [b for b in (16, 32, 64, 128) if b <= max(16, 2 * m)]
         shapes = [(bm, bn) for bm in bms for bn in (64, 128)] if not quick else [(min(64, max(16, m)), 64)]
-        warps, stages, per_sm = (4, 8), (2, 3, 4) if not quick else (3,), (1, 2, 4)
+        warps, stages, per_sm = [4, 8], [2, 3, 4] if not quick else [3], [1, 2, 4]
         kind = "gemm"
     sms = wt.sm_count(torch.device("cuda")) if torch.cuda.is_available() else 8
     plans = []
