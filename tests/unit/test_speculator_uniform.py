@@ -53,7 +53,13 @@ def test_resting_rows_verify_filler_so_the_step_stays_uniform_on_cuda() -> None:
         assert resting.seq_id not in proposer.asked  # a resting sequence is not proposed for
         if pad_to_k:
             assert drafts[resting.seq_id] == [9, 9, 9, 9]  # its last token repeated
+            before = (spec.counters.draft_tokens, spec.counters.accepted_tokens)
             spec.observe(resting, 4, 4)  # filler accepted (the model repeats itself) ...
-            assert spec._stats[resting.seq_id].rate < 0.25  # ... says nothing about its proposals
+            assert spec._stats[resting.seq_id].rate < 0.25  # ... says nothing about its proposals,
+            assert (spec.counters.draft_tokens, spec.counters.accepted_tokens) == before  # nor its counts
+            assert spec.counters.filler_tokens == 4
+            assert spec.proposed(resting.seq_id, 4) == 0  # usage and metrics report no drafts for it
+            guessing = sched.running[0]
+            assert spec.proposed(guessing.seq_id, 4) == 4
         else:
             assert resting.seq_id not in drafts

@@ -648,7 +648,8 @@ class LLMEngine:
     def _complete(self, launched: _Launched) -> list[EngineOutput]:
         """Wait for a launched step and apply its tokens (the output processor)."""
         result = self.worker.finish(launched.step)
-        outputs = self.outputs.process(launched.planned, launched.positions, result, launched.sched.seqs)
+        outputs = self.outputs.process(launched.planned, launched.positions, result, launched.sched.seqs,
+                                       self.speculator.proposed if self.speculator is not None else None)
         num_drafts = launched.planned.plan.num_drafts
         if self.speculator is not None and num_drafts is not None:
             for seq, m, tokens in zip(launched.planned.sample_seqs, num_drafts, result.token_ids, strict=True):

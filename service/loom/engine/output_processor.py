@@ -9,6 +9,7 @@ tokens after its last one and frees its blocks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from loom.worker.step_plan import StepOutput
@@ -35,9 +36,11 @@ class OutputProcessor:
         self.grammars: StructuredOutput | None = None
 
     def process(self, planned: PlannedStep, positions: list[int], result: StepOutput,
-                scheduled: list[Sequence]) -> list[EngineOutput]:
+                scheduled: list[Sequence], proposed: Callable[[int, int], int] | None = None) -> list[EngineOutput]:
         """Apply ``result`` (the step of ``planned``; ``positions[i]`` is where sampled sequence
-        i's first new token goes) and return the outputs it makes."""
+        i's first new token goes) and return the outputs it makes. ``proposed(seq_id, m)``: how
+        many of a sequence's ``m`` verified drafts the proposer made (the rest is filler, which
+        usage and metrics do not count as drafts)."""
         self._prompt_logprobs(planned, result)
         outputs: list[EngineOutput] = []
         for i, seq in enumerate(planned.sample_seqs):
@@ -62,7 +65,8 @@ class OutputProcessor:
                 # The step computed the last token and the drafts; the KV of those accepted is
                 # valid, that of the rest is stale and is overwritten by later steps.
                 accepted = len(result.token_ids[i]) - 1
-                out.num_draft_tokens, out.num_accepted_draft_tokens = drafts, accepted
+                real = proposed(seq.seq_id, drafts) if proposed is not None else drafts
+                out.num_draft_tokens, out.num_accepted_draft_tokens = real, min(accepted, real)
                 if not seq.is_finished:
                     seq.num_computed_tokens = positions[i] + accepted
             outputs.append(out)

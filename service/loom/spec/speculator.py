@@ -43,9 +43,10 @@ class _SeqStats:
 @dataclass
 class SpeculationCounters:
     steps: int = 0  # steps that verified drafts
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    verifications: int = 0  # (sequence, step) pairs that verified drafts
+    draft_tokens: int = 0  # the proposer's drafts verified (not the filler that pads a uniform step)
+    accepted_tokens: int = 0  # of those, accepted
+    verifications: int = 0  # (sequence, step) pairs that verified drafts, filler-only ones included
+    filler_tokens: int = 0  # filler verified so that a step keeps one query length (CUDA graphs)
 
 
 class Speculator:
@@ -62,6 +63,7 @@ class Speculator:
         self._stats: dict[int, _SeqStats] = {}
         self._live: dict[int, Sequence] = {}  # sequences the proposer may keep state for
         self._real: dict[int, int] = {}  # this step's drafts per seq_id that the proposer made (not filler)
+        self._verified: dict[int, int] = {}  # this step's drafts per seq_id, filler included
         self.counters = SpeculationCounters()
 
     def add_drafts(self, sched: SchedulerOutput, block_manager: BlockManager,
@@ -104,6 +106,7 @@ class Speculator:
         uniform = (self.pad_to_k and any(g for *_, g in guessed) and len(guessed) == len(sched.seqs)
                    and all(room == self.k for _, _, room, _ in guessed))
         self._real = {}
+        self._verified = {}
         for i, seq, room, guess in guessed:
             self._live[seq.seq_id] = seq
             real = len(guess)
@@ -118,6 +121,7 @@ class Speculator:
             sched.num_new_tokens[i] = 1 + len(guess)
             drafts[seq.seq_id] = guess
             self._real[seq.seq_id] = real
+            self._verified[seq.seq_id] = len(guess)
         if drafts:
             self.counters.steps += 1
         return drafts
@@ -130,15 +134,21 @@ class Speculator:
         self._stats.clear()
         self.counters = SpeculationCounters()
 
+    def proposed(self, seq_id: int, num_drafts: int) -> int:
+        """How many of the ``num_drafts`` a sequence verified this step the proposer made (the
+        rest is filler that keeps the step uniform): what usage and metrics report as drafts."""
+        return self._real.get(seq_id, num_drafts)
+
     def observe(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
-        """Record a verification's outcome (and tell the proposer). The counters count every
-        draft verified; the back-off and the proposer see only the proposer's own drafts."""
+        """Record a verification's outcome (and tell the proposer). The counters, the back-off
+        and the proposer see the proposer's own drafts; filler is counted apart."""
         c = self.counters
+        real = self.proposed(seq.seq_id, num_drafts)
+        num_drafts, num_accepted = real, min(num_accepted, real)
         c.verifications += 1
+        c.filler_tokens += self._real_filler(seq.seq_id, real)
         c.draft_tokens += num_drafts
         c.accepted_tokens += num_accepted
-        real = self._real.get(seq.seq_id, num_drafts)
-        num_drafts, num_accepted = real, min(num_accepted, real)
         if num_drafts == 0:
             return  # filler only (a uniform step): says nothing about this sequence's drafts
         stats = self._stats.setdefault(seq.seq_id, _SeqStats())
@@ -150,6 +160,9 @@ class Speculator:
         elif num_accepted == num_drafts:
             stats.next_backoff = _FIRST_BACKOFF
         self.proposer.accepted(seq.seq_id, num_drafts, num_accepted)
+
+    def _real_filler(self, seq_id: int, real: int) -> int:
+        return max(0, self._verified.get(seq_id, real) - real)
 
     def release_finished(self) -> None:
         """Let the proposer drop the state of sequences that have finished."""
