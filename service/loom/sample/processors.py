@@ -15,6 +15,8 @@ from typing import Protocol
 
 import torch
 
+from . import cpu_bitmask
+
 
 class LogitsProcessor(Protocol):
     def __call__(self, logits: torch.Tensor) -> torch.Tensor: ...  # [N, V] float32 -> [N, V] float32
@@ -67,8 +69,8 @@ class TokenBitmask:
     bit is 0 in its ``bitmask`` row gets -inf; other rows are untouched and cost nothing.
 
     Bit j of int32 word w of a row stands for token 32w + j (xgrammar's layout). Masks in place,
-    with xgrammar's kernel for the device (C++ on the CPU, Triton on CUDA; plain torch where
-    neither runs): one pass over the masked rows and no copy of the logits (a copy cost as much as
+    with Loom's word-wise C++ kernel on the CPU (``cpu_bitmask``) and xgrammar's Triton kernel on
+    CUDA (xgrammar's C++ kernel, then plain torch, where those do not run): one pass over the masked rows and no copy of the logits (a copy cost as much as
     the masking itself on the CPU). It is the first processor, so what it masks is the step's own
     logits tensor, which nothing else reads. Masking commutes with the penalties and temperature,
     and the reported logprobs are those of the constrained distribution.
@@ -124,7 +126,13 @@ def bitmask_kernel(device_type: str) -> _Kernel:
         return kernel
     kernel = _torch_kernel
     try:
-        if device_type == "cpu":
+        if device_type == "cpu" and cpu_bitmask.available():
+            # Loom's word-wise kernel (sample/csrc/cpu_bitmask.cpp): several times xgrammar's on
+            # a grammar's masks, which are mostly whole words of ones or zeros.
+            def kernel(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None,
+                       row_list: list[int] | None) -> None:
+                cpu_bitmask.apply_bitmask_(logits, bitmask, rows)
+        elif device_type == "cpu":
             from xgrammar.kernels.apply_token_bitmask_inplace_cpu import apply_token_bitmask_inplace_cpu
 
             def kernel(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None,
