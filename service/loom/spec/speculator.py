@@ -74,8 +74,9 @@ class Speculator:
         if num_running > self.max_batch_size:
             return {}
         candidates: list[tuple[int, Sequence, int]] = []
-        # Sequences backing off get no proposal; on CUDA they may still verify filler drafts so
-        # that the step keeps one query length (see `uniform` below).
+        # Sequences backing off get no proposal of their own; on CUDA, once another row verifies,
+        # they verify too (a proposal if the proposer has one, else filler) so that the step keeps
+        # one query length (see `uniform` below).
         resting: list[tuple[int, Sequence, int, list[int]]] = []
         for i, (seq, n) in enumerate(zip(sched.seqs, sched.num_new_tokens, strict=True)):
             if (n != 1 or not seq.sampling.speculate or seq.num_output_tokens == 0 or seq.num_pending_tokens
@@ -96,7 +97,16 @@ class Speculator:
         guesses = self.proposer.propose([DraftRequest(s.seq_id, s.token_ids, room) for _, s, room in candidates])
         drafts: dict[int, list[int]] = {}
         guessed = [(i, seq, room, _valid_prefix(guess[:room], self.vocab_size))
-                   for (i, seq, room), guess in zip(candidates, guesses, strict=True)] + resting
+                   for (i, seq, room), guess in zip(candidates, guesses, strict=True)]
+        if self.pad_to_k and resting and any(g for *_, g in guessed):
+            # The step will verify k tokens on every row (below): a resting row pays for them
+            # anyway, so it verifies its proposer's guess rather than filler (W5 a at batch 16:
+            # filler drafts on resting rows were rejected and pulled acceptance to 0.62).
+            rest_guesses = self.proposer.propose([DraftRequest(s.seq_id, s.token_ids, room)
+                                                  for _, s, room, _ in resting])
+            resting = [(i, seq, room, _valid_prefix(guess[:room], self.vocab_size))
+                       for (i, seq, room, _), guess in zip(resting, rest_guesses, strict=True)]
+        guessed += resting
         # On CUDA, once some sequence verifies drafts, every decode row of the step does (a
         # sequence without a guess, or backing off after rejections, repeats its last token): a
         # step whose rows all have k + 1 tokens replays a captured graph, where a mix of 1 and
