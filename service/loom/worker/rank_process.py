@@ -9,8 +9,9 @@ started (a daemonic multiprocessing child may not have children of its own). The
    and the engine decides when the ranks stop (``Stop``, after the front end drained);
 2. joins the process group (``loom.distributed.launch``), builds its worker (the model's slices
    of this rank, its KV heads) and tells every rank whether that worked (one ``all_gather``);
-3. carries out the engine's commands (``rank_commands``) as they are broadcast, marking each
-   one finished in the shared step counters the engine's watchdog reads.
+3. carries out the engine's commands (``rank_commands``) as they arrive (through the shared-memory
+   command ring, ``loom.distributed.command_ring``, or a gloo broadcast), marking each one
+   finished in the shared step counters the engine's watchdog reads.
 
 A step that raises here raises on rank 0 too (same plan, same code): the engine isolates the
 faulty request and sends the re-runs, which this rank simply follows.
@@ -47,6 +48,7 @@ class RankSpec:
     parent_pid: int
     log_json: bool = False
     log_level: str = "INFO"
+    ring_path: str | None = None  # the command ring's file (loom.distributed.command_ring); None: gloo
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -70,6 +72,7 @@ def broadcast_command(obj: Any, group: Any) -> Any:
 def run_rank(spec: RankSpec) -> int:
     import torch.distributed as dist
 
+    from loom.distributed.command_ring import CommandRing
     from loom.distributed.launch import destroy, init_rank
     from loom.distributed.progress import StepProgress
     from loom.plugin_api import default_registry
@@ -88,6 +91,13 @@ def run_rank(spec: RankSpec) -> int:
 
     group = init_rank(spec.rank, spec.world_size, spec.port, spec.device, spec.config.shard_start_timeout)
     progress = StepProgress(Path(spec.progress_path), spec.world_size)
+    ring = CommandRing(Path(spec.ring_path), spec.world_size, spec.rank) if spec.ring_path else None
+
+    def next_command() -> Any:
+        if ring is None:
+            return broadcast_command(None, group)
+        return ring.recv(lambda: broadcast_command(None, group))  # a large command comes over gloo
+
     error: str | None = None
     worker: Worker | None = None
     try:
@@ -103,7 +113,7 @@ def run_rank(spec: RankSpec) -> int:
     launched: Any = None
     profile_base = 0
     while True:
-        envelope: Envelope = broadcast_command(None, group)
+        envelope: Envelope = next_command()
         cmd = envelope.command
         if isinstance(cmd, Stop):
             progress.mark_done(spec.rank, envelope.seq)
@@ -135,6 +145,8 @@ def run_rank(spec: RankSpec) -> int:
                         command=type(cmd).__name__, error=repr(exc))
         progress.mark_done(spec.rank, envelope.seq)
     progress.close()
+    if ring is not None:
+        ring.close()
     destroy()
     log.info("rank stopped", rank=spec.rank)
     return 0

@@ -2,9 +2,10 @@
 
 Rank 0 is an ordinary :class:`Worker` in the engine process; ranks 1..N-1 are processes of
 their own (``loom.worker.rank_process``), started here. :class:`ShardedWorker` has the calls of
-a :class:`Worker` (the engine core cannot tell them apart): each one is broadcast to the other
-ranks as one command (``rank_commands``: one pickling, one ``broadcast_object_list`` over a gloo
-group, not N copies over pipes) and then carried out by rank 0's own worker. Every rank samples
+a :class:`Worker` (the engine core cannot tell them apart): each one is sent to the other ranks
+as one command (``rank_commands``: pickled once, written once into a ring in shared memory that
+every rank reads, ``loom.distributed.command_ring``; one gloo ``broadcast_object_list`` where the
+ring is not supported; never N copies over pipes) and then carried out by rank 0's own worker. Every rank samples
 the same tokens (the gathered logits are the same bytes on every rank, and the noise is a hash
 of seed, position and token), so no token travels back: rank 0's :class:`StepOutput` is the
 step's, and each rank keeps its own sampled ids on its device for the next step's pending rows.
@@ -37,6 +38,8 @@ import structlog
 import torch
 
 from loom.config import ConfigError, EngineConfig
+from loom.distributed.command_ring import CommandRing, RingAborted
+from loom.distributed.command_ring import supported as command_ring_supported
 from loom.distributed.errors import ShardLostError
 from loom.distributed.launch import RANK_ENV, destroy, free_loopback_port, init_rank, rank_device
 from loom.distributed.progress import StepProgress
@@ -99,6 +102,8 @@ class ShardedWorker:
         self._local_busy_since: float | None = None
         self._timeouts = (config.shard_start_timeout, config.shard_step_timeout)
         self.progress = StepProgress.create(n)
+        # Commands travel through shared memory where the memory order allows (x86-64), else gloo.
+        self.ring: CommandRing | None = CommandRing.create(n) if command_ring_supported() else None
         port = free_loopback_port()
         rank_config = replace(config, model_id=str(model_dir))
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -106,7 +111,7 @@ class ShardedWorker:
         for rank in range(1, n):
             spec = RankSpec(replace(rank_config, device=rank_device(config.device, rank)), rank, n, port,
                             rank_device(config.device, rank), str(self.progress.path), os.getpid(), log_json,
-                            log_level)
+                            log_level, str(self.ring.path) if self.ring is not None else None)
             proc = subprocess.Popen([sys.executable, "-m", "loom.worker.rank_process"], stdin=subprocess.PIPE,
                                     env=env, start_new_session=False)
             assert proc.stdin is not None
@@ -184,10 +189,20 @@ class ShardedWorker:
         self.progress.issue(self._seq)
         self._issued_at.append((self._seq, time.monotonic()))
         try:
-            broadcast_command(Envelope(self._seq, command), self.group)
+            self._send(Envelope(self._seq, command))
+        except RingAborted as exc:
+            raise ShardLostError(str(exc)) from exc
         except Exception as exc:
             raise (self._lost(exc, wait_s=2.0) or ShardLostError(f"broadcasting to the ranks failed: {exc}")) from exc
         return self._seq
+
+    def _send(self, envelope: Envelope) -> None:
+        """One command to every other rank: through the ring (a command too large for a slot
+        follows over gloo), or one gloo broadcast."""
+        if self.ring is None:
+            broadcast_command(envelope, self.group)
+        else:
+            self.ring.send(envelope, lambda obj: broadcast_command(obj, self.group), lambda: self._failed)
 
     def _run_local(self, seq: int, call: Callable[[], Any]) -> Any:
         try:
@@ -310,7 +325,7 @@ class ShardedWorker:
         if self._failed is None and hasattr(self, "local") and all(p.poll() is None for p in self.procs):
             try:
                 self._seq += 1
-                broadcast_command(Envelope(self._seq, Stop()), self.group)
+                self._send(Envelope(self._seq, Stop()))
             except Exception as exc:
                 log.warning("could not send the ranks their stop", error=repr(exc))
         deadline = time.monotonic() + _STOP_TIMEOUT_S
@@ -325,6 +340,8 @@ class ShardedWorker:
         except Exception as exc:
             log.debug("process group teardown failed", error=repr(exc))
         self.progress.close(unlink=True)
+        if self.ring is not None:
+            self.ring.close(unlink=True)
 
     def _kill_ranks(self) -> None:
         for proc in self.procs:
