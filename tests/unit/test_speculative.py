@@ -100,6 +100,48 @@ def test_outputs_equal_those_without_speculation(plain_engine: LLMEngine, oracle
         assert accepted < 0.1 * drafts
 
 
+@pytest.mark.parametrize("lie_rate", [0.0, 0.5])
+def test_uniform_cuda_steps_with_filler_equal_those_without_speculation(plain_engine: LLMEngine,
+                                                                       engine_on: Callable[..., LLMEngine],
+                                                                       lie_rate: float) -> None:
+    """The CUDA step shape on the CPU (pad_to_k): every decode row of a verifying step verifies k
+    tokens, sequences near their max_new_tokens included (filler past the limit, never output),
+    and the outputs, the lengths and the KV blocks are those of the run without speculation."""
+    reqs = _requests(5, count=8, top_n_tokens=2)
+    ref_tokens, ref_lps, _ = run(plain_engine, reqs)
+    REFERENCE.clear()
+    for r in reqs:
+        REFERENCE[r.prompt_token_ids] = ref_tokens[(r.request_id, 0)]
+    LIES["rate"] = lie_rate
+    engine = engine_on(speculate=4, speculator="oracle")
+    assert engine.speculator is not None
+    engine.speculator.pad_to_k = True
+    steps: list[tuple[list[bool], list[int]]] = []  # per step: which rows decode, their widths
+    schedule = engine.scheduler.schedule
+
+    def recording() -> Any:
+        out = schedule()
+        decoding = [q.num_output_tokens > 0 and n == 1 for q, n in zip(out.seqs, out.num_new_tokens, strict=True)]
+        steps.append((decoding, out.num_new_tokens))  # the speculator widens the rows in place afterwards
+        return out
+
+    engine.scheduler.schedule = recording  # type: ignore[method-assign]
+    tokens, lps, outs = run(engine, reqs)
+    assert tokens == ref_tokens
+    for key, values in lps.items():
+        assert values == pytest.approx(ref_lps[key], abs=1e-4)
+    assert all(len(tokens[(r.request_id, 0)]) <= r.stopping.max_new_tokens for r in reqs)
+    # a step of decode rows only (mixed steps run eagerly anyway) in which some row verifies is
+    # uniform, rows a few tokens from their max_new_tokens included
+    verifying = [w for dec, w in steps if all(dec) and max(w) > 1]
+    assert verifying and all(set(w) == {5} for w in verifying), [w for w in verifying if set(w) != {5}][:3]
+    assert engine.speculator.counters.filler_tokens > 0
+    # usage counts the proposer's drafts only: the filler is neither proposed nor accepted there
+    c = engine.speculator.counters
+    assert sum(o.num_draft_tokens for o in outs) == c.draft_tokens
+    assert sum(o.num_accepted_draft_tokens for o in outs) <= c.accepted_tokens <= c.draft_tokens
+
+
 def test_stops_and_limits_inside_an_accepted_run(engine_on: Callable[..., LLMEngine]) -> None:
     """max_new_tokens is never exceeded, and an EOS / stop id accepted among the drafts ends the
     output there, as without speculation."""

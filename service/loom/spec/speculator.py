@@ -73,58 +73,66 @@ class Speculator:
         self.release_finished()
         if num_running > self.max_batch_size:
             return {}
-        candidates: list[tuple[int, Sequence, int]] = []
-        # Sequences backing off get no proposal of their own; on CUDA, once another row verifies,
-        # they verify too (a proposal if the proposer has one, else filler) so that the step keeps
-        # one query length (see `uniform` below).
-        resting: list[tuple[int, Sequence, int, list[int]]] = []
+        # (row, sequence, room for drafts, width it may verify); width > room only for a sequence
+        # near its max_new_tokens on CUDA: tokens past that limit are verified but never output.
+        candidates: list[tuple[int, Sequence, int, int]] = []
+        # Sequences backing off get no proposal of their own, and sequences with no room left
+        # before max_new_tokens none at all; on CUDA, once another row verifies, they verify too (a
+        # proposal if the proposer has one, else filler) so that the step keeps one query length
+        # (see `uniform` below).
+        resting: list[tuple[int, Sequence, int, int, list[int]]] = []
         for i, (seq, n) in enumerate(zip(sched.seqs, sched.num_new_tokens, strict=True)):
             if (n != 1 or not seq.sampling.speculate or seq.num_output_tokens == 0 or seq.num_pending_tokens
                     or seq.num_computed_tokens != seq.num_tokens - 1):
                 continue  # not a plain decode row: prompts, forks and placeholders decode as usual
-            room = min(self.k, seq.stopping.max_new_tokens - seq.num_output_tokens - 1,
-                       self.max_model_len - seq.num_tokens - 1)
+            model_room = self.max_model_len - seq.num_tokens - 1  # positions past it have no KV slot
+            room = min(self.k, seq.stopping.max_new_tokens - seq.num_output_tokens - 1, model_room)
+            width = min(self.k, model_room) if self.pad_to_k else room
             stats = self._stats.get(seq.seq_id)
             if stats is not None and stats.backoff > 0:
                 stats.backoff -= 1
-                if room > 0:
-                    resting.append((i, seq, room, []))
+                if width > 0:
+                    resting.append((i, seq, max(room, 0), width, []))
                 continue
             if room > 0:
-                candidates.append((i, seq, room))
+                candidates.append((i, seq, room, width))
+            elif width > 0:
+                resting.append((i, seq, 0, width, []))  # no room to propose for: filler only
         if not candidates:
             return {}
-        guesses = self.proposer.propose([DraftRequest(s.seq_id, s.token_ids, room) for _, s, room in candidates])
+        guesses = self.proposer.propose([DraftRequest(s.seq_id, s.token_ids, room) for _, s, room, _ in candidates])
         drafts: dict[int, list[int]] = {}
-        guessed = [(i, seq, room, _valid_prefix(guess[:room], self.vocab_size))
-                   for (i, seq, room), guess in zip(candidates, guesses, strict=True)]
-        if self.pad_to_k and resting and any(g for *_, g in guessed):
+        guessed = [(i, seq, room, width, _valid_prefix(guess[:room], self.vocab_size))
+                   for (i, seq, room, width), guess in zip(candidates, guesses, strict=True)]
+        asking = [r for r in resting if r[2] > 0]
+        if self.pad_to_k and asking and any(g for *_, g in guessed):
             # The step will verify k tokens on every row (below): a resting row pays for them
             # anyway, so it verifies its proposer's guess rather than filler (W5 a at batch 16:
             # filler drafts on resting rows were rejected and pulled acceptance to 0.62).
-            rest_guesses = self.proposer.propose([DraftRequest(s.seq_id, s.token_ids, room)
-                                                  for _, s, room, _ in resting])
-            resting = [(i, seq, room, _valid_prefix(guess[:room], self.vocab_size))
-                       for (i, seq, room, _), guess in zip(resting, rest_guesses, strict=True)]
+            rest_guesses = iter(self.proposer.propose([DraftRequest(s.seq_id, s.token_ids, room)
+                                                       for _, s, room, _, _ in asking]))
+            resting = [(i, seq, room, width, _valid_prefix(next(rest_guesses)[:room], self.vocab_size))
+                       if room > 0 else (i, seq, room, width, guess) for i, seq, room, width, guess in resting]
         guessed += resting
         # On CUDA, once some sequence verifies drafts, every decode row of the step does (a
-        # sequence without a guess, or backing off after rejections, repeats its last token): a
-        # step whose rows all have k + 1 tokens replays a captured graph, where a mix of 1 and
-        # k + 1 runs eagerly (measured: SmolLM2 at batch 16, 21 ms a step eagerly against 1.6 ms
-        # for a plain graphed step). Backing-off rows broke this before: at batch 16 some row
-        # nearly always rests, so nearly every step ran eagerly (W5 a at batch 16: 0.20x).
+        # sequence without a guess, backing off after rejections, or at its max_new_tokens,
+        # repeats its last token): a step whose rows all have k + 1 tokens replays a captured
+        # graph, where a mix of 1 and k + 1 runs eagerly (measured: SmolLM2 at batch 16, 21 ms a
+        # step eagerly against 1.6 ms for a plain graphed step). Backing-off rows broke this
+        # before: at batch 16 some row nearly always rests, so nearly every step ran eagerly (W5 a
+        # at batch 16: 0.20x).
         uniform = (self.pad_to_k and any(g for *_, g in guessed) and len(guessed) == len(sched.seqs)
-                   and all(room == self.k for _, _, room, _ in guessed))
+                   and all(width == self.k for _, _, _, width, _ in guessed))
         self._real = {}
         self._verified = {}
-        for i, seq, room, guess in guessed:
+        for i, seq, room, width, guess in guessed:
             self._live[seq.seq_id] = seq
             real = len(guess)
             if not guess and not uniform:
                 continue
-            if self.pad_to_k and room == self.k and len(guess) < room:
+            if self.pad_to_k and len(guess) < width and (uniform or room == self.k):
                 filler = guess[-1] if guess else seq.token_ids[-1]
-                guess = guess + [filler] * (room - len(guess))
+                guess = guess + [filler] * (width - len(guess))
             if block_manager.num_new_blocks_needed(seq, 1 + len(guess)) > block_manager.num_free_blocks:
                 continue  # no room for the drafts' KV: decode as usual rather than preempt
             block_manager.append_slots(seq, 1 + len(guess))
