@@ -42,6 +42,14 @@ def parse_bool(text: str) -> bool:
     raise ValueError(f"expected one of {sorted(_TRUE | _FALSE - {''})}, got {text!r}")
 
 
+def parse_key_value(text: str) -> tuple[str, str]:
+    """``KEY=VALUE`` of a repeatable option (``--speculator-option``) -> (KEY, VALUE)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key.strip(), value.strip()
+
+
 def add_env_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup, flag: str, *,
                      type: Callable[[str], Any] | None = None, default: Any = None, help: str = "",
                      flag_is_switch: bool = False) -> None:

@@ -31,6 +31,13 @@ from pathlib import Path
 import structlog
 import torch
 
+# Imported here, in whichever thread imports this module first (the main one), not in the
+# background threads that build kernels: cpp_extension imports setuptools, which rearranges
+# imports (its vendored packages, distutils hooks) and, raced against the main thread importing
+# transformers, left a rank process without ``packaging`` now and then ("No module named
+# 'packaging'" in the tensor-parallel tests under load).
+from torch.utils import cpp_extension
+
 from loom.startup_progress import ProgressReporter
 
 log = structlog.get_logger(__name__)
@@ -82,8 +89,6 @@ class CpuExtension:
         with self._lock:
             if self._ok is None:
                 try:
-                    from torch.utils import cpp_extension
-
                     log.debug("loading a CPU kernel", kernel=self.name, source=str(self.source))
                     with ProgressReporter("compiling a CPU kernel, once per machine",
                                           self.usual_build_s, announce_after_s=_COMPILE_ANNOUNCE_AFTER_S,

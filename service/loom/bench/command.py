@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from loom import __version__
+from loom.cli import parse_key_value
 from loom.config import ConfigError, EngineConfig
 from loom.process_tuning import freeze_startup_objects
 
@@ -101,6 +102,12 @@ def add_bench_command(sub: Any) -> None:
     g.add_argument("--speculate", type=int, default=None,
                    help="draft tokens per step (n-gram): C3's speculating run (default 4); W1/W2 with it set "
                         "run the engine with --speculate (default: off)")
+    g.add_argument("--speculator", default=None,
+                   help="the speculator plugin for W1/W2 with --speculate (default: the engine's, ngram); "
+                        "W5 b: draft with --speculator-option model_id=random:llama-8b "
+                        "--speculator-option quantize=gptq")
+    g.add_argument("--speculator-option", type=parse_key_value, action="append", default=[],
+                   help="KEY=VALUE for the speculator (repeatable), as loom serve takes it")
     g.add_argument("--w3-repeats", type=int, default=1,
                    help="W3: run the gRPC / in-process pair this many times in alternating order "
                         "and compare the means (use >= 2 on a noisy machine)")
@@ -230,6 +237,10 @@ def engine_config(args: argparse.Namespace, device: torch.device, workloads: lis
         kwargs["async_scheduling"] = args.async_scheduling
     if getattr(args, "speculate", None):
         kwargs["speculate"] = args.speculate
+        if getattr(args, "speculator", None):
+            kwargs["speculator"] = args.speculator
+        if getattr(args, "speculator_option", None):
+            kwargs["speculator_options"] = tuple(args.speculator_option)
     fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
     if args.cuda_graphs is not None:
         # CUDA graphs may not exist in this engine yet: pass the setting only when it does.
@@ -310,6 +321,9 @@ def _run_model_workloads(args: argparse.Namespace, names: list[str], device: tor
         result["workloads"][w.name] = entry
         detail = (f"ITL mean {1e3 * figures['itl_mean_s']:.2f} ms, p99 {1e3 * figures['itl_p99_s']:.2f} ms"
                   if w.name == "W1" else f"{figures['total_tok_s']:.1f} total tok/s in {figures['s']:.2f} s")
+        spec: Any = figures.get("speculation")
+        if spec:
+            detail += f"; drafts accepted {spec['accepted_tokens']} of {spec['draft_tokens']} ({spec['acceptance']:.2f})"
         print(f"{w.name}: loom {figures['out_tok_s']:.1f} out tok/s ({detail}); {_limit_line(entry)}", flush=True)
 
 

@@ -7,6 +7,7 @@ import itertools
 import statistics
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from loom.engine.core_process import AsyncEngineClient
 from loom.engine.types import EngineRequest, SamplingParams, StoppingParams
@@ -46,9 +47,11 @@ async def warm_up(client: AsyncEngineClient, w: Workload, tag: str = "", full: b
 
 
 async def run_engine_workload(client: AsyncEngineClient, w: Workload, tag: str = "",
-                              full_warmup: bool = False, adapters: Sequence[str] = ()) -> dict[str, float]:
+                              full_warmup: bool = False, adapters: Sequence[str] = ()) -> dict[str, Any]:
     """Submit every request of ``w`` at once; wall time from first submit to last token.
     ``adapters``: request i uses LoRA adapter ``adapters[i % len(adapters)]`` ("" the base model)."""
+
+    drafts = [0, 0, 0]  # the proposer's drafts verified, accepted, and the messages that carried them
 
     async def one(i: int, prompt: list[int], new: int, t0: float) -> tuple[float, list[float]]:
         req = EngineRequest(f"{tag}{w.name}-{i}", tuple(prompt), SamplingParams(),
@@ -59,6 +62,10 @@ async def run_engine_workload(client: AsyncEngineClient, w: Workload, tag: str =
             if out.error:
                 raise RuntimeError(f"request {i} failed in the engine: {out.error}")
             stamps.extend([time.perf_counter()] * len(out.token_ids))
+            if out.num_draft_tokens:
+                drafts[0] += out.num_draft_tokens
+                drafts[1] += out.num_accepted_draft_tokens
+                drafts[2] += 1
         assert len(stamps) == new, f"request {i} generated {len(stamps)} of {new} tokens"
         return stamps[0] - t0, [b - a for a, b in itertools.pairwise(stamps)]
 
@@ -77,4 +84,7 @@ async def run_engine_workload(client: AsyncEngineClient, w: Workload, tag: str =
         "ttft_p99_s": _percentile(ttft, 0.99),
         "itl_mean_s": statistics.fmean(itl) if itl else 0.0,
         "itl_p99_s": _percentile(itl, 0.99),
+        **({"speculation": {"draft_tokens": drafts[0], "accepted_tokens": drafts[1],
+                            "acceptance": drafts[1] / drafts[0], "verifying_outputs": drafts[2]}}
+           if drafts[0] else {}),
     }

@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Any
 
-from loom.cli import add_env_argument, env_name
+from loom.cli import add_env_argument, env_name, parse_key_value
 
 # (flag, type, help); the default of each comes from EngineConfig / ServerSettings.
 _ENGINE_FLAGS: list[tuple[str, Any, str]] = [
@@ -116,16 +116,9 @@ def add_serve_command(subparsers: Any) -> None:
     add_env_argument(group, "--lora-adapters", type=_parse_adapters, default=(),
                      help="LoRA adapters loaded at start: NAME=DIR,NAME=DIR (PEFT directories); requests "
                           "name them in adapter_id (docs/lora.md)")
-    group.add_argument("--speculator-option", type=_parse_option, action="append", default=[],
+    group.add_argument("--speculator-option", type=parse_key_value, action="append", default=[],
                        help="KEY=VALUE for the speculator plugin (repeatable), e.g. max_n=3 for ngram")
     parser.set_defaults(func=run_serve)
-
-
-def _parse_option(text: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not sep or not key.strip():
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    return key.strip(), value.strip()
 
 
 def _parse_adapters(text: str) -> tuple[tuple[str, str], ...]:
