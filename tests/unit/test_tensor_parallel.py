@@ -275,13 +275,29 @@ def test_gptq_act_order_two_shards_give_one_shards_outputs(group: int, tiny_mode
     assert single.worker.info.quantization is not None
 
 
-def test_nf4_checkpoints_are_refused_past_one_shard(tiny_model_dir: TinyDir, tmp_path: Path) -> None:
-    """bitsandbytes packs each weight as one flat array: no rank could keep its rows."""
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_nf4_two_shards_give_one_shards_outputs(double_quant: bool, tiny_model_dir: TinyDir,
+                                                tmp_path: Path) -> None:
+    """bitsandbytes NF4 (blocks of 64; double-quantized absmax decoded at load): a column-parallel
+    rank cuts its rows out of the flat codes and absmax, a row-parallel rank its inputs (whole
+    blocks: 128 / 2 and 256 / 2 inputs are multiples of 64)."""
+    pytest.importorskip("bitsandbytes")
+    from helpers.quant_checkpoints import nf4_checkpoint
+
+    path, _ = nf4_checkpoint(tiny_model_dir("llama-wide"), tmp_path / "nf4", double_quant=double_quant)
+    single, sharded, _, _ = _compare(path, 2, 320)
+    assert sharded.worker.info.quantization == single.worker.info.quantization
+    assert single.worker.info.quantization is not None
+
+
+def test_nf4_blocks_that_straddle_a_rank_are_refused(tiny_model_dir: TinyDir, tmp_path: Path) -> None:
+    """The 64-wide llama's o_proj gives each of 2 ranks 32 inputs: half of each block of 64."""
     pytest.importorskip("bitsandbytes")
     from helpers.quant_checkpoints import nf4_checkpoint
 
     from loom.model_loader import ModelLoadError
 
-    path, _ = nf4_checkpoint(tiny_model_dir("llama"), tmp_path / "nf4", double_quant=False)
-    with pytest.raises(ModelLoadError, match="NF4 checkpoints serve one tensor-parallel rank"):
+    path, _ = nf4_checkpoint(tiny_model_dir("llama"), tmp_path / "nf4", double_quant=True)
+    with pytest.raises(ModelLoadError, match=r"o_proj: --num-shard 2 leaves each rank 32 of its 64 inputs, "
+                                             r"not whole NF4 blocks of 64"):
         _engine(path, num_shard=2)
