@@ -11,6 +11,13 @@ Per quantized linear layer (``W [out, in]``, ``f = 32 / bits`` values a word, ``
 - ``g_idx`` int32 ``[in]``: input i's group, ``i // group_size`` unless act-order (``desc_act``)
   quantized the inputs in another order. Without desc_act it is that identity and not read.
 
+Tensor parallelism: a column-parallel rank keeps its output columns of every tensor. A
+row-parallel rank keeps its slice of the input rows of ``qweight``; without act-order also its
+whole groups of ``scales`` / ``qzeros``; with act-order its slice of ``g_idx`` (global group
+numbers) and *every* group's ``scales`` / ``qzeros``, since its inputs belong to groups scattered
+over the whole input. Such a slice repacks for the kernels only when it holds whole groups; the
+usual case (parts of many groups) keeps the dequantizing path, on the GPU too.
+
 ``W[o, i] = scales[g_idx[i], o] * (q[i, o] - zero[g_idx[i], o])``, computed exactly in float32.
 Group size -1 is one group over the whole input (per output channel). A group size must divide
 every quantized layer's input size (no ragged last group: other readers would refuse it too).
@@ -184,12 +191,12 @@ class GPTQLinearMethod(PackedIntMethod):
                                     f"int32 words of {self.f} {self.bits}-bit values")
         self._check_out(layer, output_partition_sizes)
         out = sum(output_partition_sizes)
-        groups = self._groups(layer, input_size_per_partition)
-        if self.settings.desc_act and input_size_per_partition != input_size:
-            raise QuantizationError(f"GPTQ {prefix}: act-order (desc_act) checkpoints serve one tensor-parallel rank; "
-                                    "a row-parallel layer's g_idx would have to be split by rank")
-        # Groups follow the input (a row-parallel rank keeps its whole groups, even a single one);
-        # group_size -1 is one group over every input, the same on every rank.
+        # Without act-order groups follow the input: a row-parallel rank keeps its whole groups
+        # (even a single one). With act-order a group's inputs are scattered over the whole input,
+        # so a rank's slice of inputs (and of g_idx, whose values stay global group numbers) needs
+        # every group's scales and zeros: G = input_size / group_size on every rank. group_size -1
+        # is one group over every input, the same on every rank.
+        groups = self._groups(layer, input_size if self.settings.desc_act else input_size_per_partition)
         row_split = 0 if self.group_size != -1 and not self.settings.desc_act else None
         qweight = nn.Parameter(torch.empty(input_size_per_partition // self.f, out, dtype=torch.int32),
                                requires_grad=False)
@@ -203,15 +210,19 @@ class GPTQLinearMethod(PackedIntMethod):
         layer.register_parameter("qweight", qweight)
         layer.register_parameter("qzeros", qzeros)
         layer.register_parameter("scales", scales)
-        if self.settings.desc_act:  # each part's own input order: [parts, in]
+        if self.settings.desc_act:  # each part's own input order: [parts, in (this rank's)]
             parts = len(output_partition_sizes)
             g_idx = nn.Parameter(torch.empty(parts, input_size_per_partition, dtype=torch.int32),
                                  requires_grad=False)
+            # a row-parallel rank's inputs: rank * in_per_rank ..; every other layer keeps all of them
+            first = int(getattr(layer, "tp_rank", 0)) * input_size_per_partition \
+                if input_size_per_partition != input_size else 0
 
             def load_g_idx(param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
-                if tuple(loaded.shape) != (input_size_per_partition,):
+                if tuple(loaded.shape) != (input_size,):
                     raise QuantizationError(f"GPTQ {prefix}.g_idx: checkpoint shape {tuple(loaded.shape)}, expected "
-                                            f"({input_size_per_partition},)")
+                                            f"({input_size},)")
+                loaded = loaded[first:first + input_size_per_partition]  # [in (this rank's)]
                 if shard_id is None:
                     param.data.copy_(loaded.expand(parts, -1))
                 else:

@@ -18,6 +18,12 @@ per linear ``X``:
 dtype. Loading decodes double-quantized absmax to float32 (0.5 bit a weight instead of 0.13) and
 keeps each part of a fused layer (q, k, v...) in its own blocks.
 
+Tensor parallelism: the flat blocks run along each row, so where no block straddles a cut (the
+input size a multiple of the block size and, for a row-parallel layer, each rank's inputs too)
+a rank cuts its rows (column-parallel) or its inputs (row-parallel) out of the codes viewed as
+``[out, in / 2]`` and the float32 absmax as ``[out, in / blocksize]``; other shapes are refused
+by name past one rank.
+
 On a CUDA device with Triton, a layer whose blocks tile its rows (the input size a multiple of
 the block size) is repacked at load into ``w4a16_layout`` (codes packed along the input, each
 block's absmax as a group scale in the model's dtype, the 16 values as a table) and served by
@@ -35,7 +41,6 @@ import structlog
 import torch
 from torch import nn
 
-from loom.distributed.parallel_state import get_tp_size
 from loom.layers.linear import LinearBase
 from loom.plugin_api.quantization import (
     LinearMethod,
@@ -210,8 +215,9 @@ class NF4CheckpointMethod(DequantLinearMethod):
                 part = part_index(shard_id, parts, prefix)
                 staged.setdefault(part, {})[key] = loaded
                 if len(staged[part]) == len(self.keys):
-                    self._decode(layer, part, staged.pop(part), output_partition_sizes[part],
-                                 input_size_per_partition)
+                    # weight_loader: the layer's own, which cuts a rank's rows / inputs (_rank_slice)
+                    self._decode(layer, part, shard_id, staged.pop(part), output_partition_sizes,
+                                 input_size_per_partition, input_size, weight_loader)
             return load
 
         for key in self.keys:
@@ -220,9 +226,14 @@ class NF4CheckpointMethod(DequantLinearMethod):
             layer.register_parameter(key, placeholder)
         layer.nf4_staged = staged
 
-    def _decode(self, layer: Any, part: int, tensors: dict[str, torch.Tensor], rows: int, cols: int) -> None:
+    def _decode(self, layer: Any, part: int, shard_id: object, tensors: dict[str, torch.Tensor],
+                output_partition_sizes: list[int], cols: int, input_size: int,
+                weight_loader: WeightLoader) -> None:
+        """A part's complete tensors -> its NF4 buffers; past one rank, this rank's rows
+        (``output_partition_sizes[part]``) and inputs (``cols`` of ``input_size``) of it."""
         prefix = str(getattr(layer, "prefix", ""))
         where = f"{prefix} part {part}" if len(getattr(layer, "output_partition_sizes", [1])) > 1 else prefix
+        rows = output_partition_sizes[part]
         try:
             state = json.loads(bytes(tensors["weight_quant_state"].reshape(-1).tolist()).decode())
         except (ValueError, UnicodeDecodeError) as exc:
@@ -231,23 +242,63 @@ class NF4CheckpointMethod(DequantLinearMethod):
             raise QuantizationError(f"NF4 {where}.weight.{STATE_KEY}: quant_type is {state.get('quant_type')!r}, "
                                     "expected nf4")
         shape = tuple(int(d) for d in state.get("shape", ()))
-        if shape != (rows, cols):
+        sharded = shape != (rows, cols)  # past one rank: the checkpoint's whole part, this rank's slice of it
+        if len(shape) != 2 or (sharded and (shape[1] != input_size or int(getattr(layer, "tp_size", 1)) == 1)):
             raise QuantizationError(f"NF4 {where}: quant_state shape is {list(shape)}, expected [{rows}, {cols}]")
+        full_rows, full_cols = shape
         blocksize = int(state.get("blocksize", BLOCKSIZE))
         packed = tensors["weight"]
-        if packed.dtype != torch.uint8 or packed.numel() != -(-rows * cols // 2):
+        if packed.dtype != torch.uint8 or packed.numel() != -(-full_rows * full_cols // 2):
             raise QuantizationError(f"NF4 {where}.weight: {packed.dtype} with {packed.numel()} elements, expected "
-                                    f"uint8 with {-(-rows * cols // 2)} (two 4-bit codes a byte)")
+                                    f"uint8 with {-(-full_rows * full_cols // 2)} (two 4-bit codes a byte)")
         absmax = decode_absmax(tensors["weight_absmax"], state, tensors.get("weight_nested_absmax"),
                                tensors.get("weight_nested_quant_map"), where)
-        blocks = -(-rows * cols // blocksize)
+        blocks = -(-full_rows * full_cols // blocksize)
         if absmax.numel() != blocks:
             raise QuantizationError(f"NF4 {where}.weight.absmax has {absmax.numel()} values, expected {blocks} "
                                     f"(one per block of {blocksize})")
         table = tensors["weight_quant_map"]
         if table.numel() != 16:
             raise QuantizationError(f"NF4 {where}.weight.quant_map has {table.numel()} values, expected 16")
+        if sharded:
+            packed, absmax = self._rank_slice(layer, where, shard_id, packed, absmax, blocksize, shape,
+                                              output_partition_sizes, cols, weight_loader)
         NF4Parts.register(layer, part, packed, absmax, table, blocksize, (rows, cols))
+
+    @staticmethod
+    def _rank_slice(layer: Any, where: str, shard_id: object, packed: torch.Tensor, absmax: torch.Tensor,
+                    blocksize: int, shape: tuple[int, ...], output_partition_sizes: list[int], cols: int,
+                    weight_loader: WeightLoader) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's rows (column-parallel) or inputs (row-parallel) of a part stored flat.
+
+        The flat blocks run along each row, so they can be cut only where no block straddles the
+        cut: whole blocks per row (``in % blocksize == 0``) and, for a rank's inputs, whole blocks
+        per rank (``cols % blocksize == 0``). Then the codes are ``[out, in / 2]`` bytes and the
+        (already float32) absmax ``[out, in / blocksize]``, and the layer's own loader cuts them
+        as it cuts a dense weight (its rows, KV-head replicas, its inputs)."""
+        full_rows, full_cols = shape
+        tp = int(getattr(layer, "tp_size", 1))
+        if full_cols % blocksize:
+            raise QuantizationError(f"NF4 {where}: --num-shard {tp} cannot split it: its {full_cols} inputs are "
+                                    f"not whole NF4 blocks of {blocksize}, so blocks straddle its rows (serve it "
+                                    "with --num-shard 1)")
+        if cols % blocksize:
+            raise QuantizationError(f"NF4 {where}: --num-shard {tp} leaves each rank {cols} of its {full_cols} "
+                                    f"inputs, not whole NF4 blocks of {blocksize} (a rank's inputs must be a "
+                                    f"multiple of {blocksize}; serve it with fewer shards or --num-shard 1)")
+        rows = sum(output_partition_sizes)
+        parts = len(output_partition_sizes)
+        part = part_index(shard_id, parts, str(getattr(layer, "prefix", "")))
+        offset = sum(output_partition_sizes[:part])
+        # The layer's loader writes the part's slice at its rows of a fused [rows, ...] tensor.
+        codes = torch.empty(rows, cols // 2, dtype=torch.uint8, device=packed.device)
+        scales = torch.empty(rows, cols // blocksize, dtype=torch.float32, device=absmax.device)
+        for dst, src in ((codes, packed.reshape(full_rows, full_cols // 2)),
+                         (scales, absmax.reshape(full_rows, full_cols // blocksize))):
+            set_weight_attrs(dst, output_dim=0, input_dim=1)
+            weight_loader(dst, src, shard_id)
+        mine = slice(offset, offset + output_partition_sizes[part])
+        return codes[mine].reshape(-1).clone(), scales[mine].reshape(-1).clone()
 
     def process_weights_after_loading(self, layer: Any) -> None:
         prefix = str(getattr(layer, "prefix", ""))
@@ -311,9 +362,6 @@ class NF4Config(QuantizationConfig):
         super().__init__(model_dir, device, dtype)
         qconfig = checkpoint_quantization_config(model_dir)
         self.while_loading = qconfig is None
-        if qconfig is not None and get_tp_size() > 1:
-            raise QuantizationError("bitsandbytes NF4 checkpoints serve one tensor-parallel rank (--num-shard 1): "
-                                    "each weight is packed as one flat array, not by rows a rank could keep")
         self.double_quant = False if qconfig is None else parse_bnb(qconfig)
         self.names = set() if qconfig is None else checkpoint_tensor_names(model_dir)
 

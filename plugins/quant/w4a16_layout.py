@@ -15,7 +15,9 @@ For a layer ``y = x @ W^T`` with ``W [N, K]`` (N outputs, K inputs):
   sorted by group once (``perm``: the kernel's k-th input is the layer's input ``perm[k]``), so
   groups are contiguous again and the kernels gather ``x[:, perm]`` as they load it. This needs
   every group to hold exactly ``group_size`` inputs (what GPTQ writes); other ``g_idx`` keep the
-  checkpoint's layout and the dequantizing path.
+  checkpoint's layout and the dequantizing path. A row-parallel rank's act-order slice of K
+  (``g_idx`` naming global groups, every group's scales kept) repacks only when it holds whole
+  groups (those groups' scales are kept); parts of groups keep the dequantizing path.
 
 A fused layer whose parts disagree on ``perm`` (or NF4 ``table``) is split into column
 *segments*, one kernel launch each; usually there is one segment.
@@ -176,6 +178,9 @@ def from_int_codes(codes: torch.Tensor | None, zeros: torch.Tensor, scales: torc
     gs = k if group_size == -1 else group_size
     groups = int(scales.shape[0])
     perms: list[torch.Tensor | None] = []
+    if g_idx is not None and k < groups * gs:
+        g_idx, zeros, scales = _whole_groups_of_slice(g_idx, zeros, scales, gs, k)
+        groups = int(scales.shape[0])
     if g_idx is not None:
         perms = [group_permutation(g_idx[i], gs, groups) for i in range(len(part_rows))]
     if not perms or all(p is None for p in perms):
@@ -200,6 +205,25 @@ def from_int_codes(codes: torch.Tensor | None, zeros: torch.Tensor, scales: torc
     return W4A16Layout(qweight=qweight.contiguous(), scales=scales.to(dtype).contiguous(),
                        zeros=zeros.to(dtype).contiguous(), bits=bits, group_size=gs, in_features=k,
                        segments=segments)
+
+
+def _whole_groups_of_slice(g_idx: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int,
+                           k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A row-parallel rank's act-order slice: ``g_idx [parts, k]`` names global groups and
+    ``zeros`` / ``scales`` ``[G, N]`` hold every group (``k < G * group_size``). The kernels group
+    input k as ``k // group_size``, so the slice repacks only when it holds whole groups, and the
+    same ones in every part (``g0 .. g0 + k / group_size``): then those groups' rows and
+    ``g_idx - g0``. NotRepackable otherwise (the usual act-order case: parts of many groups)."""
+    g = g_idx.long()
+    first = int(g.min())
+    local = k // group_size
+    if k % group_size or int(g.max()) != first + local - 1:
+        raise NotRepackable(f"a tensor-parallel rank's {k} inputs hold parts of act-order groups of {group_size}")
+    counts = torch.stack([torch.bincount(row - first, minlength=local) for row in g])  # [parts, local]
+    if bool((counts != group_size).any()):
+        raise NotRepackable(f"a tensor-parallel rank's {k} inputs hold parts of act-order groups of {group_size}")
+    rows = slice(first, first + local)
+    return (g - first).to(g_idx.dtype), zeros[rows], scales[rows]
 
 
 def from_nf4_parts(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, tuple[int, int]]],

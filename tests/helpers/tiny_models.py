@@ -113,6 +113,9 @@ TINY_CONFIGS: dict[str, Callable[[], Any]] = {
     "llama-tied-bias": _llama(tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
     # One KV head: split over 2 tensor-parallel ranks, each keeps a replica of it.
     "llama-mqa": _llama(num_key_value_heads=1),
+    # Inputs of 128 and 256: each of 2 tensor-parallel ranks keeps whole NF4 blocks of 64 in o_proj
+    # and down_proj (the 64-wide llama's o_proj leaves a rank 32 inputs: half a block).
+    "llama-wide": _llama(hidden_size=128, intermediate_size=256),
     "llama-linear-rope": _llama(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
     "llama3-rope": _llama(
         max_position_embeddings=256,

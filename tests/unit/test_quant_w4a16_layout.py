@@ -106,3 +106,26 @@ def test_plans_depend_on_shapes_and_cover_k(n: int, k: int, group: int) -> None:
         assert plan(m, n, k, gs, sms, 1024) is p  # cached: no work per call
     assert plan(1024, n, k, gs, sms, 1024).kind == "dense"
     assert gs % block_k_for(gs) == 0 or block_k_for(gs) == 64
+
+
+def test_a_rank_slice_of_act_order_inputs_repacks_when_it_holds_whole_groups() -> None:
+    """A row-parallel rank's act-order slice: its g_idx names global groups and it keeps every
+    group's scales. Whole groups (here 4 to 7, shuffled within the rank) repack with those groups'
+    scales; groups scattered over ranks (parts of groups) keep the dequantizing path."""
+    g = torch.Generator().manual_seed(3)
+    k_all, n, gs, bits = 256, 48, 32, 4
+    groups = k_all // gs
+    codes = torch.randint(0, 16, (k_all, n), generator=g)
+    zeros = torch.randint(0, 16, (groups, n))
+    scales = (torch.rand(groups, n, generator=g) + 0.5).half()
+    order = torch.cat([torch.randperm(128, generator=g), 128 + torch.randperm(128, generator=g)])
+    g_idx = (order // gs).to(torch.int32)  # every group within one half of the inputs
+    rank = slice(128, 256)  # rank 1 of 2
+    reference = ((codes[rank] - zeros[g_idx[rank].long()]).float()
+                 * scales[g_idx[rank].long()].float()).t()  # W [N, K / 2]
+    layout = wl.from_int_codes(codes[rank], zeros, scales, bits, gs, [n], g_idx[rank].unsqueeze(0), torch.float32)
+    assert layout.in_features == 128 and layout.scales.shape == (4, n)  # groups 4..7 only
+    assert torch.equal(layout.dequantize(torch.float32), reference)
+    scattered = (torch.randperm(k_all, generator=g) // gs).to(torch.int32)  # groups across both halves
+    with pytest.raises(wl.NotRepackable, match="hold parts of act-order groups"):
+        wl.from_int_codes(codes[rank], zeros, scales, bits, gs, [n], scattered[rank].unsqueeze(0), torch.float32)

@@ -202,6 +202,10 @@ def test_shard_problems_name_every_number() -> None:
                                       intermediate_size=128,
                                       quantization_config={"group_size": 64}), 2) == [
         "o_proj's input per rank (64 / 2 = 32) is not a whole number of quantization groups of 64"]
+    # act-order: a rank keeps every group's scales, so its inputs need not be whole groups
+    assert shard_problems(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                      intermediate_size=128, quantization_config={
+                                          "quant_method": "gptq", "group_size": 64, "desc_act": True}), 2) == []
 
 
 def test_a_hung_rank_is_named_within_the_step_timeout(tiny_model_dir: TinyDir) -> None:
@@ -255,13 +259,45 @@ def test_loom_plugins_shows_how_many_shards_fit(tmp_path: Path, monkeypatch: pyt
     assert "no GPU visible here; any N of gloo shards with --device cpu" in shard_capacity_line(0)
 
 
-def test_nf4_checkpoints_are_refused_past_one_shard(tiny_model_dir: TinyDir, tmp_path: Path) -> None:
-    """bitsandbytes packs each weight as one flat array: no rank could keep its rows."""
+@pytest.mark.parametrize("group", [32, 64])
+def test_gptq_act_order_two_shards_give_one_shards_outputs(group: int, tiny_model_dir: TinyDir,
+                                                           tmp_path: Path) -> None:
+    """GPTQ act-order (desc_act, g_idx a random order of the inputs): column-parallel layers keep
+    their rows; a row-parallel rank keeps its slice of qweight's input rows and of g_idx, and every
+    group's scales and zeros (its inputs belong to groups scattered over the whole input). Group 64
+    leaves o_proj's ranks 32 inputs each: parts of groups, which act-order allows."""
+    from helpers.quant_checkpoints import gptq_checkpoint
+
+    path, _ = gptq_checkpoint(tiny_model_dir("llama"), tmp_path / "gptq", bits=4, group=group, sym=False,
+                              desc_act=True)
+    single, sharded, _, _ = _compare(path, 2, 320)
+    assert sharded.worker.info.quantization == single.worker.info.quantization
+    assert single.worker.info.quantization is not None
+
+
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_nf4_two_shards_give_one_shards_outputs(double_quant: bool, tiny_model_dir: TinyDir,
+                                                tmp_path: Path) -> None:
+    """bitsandbytes NF4 (blocks of 64; double-quantized absmax decoded at load): a column-parallel
+    rank cuts its rows out of the flat codes and absmax, a row-parallel rank its inputs (whole
+    blocks: 128 / 2 and 256 / 2 inputs are multiples of 64)."""
+    pytest.importorskip("bitsandbytes")
+    from helpers.quant_checkpoints import nf4_checkpoint
+
+    path, _ = nf4_checkpoint(tiny_model_dir("llama-wide"), tmp_path / "nf4", double_quant=double_quant)
+    single, sharded, _, _ = _compare(path, 2, 320)
+    assert sharded.worker.info.quantization == single.worker.info.quantization
+    assert single.worker.info.quantization is not None
+
+
+def test_nf4_blocks_that_straddle_a_rank_are_refused(tiny_model_dir: TinyDir, tmp_path: Path) -> None:
+    """The 64-wide llama's o_proj gives each of 2 ranks 32 inputs: half of each block of 64."""
     pytest.importorskip("bitsandbytes")
     from helpers.quant_checkpoints import nf4_checkpoint
 
     from loom.model_loader import ModelLoadError
 
-    path, _ = nf4_checkpoint(tiny_model_dir("llama"), tmp_path / "nf4", double_quant=False)
-    with pytest.raises(ModelLoadError, match="NF4 checkpoints serve one tensor-parallel rank"):
+    path, _ = nf4_checkpoint(tiny_model_dir("llama"), tmp_path / "nf4", double_quant=True)
+    with pytest.raises(ModelLoadError, match=r"o_proj: --num-shard 2 leaves each rank 32 of its 64 inputs, "
+                                             r"not whole NF4 blocks of 64"):
         _engine(path, num_shard=2)

@@ -33,9 +33,13 @@ def shard_problems(hf_config: Any, num_shard: int) -> list[str]:
         if isinstance(size, int) and size % num_shard:
             problems.append(f"{name} {size} is not divisible by {num_shard}")
     # Grouped quantization (GPTQ / AWQ): a row-parallel layer's slice of the input must be whole
-    # groups, or a group's scale would be split between ranks.
+    # groups, or a group's scale would be split between ranks. GPTQ act-order (desc_act) is the
+    # exception: its groups are scattered over the input anyway, so every rank keeps every group.
     qconfig = getattr(hf_config, "quantization_config", None)
     group = qconfig.get("group_size") if isinstance(qconfig, dict) else None
+    if isinstance(qconfig, dict) and str(qconfig.get("quant_method", "")).lower() == "gptq" \
+            and qconfig.get("desc_act") is True:
+        group = None
     if isinstance(group, int) and group > 0:
         inputs = {"o_proj's input": heads * head_dim_of(hf_config)}
         if isinstance(sizes["intermediate_size"], int):
