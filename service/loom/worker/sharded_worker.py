@@ -65,6 +65,7 @@ log = structlog.get_logger(__name__)
 
 _WATCH_INTERVAL_S = 0.5
 _STOP_TIMEOUT_S = 10.0
+_REPORT_WAIT_S = 5.0  # how long a step that met a lost rank waits for the watchdog to report it
 
 
 def _default_on_failure(reason: str) -> None:
@@ -96,6 +97,7 @@ class ShardedWorker:
         self._lock = threading.Lock()
         self._closing = False
         self._failed: str | None = None
+        self._reported = threading.Event()  # set once on_failure has been told what _failed says
         self._serving = False
         self._seq = 0
         self._issued_at: deque[tuple[int, float]] = deque()
@@ -184,14 +186,14 @@ class ShardedWorker:
     # -- calls, broadcast to every rank -----------------------------------------------------------
     def _broadcast(self, command: RankCommand) -> int:
         if self._failed is not None:
-            raise ShardLostError(self._failed)
+            raise self._verdict()
         self._seq += 1
         self.progress.issue(self._seq)
         self._issued_at.append((self._seq, time.monotonic()))
         try:
             self._send(Envelope(self._seq, command))
         except RingAborted as exc:
-            raise ShardLostError(str(exc)) from exc
+            raise self._verdict() from exc
         except Exception as exc:
             raise (self._lost(exc, wait_s=2.0) or ShardLostError(f"broadcasting to the ranks failed: {exc}")) from exc
         return self._seq
@@ -215,12 +217,21 @@ class ShardedWorker:
         finally:
             self.progress.mark_done(0, seq)
 
+    def _verdict(self) -> ShardLostError:
+        """The watchdog's verdict as the error the engine raises, once ``on_failure`` has heard it
+        (the watchdog publishes ``_failed`` first so that steps stop at once, then reports: a
+        caller that saw the error before the report could not find the failure reported)."""
+        self._reported.wait(_REPORT_WAIT_S)
+        return ShardLostError(self._failed or "a tensor-parallel rank was lost")
+
     def _lost(self, exc: Exception, wait_s: float = 0.0) -> ShardLostError | None:
         """A :class:`ShardLostError` if ``exc`` came from a lost rank (the watchdog's verdict, or
         a rank process found dead within ``wait_s``); None for an ordinary error."""
         deadline = time.monotonic() + wait_s
         while True:
-            reason = self._failed or self._dead_rank()
+            if self._failed is not None:
+                return self._verdict()
+            reason = self._dead_rank()
             if reason is not None:
                 return ShardLostError(reason)
             if type(exc).__name__ == "DistBackendError" or time.monotonic() >= deadline:
@@ -311,7 +322,10 @@ class ShardedWorker:
                 self._failed = reason
                 log.error("tensor-parallel rank lost", reason=reason)
                 self._kill_ranks()
-                self._on_failure(reason)
+                try:
+                    self._on_failure(reason)
+                finally:
+                    self._reported.set()
                 return
 
     # -- stopping -----------------------------------------------------------------------------------
