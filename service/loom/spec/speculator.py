@@ -63,7 +63,6 @@ class Speculator:
         self._stats: dict[int, _SeqStats] = {}
         self._live: dict[int, Sequence] = {}  # sequences the proposer may keep state for
         self._real: dict[int, int] = {}  # this step's drafts per seq_id that the proposer made (not filler)
-        self._verified: dict[int, int] = {}  # this step's drafts per seq_id, filler included
         self.counters = SpeculationCounters()
 
     def add_drafts(self, sched: SchedulerOutput, block_manager: BlockManager,
@@ -124,7 +123,6 @@ class Speculator:
         uniform = (self.pad_to_k and any(g for *_, g in guessed) and len(guessed) == len(sched.seqs)
                    and all(width == self.k for _, _, _, width, _ in guessed))
         self._real = {}
-        self._verified = {}
         for i, seq, room, width, guess in guessed:
             self._live[seq.seq_id] = seq
             real = len(guess)
@@ -139,7 +137,6 @@ class Speculator:
             sched.num_new_tokens[i] = 1 + len(guess)
             drafts[seq.seq_id] = guess
             self._real[seq.seq_id] = real
-            self._verified[seq.seq_id] = len(guess)
         if drafts:
             self.counters.steps += 1
         return drafts
@@ -162,9 +159,9 @@ class Speculator:
         and the proposer see the proposer's own drafts; filler is counted apart."""
         c = self.counters
         real = self.proposed(seq.seq_id, num_drafts)
-        num_drafts, num_accepted = real, min(num_accepted, real)
         c.verifications += 1
-        c.filler_tokens += self._real_filler(seq.seq_id, real)
+        c.filler_tokens += num_drafts - real  # num_drafts: every draft verified, filler included
+        num_drafts, num_accepted = real, min(num_accepted, real)
         c.draft_tokens += num_drafts
         c.accepted_tokens += num_accepted
         if num_drafts == 0:
@@ -178,9 +175,6 @@ class Speculator:
         elif num_accepted == num_drafts:
             stats.next_backoff = _FIRST_BACKOFF
         self.proposer.accepted(seq.seq_id, num_drafts, num_accepted)
-
-    def _real_filler(self, seq_id: int, real: int) -> int:
-        return max(0, self._verified.get(seq_id, real) - real)
 
     def release_finished(self) -> None:
         """Let the proposer drop the state of sequences that have finished."""
