@@ -149,10 +149,21 @@ def test_logprobs_are_those_of_the_constrained_distribution(engine: LLMEngine, t
 
 
 def test_async_scheduling_gives_the_same_outputs(model_dir: Path, engine: LLMEngine) -> None:
-    reqs = [request("json", JSON_SPEC, do_sample=True, seed=9), request("plain", None, new=10, do_sample=True, seed=2)]
+    """Constrained steps stay asynchronous: the forward is queued, the previous step's tokens are
+    read back, and only then are the grammar rows filled and the sampling queued. A completion
+    whose grammar ends (the choice) has one row too many in the next step, dropped."""
+    reqs = [request("json", JSON_SPEC, do_sample=True, seed=9), request("plain", None, new=10, do_sample=True, seed=2),
+            request("regex", REGEX, n=2, do_sample=True, seed=4), request("choice", CHOICE),
+            request("min", REGEX, min_new=3)]
     sync = run(engine, reqs)
-    forced = run(make_engine(model_dir, async_scheduling="on"), reqs)
+    overlapped = make_engine(model_dir, async_scheduling="on")
+    forced = run(overlapped, reqs)
     assert {k: ids(v) for k, v in forced.items()} == {k: ids(v) for k, v in sync.items()}
+    assert forced[("choice", 0)][-1].finish_reason is FinishReason.EOS_TOKEN
+    before = overlapped.num_async_steps  # constrained requests alone (their grammar is cached now)
+    again = run(overlapped, [request("again", REGEX, n=2, do_sample=True, seed=4)])
+    assert overlapped.num_async_steps > before
+    assert [ids(again[("again", i)]) for i in range(2)] == [ids(sync[("regex", i)]) for i in range(2)]
 
 
 def test_aborted_while_compiling_and_bad_grammar_refused(engine: LLMEngine) -> None:

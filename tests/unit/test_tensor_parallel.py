@@ -179,6 +179,34 @@ def test_smollm2_three_shards_give_one_shards_outputs(default_model_dir: Path) -
     assert_same_outputs(got, ref)
 
 
+def test_constrained_two_shards_give_one_shards_outputs(default_model_dir: Path, tmp_path: Path) -> None:
+    """Structured output over 2 ranks, steps overlapped: each constrained step sends its forward,
+    then its grammar rows (filled on rank 0 while the ranks run the forward) as a second command;
+    every rank masks and samples the same tokens."""
+    pytest.importorskip("xgrammar")
+    from helpers.tiny_models import save_tiny_llama_with_vocab_of
+
+    from loom.structured.spec import GrammarSpec
+
+    path = save_tiny_llama_with_vocab_of(default_model_dir, tmp_path / "tiny-vocab")
+    regex = GrammarSpec("regex", "[a-c]{2,6}", "parameters.constraint.regex")
+    choice = GrammarSpec("ebnf", 'root ::= "yes" | "no" | "maybe"', "parameters.constraint.grammar")
+    stop = StoppingParams(max_new_tokens=12)
+    prompt = (1, 504, 3458, 28, 253)
+    reqs = [EngineRequest("regex", prompt, SamplingParams(constraint=regex, do_sample=True, seed=3), stop, n=2),
+            EngineRequest("choice", prompt, SamplingParams(constraint=choice), stop),
+            EngineRequest("plain", prompt, SamplingParams(), StoppingParams(max_new_tokens=6, ignore_eos=True))]
+    config = dict(model_id=str(path), max_batch_total_tokens=1024, async_scheduling="on", warmup=False)
+    ref = _run(LLMEngine(EngineConfig(**config)), reqs)  # type: ignore[arg-type]
+    sharded = LLMEngine(EngineConfig(num_shard=2, **config))  # type: ignore[arg-type]
+    try:
+        got = _run(sharded, reqs)
+        assert sharded.num_async_steps > 0
+    finally:
+        sharded.close()
+    assert_same_outputs(got, ref)
+
+
 def test_smollm2_two_shards_refused_at_start_naming_the_numbers(default_model_dir: Path) -> None:
     with pytest.raises(ConfigError) as err:
         LLMEngine(EngineConfig(model_id=str(default_model_dir), num_shard=2))

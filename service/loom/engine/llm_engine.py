@@ -27,7 +27,7 @@ from loom.distributed.errors import ShardLostError
 from loom.distributed.parallel_state import tensor_parallel_as
 from loom.plugin_api import DraftRequest, PluginRegistry, Proposer, ProposerContext, default_registry
 from loom.spec.speculator import Speculator
-from loom.worker.model_runner import LaunchedStep, ModelRunner
+from loom.worker.model_runner import ForwardedStep, LaunchedStep, ModelRunner
 from loom.worker.sharded_worker import ShardedWorker
 from loom.worker.worker import Worker
 
@@ -59,12 +59,12 @@ log = structlog.get_logger(__name__)
 
 
 def _needs_host_tokens(seq: Sequence) -> bool:
-    """Penalties read the output so far, prompt logprobs are read back at once, and a grammar's
-    matcher must see the last token before it fills the next mask: such a sequence's next step
-    cannot be prepared while its last token is still on the device."""
+    """Penalties read the output so far and prompt logprobs are read back at once: such a
+    sequence's next step cannot be prepared while its last token is still on the device. (A
+    grammar's matcher also needs the last token, but only before the sampling: see _sample.)"""
     sp = seq.sampling
     return (sp.repetition_penalty != 1.0 or sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0
-            or (sp.prompt_logprobs and not seq.prompt_logprobs_sent) or sp.constraint is not None)
+            or (sp.prompt_logprobs and not seq.prompt_logprobs_sent))
 
 
 class RequestRejected(ValueError):
@@ -90,8 +90,9 @@ class _RepeatLastToken(Proposer):
 class _Launched:
     sched: SchedulerOutput
     planned: PlannedStep
-    step: LaunchedStep
+    step: LaunchedStep | ForwardedStep  # ForwardedStep: its grammar rows and sampling are still due
     positions: list[int]  # where each sampled sequence's first new token goes in its token_ids
+    guesses: list[list[int]] | None = None  # each sampled sequence's drafts, for its grammar rows
 
 
 class LLMEngine:
@@ -524,7 +525,8 @@ class LLMEngine:
         step N+1 while the device computes step N, and step N+1 takes N's sampled tokens as
         input straight from the device. A sequence that step N finishes (EOS, stop token) has
         computed one row too many in step N+1, which is dropped. Steps that need every token on
-        the host (penalties, prompt logprobs, grammars) run synchronously. Constrained requests
+        the host (penalties, prompt logprobs) run synchronously. A step with grammar rows queues
+        its forward, completes step N, then fills its rows and queues its sampling (:meth:`_sample`). Constrained requests
         whose grammar has compiled join the scheduler first (:meth:`_admit_constrained`).
         """
         outputs: list[EngineOutput] = self._admit_constrained()
@@ -565,6 +567,7 @@ class LLMEngine:
             return outputs
         if prev is not None:
             outputs += self._complete(prev)
+        self._sample(launched)
         # Admissions may have grown the batch past the largest graph: check that again. (Penalties
         # and prompt logprobs were checked over every live sequence before scheduling.)
         if overlap and not drafts and self._overlap_helps():
@@ -622,14 +625,16 @@ class LLMEngine:
         tokens, and a placeholder for each token being sampled (the output processor corrects
         the computed count of a sequence that verified drafts)."""
         planned = plan_step(sched, self.config.block_size, self.vocab_size, self.eos_token_ids, drafts)
-        if self._structured is not None:  # the grammar rows of the sampled sequences, in the plan
-            plan = planned.plan
-            guesses = None
-            if plan.num_drafts is not None:  # each sampled sequence's drafts, as the plan lays them out
-                flat = iter(plan.draft_token_ids)
-                guesses = [[next(flat) for _ in range(m)] for m in plan.num_drafts]
-            plan.sampling.bitmask = self._structured.bitmask_rows(planned.sample_seqs, guesses)
-        step = self.worker.execute(planned.plan)
+        plan = planned.plan
+        guesses = None
+        if plan.num_drafts is not None:  # each sampled sequence's drafts, as the plan lays them out
+            flat = iter(plan.draft_token_ids)
+            guesses = [[next(flat) for _ in range(m)] for m in plan.num_drafts]
+        step: LaunchedStep | ForwardedStep
+        if self._structured is not None and self._structured.any_matched(planned.sample_seqs):
+            step = self.worker.execute_forward(plan)  # the grammar rows are filled while it runs
+        else:
+            step = self.worker.execute(plan)
         self.block_manager.commit_pending()
         for seq, n in zip(sched.seqs, sched.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
@@ -643,11 +648,22 @@ class LLMEngine:
             seq.token_ids.append(PENDING_TOKEN)
             seq.num_pending_tokens += 1
             seq.pending_row = row
-        return _Launched(sched, planned, step, positions)
+        return _Launched(sched, planned, step, positions, guesses)
+
+    def _sample(self, launched: _Launched) -> LaunchedStep:
+        """Queue a launched step's sampling if its grammar rows were left to fill: the matchers
+        have seen every earlier token by now (the previous step was completed after this one's
+        forward was queued), so the rows are filled while the device runs the forward."""
+        step = launched.step
+        if isinstance(step, ForwardedStep):
+            assert self._structured is not None
+            bitmask = self._structured.bitmask_rows(launched.planned.sample_seqs, launched.guesses)
+            step = launched.step = self.worker.sample(step, bitmask)
+        return step
 
     def _complete(self, launched: _Launched) -> list[EngineOutput]:
         """Wait for a launched step and apply its tokens (the output processor)."""
-        result = self.worker.finish(launched.step)
+        result = self.worker.finish(self._sample(launched))
         outputs = self.outputs.process(launched.planned, launched.positions, result, launched.sched.seqs,
                                        self.speculator.proposed if self.speculator is not None else None)
         num_drafts = launched.planned.plan.num_drafts

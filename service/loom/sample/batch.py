@@ -91,9 +91,7 @@ def build_sampling_batch(plan: SamplingPlan, vocab_size: int, device: torch.devi
     ints = stage.to_device(plan.ints, torch.int64).view(n, 3)
     processors: list[LogitsProcessor] = []
     if plan.bitmask is not None:  # first: the penalties and temperature see the constrained rows
-        masks = plan.bitmask
-        processors.append(TokenBitmask(stage.to_device(masks.tensor(), torch.int32),
-                                       stage.to_device(masks.rows, torch.int64), masks.rows))
+        processors.append(token_bitmask(plan.bitmask, stage))
     if plan.banned:
         processors.append(Suppression(stage.to_device(plan.banned, torch.int64)))
     if flags & REPETITION:
@@ -127,6 +125,12 @@ def build_sampling_batch(plan: SamplingPlan, vocab_size: int, device: torch.devi
         processors=processors,
         filters=filters,
     )
+
+
+def token_bitmask(masks: TokenBitmaskRows, stage: Stager) -> TokenBitmask:
+    """The grammar rows as a processor on the stager's device (the first of a step's processors)."""
+    return TokenBitmask(stage.to_device(masks.tensor(), torch.int32), stage.to_device(masks.rows, torch.int64),
+                        masks.rows)
 
 
 def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:

@@ -15,8 +15,11 @@ The engine talks to one :class:`StructuredOutput` at four points, and nowhere el
    matcher advances; when it has matched a whole sentence and its EOS, the completion ends
    (FINISH_REASON_EOS_TOKEN).
 
-A constrained sequence needs its last token on the host before its next mask can be filled, so
-the engine runs steps that hold one synchronously (as it does for penalties).
+A constrained sequence needs its last token on the host before its next mask can be filled. The
+engine therefore queues a constrained step's forward first, then reads the previous step's
+tokens back (the matchers accept them), then fills this step's rows and queues its sampling: the
+host's work overlaps the forward, and asynchronous scheduling stays on. (With tensor
+parallelism every rank samples: the rows follow the forward to every rank as a second command.)
 
 ``min_new_tokens`` for a constrained row is applied here, on its mask, rather than by the
 sampler's EOS suppression: EOS and stop ids are cleared from the row until then, unless the
@@ -157,6 +160,11 @@ class StructuredOutput:
             self._dead_ends.pop(sid, None)
 
     # -- steps --------------------------------------------------------------------------------------
+    def any_matched(self, seqs: Seq[Sequence]) -> bool:
+        """Whether some of ``seqs`` follows a grammar (a step without one pays nothing)."""
+        matchers = self._matchers
+        return bool(matchers) and any(seq.seq_id in matchers for seq in seqs)
+
     def bitmask_rows(self, seqs: Seq[Sequence], drafts: Seq[Seq[int]] | None = None) -> TokenBitmaskRows | None:
         """The step's grammar rows for its sampled sequences ``seqs`` (plan order; sequence i has
         1 + len(drafts[i]) sampling rows), or None when none has a matcher: unconstrained steps pay
@@ -164,7 +172,11 @@ class StructuredOutput:
         matcher walks the drafts (row k is the mask after drafts[:k]) and is rolled back after; rows
         past a draft the grammar refuses are left open, since verification stops at that draft.
         A first row whose grammar allows no token at all is left open and its sequence marked, for
-        :meth:`accept` to refuse."""
+        :meth:`accept` to refuse.
+
+        The rows may be filled after the step was launched (the engine fills them while the
+        forward runs): a sequence's tokens then end with the placeholder of the token these rows
+        choose, and a sequence the previous step finished (its row is dropped) gets open rows."""
         rows: list[int] = []
         entries: list[tuple[Sequence, Seq[int]]] = []
         row = 0
@@ -183,13 +195,18 @@ class StructuredOutput:
         j = 0
         for seq, guess in entries:
             matcher = self._matchers[seq.seq_id].matcher
+            if seq.is_finished or matcher.is_terminated():
+                bitmask[j : j + 1 + len(guess)].fill_(-1)
+                j += 1 + len(guess)
+                continue
+            done = seq.num_known_tokens - seq.num_prompt_tokens  # output tokens before this step's
             walked = 0
             for k in range(1 + len(guess)):
                 if k and walked == k - 1 and not matcher.is_terminated() and matcher.accept_token(guess[k - 1]):
                     walked += 1
                 if walked == k:
                     matcher.fill_next_token_bitmask(bitmask, j)
-                    if seq.num_output_tokens + k < seq.stopping.min_new_tokens:
+                    if done + k < seq.stopping.min_new_tokens:
                         self._hold_back_stops(bitmask[j], seq)
                 else:
                     bitmask[j].fill_(-1)
@@ -203,7 +220,7 @@ class StructuredOutput:
             if empty[g]:
                 self._dead_ends[seq.seq_id] = (
                     f"no token of the model's vocabulary continues the constraint after "
-                    f"{seq.num_output_tokens} generated tokens")
+                    f"{seq.num_known_tokens - seq.num_prompt_tokens} generated tokens")
                 bitmask[g].fill_(-1)  # sample anything: the token is refused in accept()
         for g in range(len(rows)):
             if empty[g]:

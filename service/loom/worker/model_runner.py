@@ -18,7 +18,7 @@ import torch
 from loom.layers.attention import AttentionBackend, AttentionMetadata, ForwardContext, forward_context
 from loom.lora.layers import LoraBatch, LoraSlots, lora_batch
 from loom.plugin_api.model import CausalLM
-from loom.sample.batch import build_sampling_batch
+from loom.sample.batch import SamplingBatch, TokenBitmaskRows, build_sampling_batch, token_bitmask
 from loom.sample.sampler import Sampler, prompt_logprobs
 from loom.sample.verify import accepted_prefix
 
@@ -44,6 +44,17 @@ class StepInputs:
     meta: AttentionMetadata
     plan: StepPlan | None = None  # what they were staged from (None: a test's hand-made step)
     lora: LoraBatch | None = None  # the rows' adapter slots (None: every row is the base model)
+
+
+@dataclass
+class ForwardedStep:
+    """A step whose forward and logits are queued on the device, its sampling not yet
+    (:meth:`ModelRunner.sample`)."""
+
+    plan: StepPlan
+    hidden: torch.Tensor  # [T, hidden] (prompt logprobs read it)
+    logits: torch.Tensor  # [N, V] fp32
+    batch: SamplingBatch
 
 
 @dataclass
@@ -132,17 +143,35 @@ class ModelRunner:
         for cache in self.kv_caches:  # [2, num_blocks, block_size, Hkv, D]
             cache[:, dst] = cache[:, src]
 
-    @torch.inference_mode()
     def launch(self, plan: StepPlan) -> LaunchedStep:
         """Queue the step's forward and sampling on the device; the host does not wait for them
         (except for prompt logprobs, which are read back at once)."""
+        return self.sample(self.launch_forward(plan))
+
+    @torch.inference_mode()
+    def launch_forward(self, plan: StepPlan) -> ForwardedStep:
+        """Queue the step's forward and its logits; :meth:`sample` queues the sampling. Between
+        the two the host may do work that needs the previous step's tokens (structured output
+        fills its masks there) while the device runs the forward."""
         inputs = self.prepare(plan)
         self.copy_blocks(plan.blocks_to_copy)  # queued after prepare's copies, before the forward
         hidden = self.forward(inputs)  # [T, hidden]
         logits = self.sample_logits(hidden, inputs)  # [N, V] fp32
         batch = build_sampling_batch(plan.sampling, self.vocab_size, self.device, self.stager)
-        out = self.sampler(logits, batch)
-        prompt = self._prompt_logprobs(hidden, plan)
+        return ForwardedStep(plan, hidden, logits, batch)
+
+    @torch.inference_mode()
+    def sample(self, step: ForwardedStep, bitmask: TokenBitmaskRows | None = None) -> LaunchedStep:
+        """Queue the sampling of a forwarded step: ``bitmask``, grammar rows filled after the
+        forward was launched, becomes the first logits processor (the plan's own, if any, was
+        made one by :meth:`launch_forward`)."""
+        plan, batch = step.plan, step.batch
+        if bitmask is not None:
+            assert plan.sampling.bitmask is None, "a step's grammar rows come once"
+            plan.sampling.bitmask = bitmask
+            batch.processors.insert(0, token_bitmask(bitmask, self.stager))
+        out = self.sampler(step.logits, batch)
+        prompt = self._prompt_logprobs(step.hidden, plan)
         results = [out.token_ids, out.logprobs, out.finite]  # a NaN row fails only its request
         if out.top_ids is not None and out.top_logprobs is not None:
             results += [out.top_ids, out.top_logprobs]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from loom.sample.batch import TokenBitmaskRows
+
 from .step_plan import StepPlan
 
 
@@ -26,6 +28,21 @@ class Execute:
     """Run one step plan (every rank samples the same tokens: same logits, same counter-based noise)."""
 
     plan: StepPlan
+
+
+@dataclass(frozen=True, slots=True)
+class ExecuteForward:
+    """Run one step plan's forward; its sampling follows as :class:`Sample` (structured output
+    fills the grammar rows in between, on rank 0, while the ranks run the forward)."""
+
+    plan: StepPlan
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """Sample the step of the last :class:`ExecuteForward` with these grammar rows (the same on every rank)."""
+
+    bitmask: TokenBitmaskRows | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +66,7 @@ class Stop:
     pass
 
 
-RankCommand = InitKvCache | FreeKvCache | Execute | CaptureGraphs | ProfileStart | ProfileEnd | Stop
+RankCommand = InitKvCache | FreeKvCache | Execute | ExecuteForward | Sample | CaptureGraphs | ProfileStart | ProfileEnd | Stop
 
 
 @dataclass(frozen=True, slots=True)

@@ -81,10 +81,12 @@ def run_rank(spec: RankSpec) -> int:
         CaptureGraphs,
         Envelope,
         Execute,
+        ExecuteForward,
         FreeKvCache,
         InitKvCache,
         ProfileEnd,
         ProfileStart,
+        Sample,
         Stop,
     )
     from .worker import Worker
@@ -111,6 +113,7 @@ def run_rank(spec: RankSpec) -> int:
         return 1
     log.info("rank ready", rank=spec.rank, world_size=spec.world_size, device=spec.device)
     launched: Any = None
+    forwarded: Any = None  # an ExecuteForward's step, until its Sample
     profile_base = 0
     while True:
         envelope: Envelope = next_command()
@@ -124,6 +127,15 @@ def run_rank(spec: RankSpec) -> int:
                 if launched is not None:  # read the previous step back (its buffers are reused)
                     worker.finish(launched)
                 launched = step
+            elif isinstance(cmd, ExecuteForward):
+                forwarded = worker.execute_forward(cmd.plan)
+                if launched is not None:
+                    worker.finish(launched)
+                launched = None
+            elif isinstance(cmd, Sample):
+                if forwarded is None:
+                    raise RuntimeError("Sample without the forward it samples (that forward failed)")
+                launched, forwarded = worker.sample(forwarded, cmd.bitmask), None
             elif isinstance(cmd, InitKvCache):
                 launched = None
                 worker.init_kv_cache(cmd.num_blocks)
@@ -140,7 +152,7 @@ def run_rank(spec: RankSpec) -> int:
             else:
                 raise TypeError(f"unknown rank command {cmd!r}")
         except Exception as exc:
-            launched = None
+            launched = forwarded = None
             log.warning("rank command failed (rank 0 fails the same way and handles it)", rank=spec.rank,
                         command=type(cmd).__name__, error=repr(exc))
         progress.mark_done(spec.rank, envelope.seq)

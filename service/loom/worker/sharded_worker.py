@@ -44,17 +44,20 @@ from loom.distributed.errors import ShardLostError
 from loom.distributed.launch import RANK_ENV, destroy, free_loopback_port, init_rank, rank_device
 from loom.distributed.progress import StepProgress
 from loom.plugin_api import PluginRegistry
+from loom.sample.batch import TokenBitmaskRows
 
-from .model_runner import LaunchedStep, ModelRunner
+from .model_runner import ForwardedStep, LaunchedStep, ModelRunner
 from .rank_commands import (
     CaptureGraphs,
     Envelope,
     Execute,
+    ExecuteForward,
     FreeKvCache,
     InitKvCache,
     ProfileEnd,
     ProfileStart,
     RankCommand,
+    Sample,
     Stop,
 )
 from .rank_process import RankSpec, broadcast_command
@@ -271,6 +274,16 @@ class ShardedWorker:
     def execute(self, plan: StepPlan) -> LaunchedStep:
         seq = self._broadcast(Execute(plan))
         return self._run_local(seq, lambda: self.local.execute(plan))
+
+    def execute_forward(self, plan: StepPlan) -> ForwardedStep:
+        seq = self._broadcast(ExecuteForward(plan))
+        return self._run_local(seq, lambda: self.local.execute_forward(plan))
+
+    def sample(self, step: ForwardedStep, bitmask: TokenBitmaskRows | None) -> LaunchedStep:
+        """Every rank samples, so the grammar rows go to every rank: a second command in a
+        constrained step, sent while the ranks run its forward."""
+        seq = self._broadcast(Sample(bitmask))
+        return self._run_local(seq, lambda: self.local.sample(step, bitmask))
 
     def finish(self, step: LaunchedStep) -> StepOutput:
         self._local_busy_since = time.monotonic()

@@ -27,10 +27,11 @@ from loom.layers.kv_fp8 import is_fp8_kv_cache_dtype
 from loom.lora.layers import LoraKernel, LoraSlots
 from loom.plugin_api import PluginRegistry
 from loom.process_tuning import keep_freed_memory
+from loom.sample.batch import TokenBitmaskRows
 
 from .cuda_graphs import maybe_capture_cuda_graphs
 from .fault_injection import FaultInjectingRunner
-from .model_runner import CausalLM, LaunchedStep, ModelRunner
+from .model_runner import CausalLM, ForwardedStep, LaunchedStep, ModelRunner
 from .step_plan import StepOutput, StepPlan
 
 log = structlog.get_logger(__name__)
@@ -232,6 +233,15 @@ class Worker:
     def execute(self, plan: StepPlan) -> LaunchedStep:
         """Queue a step on the device; :meth:`finish` reads its results."""
         return self._runner().launch(plan)
+
+    def execute_forward(self, plan: StepPlan) -> ForwardedStep:
+        """Queue a step's forward; :meth:`sample` queues its sampling (the engine fills grammar
+        rows in between, while the device runs the forward)."""
+        return self._runner().launch_forward(plan)
+
+    def sample(self, step: ForwardedStep, bitmask: TokenBitmaskRows | None) -> LaunchedStep:
+        """Queue the sampling of :meth:`execute_forward`'s step, with grammar rows filled since."""
+        return self._runner().sample(step, bitmask)
 
     def finish(self, step: LaunchedStep) -> StepOutput:
         return self._runner().finish(step)
