@@ -62,9 +62,13 @@ def _jit(fn: Callable[..., Any]) -> Any:
 # Overridable for tuning on a given GPU (LOOM_W4A16_DENSE_FROM=256 ...); read once at import.
 DENSE_FROM_TOKENS = int(os.environ.get("LOOM_W4A16_DENSE_FROM", "1024"))
 # Split K until the grid holds this many programs per SM (or a split has one K block left): the
-# GEMV's programs are small (a 64 x 64 tile), and a batch-1 decode needs many loads in flight.
-_PROGRAMS_PER_SM = {"gemv": 8, "gemm": 4}
-_MAX_SPLIT = 16
+# GEMV's programs are small (a 128 x 64 tile), and a batch-1 decode needs many loads in flight.
+# The GEMV's numbers are the H200 sweep's (scripts/bench_w4a16_plans.py, llama-8b's four layer
+# shapes at M = 1, bench/results/gpu-w4a16-plans-m1.json): 128-wide tiles, 64-deep, two
+# stages, about 5 programs an SM, up to 32 splits (down_proj's long K) were within 2% of the
+# best plan of each shape and 1.22-1.43x faster than the 64-wide, 8-per-SM rule before.
+_PROGRAMS_PER_SM = {"gemv": 5, "gemm": 4}
+_MAX_SPLIT = {"gemv": 32, "gemm": 16}
 
 
 def available() -> bool:
@@ -255,8 +259,8 @@ def plan(m: int, n: int, k: int, group: int, sms: int, dense_from: int) -> Plan:
     bk = block_k_for(group)
     if m >= dense_from:
         return Plan("dense", 0, 128, bk, 1, k, 4, 1)
-    if m == 1:  # a [64, 64] float32 accumulator: 32 registers a thread, several programs an SM
-        kind, bm, bn, warps, stages = "gemv", 1, 64, 4, 4
+    if m == 1:  # a [128, 64] float32 accumulator: 64 registers a thread, several programs an SM
+        kind, bm, bn, warps, stages = "gemv", 1, 128, 4, 2
         bk = min(bk, 64)  # still inside one group: group sizes are multiples of 64 or of bk
     elif m <= 16:
         kind, bm, bn, warps, stages = "gemm", 16, 64, 4, 4
@@ -269,7 +273,7 @@ def plan(m: int, n: int, k: int, group: int, sms: int, dense_from: int) -> Plan:
     k_blocks = -(-k // bk)
     tiles = -(-n // bn) * -(-m // bm)
     split = 1
-    while tiles * split < _PROGRAMS_PER_SM[kind] * sms and split * 2 <= min(_MAX_SPLIT, k_blocks):
+    while tiles * split < _PROGRAMS_PER_SM[kind] * sms and split * 2 <= min(_MAX_SPLIT[kind], k_blocks):
         split *= 2
     k_split = -(-k_blocks // split) * bk
     split = -(-k // k_split)  # no empty split

@@ -65,8 +65,12 @@ class DraftModelProposer(Proposer):
 
         opts = context.options
         cpu = context.device == "cpu"
+        # On CUDA its decode steps (every draft step after the first) replay graphs, as the
+        # target's do: eagerly, a draft's hundreds of kernel launches would cost more than its math.
+        graphs = _graph_sizes(context.max_batch_size) if not cpu and context.max_model_len else ()
         config = EngineConfig(model_id=opts["model_id"], device=context.device, dtype=context.dtype,
-                              quantize=opts.get("quantize", "auto"), block_size=_BLOCK, cuda_graphs=(), warmup=False)
+                              quantize=opts.get("quantize", "auto"), block_size=_BLOCK, cuda_graphs=graphs,
+                              warmup=False)
         self.worker = Worker(config, default_registry())
         info = self.worker.info
         if info.vocab_size > context.vocab_size + 1024 or info.vocab_size < context.vocab_size - 1024:
@@ -76,6 +80,10 @@ class DraftModelProposer(Proposer):
         tokens = int(opts.get("kv_tokens", 8192 if cpu else 65536))
         self.num_blocks = max(2, tokens // _BLOCK)
         self.worker.init_kv_cache(self.num_blocks)
+        if graphs:  # a draft runs k past the target's sequence at most
+            # (width 2 too: after a fully accepted run the draft first computes its last guess and
+            # the target's bonus token)
+            self.worker.capture_cuda_graphs(context.max_model_len + context.num_speculative_tokens + 1, (1, 2))
         self._free = list(range(self.num_blocks - 1, -1, -1))
         self._seqs: dict[int, _DraftSeq] = {}
         log.info("draft model ready", model_dir=str(info.model_dir), quantization=info.quantization,
@@ -152,6 +160,14 @@ class DraftModelProposer(Proposer):
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
+
+
+def _graph_sizes(max_batch: int) -> tuple[int, ...]:
+    """Decode graph sizes up to the first that holds ``max_batch`` sequences (1, 2, 4, ...)."""
+    sizes = [1]
+    while sizes[-1] < max_batch:
+        sizes.append(2 * sizes[-1])
+    return tuple(sizes)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -82,3 +82,21 @@ def test_resting_rows_without_a_proposal_verify_filler_not_counted() -> None:
     assert (spec.counters.draft_tokens, spec.counters.accepted_tokens) == before  # nor its counts
     assert spec.counters.filler_tokens == 4
     assert spec.proposed(resting.seq_id, 4) == 0  # usage and metrics report no drafts for it
+
+
+def test_acceptance_is_counted_per_draft_position() -> None:
+    """Per position: drafts there, drafts reached (every earlier one accepted), drafts accepted;
+    the conditional acceptance is what the cost model chains (docs/speculative.md)."""
+    sched, _ = decoding(2)
+    a, b = sched.running
+    spec = Speculator(Fixed(), 4, max_batch_size=32, vocab_size=100, max_model_len=100, pad_to_k=False)
+    spec.observe(a, 4, 4)  # all four accepted
+    spec.observe(a, 4, 1)  # the first only
+    spec.observe(b, 2, 2)  # a shorter guess, both accepted
+    c = spec.counters
+    assert c.proposed_at == [3, 3, 2, 2]
+    assert c.reached_at == [3, 3, 1, 1]  # position 2: only the first verification got past position 1
+    assert c.accepted_at == [3, 2, 1, 1]
+    assert c.acceptance_at() == [1.0, 2 / 3, 0.5, 0.5]
+    assert c.conditional_acceptance_at() == [1.0, 2 / 3, 1.0, 1.0]
+    assert sum(c.accepted_at) == c.accepted_tokens == 7

@@ -122,6 +122,23 @@ def test_two_shards_give_one_shards_outputs(name: str, tiny_model_dir: TinyDir) 
     assert all(p.poll() is not None for p in sharded.worker.procs)  # closed: no rank left behind
 
 
+def test_sharded_worker_of_one_rank_matches_the_plain_worker(tiny_model_dir: TinyDir,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """World size 1 through the sharded worker (gloo; no command ring, which needs a reader):
+    the CPU twin of the NCCL test in tests/gpu/test_tensor_parallel_gpu.py."""
+    import loom.engine.llm_engine as llm_engine
+
+    path = tiny_model_dir("llama")
+    ref = _run(_engine(path), _requests(320))
+    monkeypatch.setattr(llm_engine, "Worker", lambda config, registry: ShardedWorker(config, registry))
+    engine = _engine(path)
+    try:
+        assert isinstance(engine.worker, ShardedWorker) and engine.worker.ring is None
+        assert_same_outputs(_run(engine, _requests(320)), ref)
+    finally:
+        engine.close()
+
+
 def test_two_shards_preempt_and_recompute_like_one(tiny_model_dir: TinyDir) -> None:
     """A pool of 12 blocks for a batch that needs more: sequences are preempted and recomputed."""
     single, sharded, _, _ = _compare(tiny_model_dir("llama"), 2, 320, max_batch_total_tokens=48,

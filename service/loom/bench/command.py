@@ -42,7 +42,7 @@ SERVING_WORKLOADS = ("W3",)
 PREFIX_WORKLOADS = ("W4",)
 STRUCTURED_WORKLOADS = ("S1",)
 LORA_WORKLOADS = ("L1",)
-SPECULATION_WORKLOADS = ("C3",)
+SPECULATION_WORKLOADS = ("C3", "W5")
 
 
 def add_bench_command(sub: Any) -> None:
@@ -51,7 +51,9 @@ def add_bench_command(sub: Any) -> None:
                    help="comma-separated: C0,C1,C2 (CPU, SmolLM2), W1,W2 (decode latency, offline "
                         "throughput), W3 (serving through gRPC), W4 (prefix cache), C3 (speculation on copy-heavy "
                         "chat requests, SmolLM2; --device cuda --dtype bfloat16 makes it W5 a), S1 (structured output), "
-                        "L1 (W2 over 8 LoRA adapters and the base model)")
+                        "L1 (W2 over 8 LoRA adapters and the base model), W5 (W5 b and c: a draft model at "
+                        "batch 1 for k = 2..6, the verification cost curve; needs --speculator-option "
+                        "model_id=...)")
     p.add_argument("--peer", choices=["none", "hf"], default="none", help="also run this peer in the same run")
     p.add_argument("--model-id", default=None,
                    help="model dir, .gguf or random:NAME (random:llama-8b, random:llama-1b, ...); "
@@ -98,7 +100,7 @@ def add_bench_command(sub: Any) -> None:
     g.add_argument("--s1-variants", type=int, default=None,
                    help="S1 renamed copies of each schema compiled cold; unset: 8 (2 with --quick)")
     g.add_argument("--s1-repeats", type=int, default=1,
-                   help="S1: run the with/without-grammar pair this many times and average the ratio")
+                   help="S1: time the with/without-grammar pair this many times (after an untimed pair)")
     g.add_argument("--speculate", type=int, default=None,
                    help="draft tokens per step (n-gram): C3's speculating run (default 4); W1/W2 with it set "
                         "run the engine with --speculate (default: off)")
@@ -390,7 +392,8 @@ def _run_structured(args: argparse.Namespace, device: torch.device, result: dict
           f"{c['cached']['p50_us']:.1f} us; 64-row mask fill {c['mask_64_rows']['fill_us_median']:.0f} us, apply "
           f"{c['mask_64_rows']['apply_us_median']:.0f} us; out tok/s with grammars "
           f"{t['with_grammar_out_tok_s_mean']:.1f} vs without {t['without_out_tok_s_mean']:.1f} "
-          f"({t['ratio_mean']:.3f}x); {v['valid_of_eos']}/{v['ended_by_eos']} outputs ended by EOS are valid",
+          f"(mean of pairs {t['ratio_mean']:.3f}x, median {t['ratio_median']:.3f}x, all pairs' time "
+          f"{t['ratio_total']:.3f}x); {v['valid_of_eos']}/{v['ended_by_eos']} outputs ended by EOS are valid",
           flush=True)
 def _run_lora(args: argparse.Namespace, device: torch.device, result: dict[str, Any]) -> None:
     """L1: W2 spread round-robin over 8 LoRA adapters of rank 16 and the base model, against W2
@@ -436,6 +439,39 @@ def _run_speculation(args: argparse.Namespace, result: dict[str, Any]) -> None:
               f"identical outputs: {e['identical_outputs']}", file=sys.stderr)
 
 
+def _run_draft_speculation(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """W5 b and c: W1's request with a draft model for k = 2..6 against none, the verification
+    cost curve, and the cost model's prediction for each run (loom/bench/speculation_cost.py)."""
+    from loom.worker.worker import resolve_device
+
+    from .speculation_cost import run_w5
+
+    options = tuple(args.speculator_option)
+    if not any(key == "model_id" for key, _ in options):
+        raise ConfigError("W5 needs the draft model: --speculator-option model_id=... (e.g. random:llama-8b "
+                          "with --speculator-option quantize=gptq, its int4 copy)")
+    device = resolve_device(args.device)
+    if device.type == "cuda":
+        result["machine"].update(software_info(device))
+    base = EngineConfig(model_id=args.model_id, device=str(device), dtype=args.dtype, quantize=args.quantize,
+                        max_total_tokens=args.max_total_tokens, cuda_graphs=(1, 2, 4, 8, 16, 32, 64),
+                        max_batch_total_tokens=args.max_batch_total_tokens or (16 * 1024 if device.type == "cpu"
+                                                                                else None),
+                        num_threads=args.threads if device.type == "cpu" else None)
+    entry = run_w5(base, options, quick=args.quick)
+    result["workloads"]["W5"] = entry
+    for key, run in entry["runs"].items():
+        print(f"W5 b {key}: {run['out_tok_s']:.1f} out tok/s against {run['plain_out_tok_s']:.1f} "
+              f"({run['speedup']:.2f}x; the cost model predicts {run['predicted_speedup']:.2f}x, engine efficiency "
+              f"{run['engine_efficiency']:.2f}); acceptance {run['acceptance']:.2f}, by position "
+              f"{[round(a, 2) for a in run['acceptance_at']]}", file=sys.stderr)
+    print(f"W5 b: best k {entry['best_k']} ({entry['best_speedup']:.2f}x); draft decode step "
+          f"{entry['draft_decode_step_s'] * 1e3:.2f} ms", file=sys.stderr)
+    for name, row in entry["cost_curve_relative"].items():
+        print(f"W5 c {name}: step time for 1 + k rows against a decode step: "
+              f"{', '.join(f'{key}={v:.2f}' for key, v in row.items())}", file=sys.stderr)
+
+
 def run_bench(args: argparse.Namespace) -> int:
     from loom.worker.worker import resolve_device
 
@@ -478,6 +514,8 @@ def run_bench(args: argparse.Namespace) -> int:
                 _run_lora(args, device, result)
         if "C3" in names:
             _run_speculation(args, result)
+        if "W5" in names:
+            _run_draft_speculation(args, result)
     except ConfigError as exc:
         print(f"loom bench: {exc}", file=sys.stderr)
         return 2

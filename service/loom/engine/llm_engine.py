@@ -234,7 +234,8 @@ class LLMEngine:
         proposer_cls = registry.speculative_decoder(config.speculator).load()
         context = ProposerContext(num_speculative_tokens=config.speculate, vocab_size=self.vocab_size,
                                   device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
-                                  options=dict(config.speculator_options))
+                                  options=dict(config.speculator_options), max_model_len=self.max_model_len,
+                                  max_batch_size=config.speculate_max_batch_size)
         try:
             # A proposer's own model (a draft) runs whole in the engine process, next to rank 0:
             # built as one rank of one, its layers never wait for the other ranks.

@@ -30,6 +30,10 @@ class ProposerContext:
     device: str  # "cpu", "cuda", "cuda:1", ...
     dtype: str  # "float32", "bfloat16", ...
     options: dict[str, str]  # the plugin's own settings (e.g. a draft model's path), from the command line
+    # the engine's longest sequence (prompt and output): a draft model sizes its CUDA graphs' block
+    # tables by it; 0 when unknown
+    max_model_len: int = 0
+    max_batch_size: int = 0  # the most sequences a propose call holds (0: unknown)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ many were accepted and steps aside where drafts do not pay:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 
@@ -47,6 +47,20 @@ class SpeculationCounters:
     accepted_tokens: int = 0  # of those, accepted
     verifications: int = 0  # (sequence, step) pairs that verified drafts, filler-only ones included
     filler_tokens: int = 0  # filler verified so that a step keeps one query length (CUDA graphs)
+    # Per draft position i (0 = the first draft), over verifications: a proposer's draft was
+    # there; it was reached (every draft before it accepted); it was accepted
+    proposed_at: list[int] = field(default_factory=list)
+    reached_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+
+    def acceptance_at(self) -> list[float]:
+        """Of the drafts at position i, the share accepted."""
+        return [a / p if p else 0.0 for p, a in zip(self.proposed_at, self.accepted_at, strict=True)]
+
+    def conditional_acceptance_at(self) -> list[float]:
+        """Of the drafts at position i whose earlier drafts were all accepted, the share accepted:
+        the chain the cost model multiplies."""
+        return [a / r if r else 0.0 for r, a in zip(self.reached_at, self.accepted_at, strict=True)]
 
 
 class Speculator:
@@ -164,6 +178,15 @@ class Speculator:
         num_drafts, num_accepted = real, min(num_accepted, real)
         c.draft_tokens += num_drafts
         c.accepted_tokens += num_accepted
+        if len(c.proposed_at) < num_drafts:
+            grow = num_drafts - len(c.proposed_at)
+            c.proposed_at += [0] * grow
+            c.reached_at += [0] * grow
+            c.accepted_at += [0] * grow
+        for i in range(num_drafts):
+            c.proposed_at[i] += 1
+            c.reached_at[i] += i <= num_accepted
+            c.accepted_at[i] += i < num_accepted
         if num_drafts == 0:
             return  # filler only (a uniform step): says nothing about this sequence's drafts
         stats = self._stats.setdefault(seq.seq_id, _SeqStats())

@@ -107,8 +107,9 @@ class ShardedWorker:
         self._local_busy_since: float | None = None
         self._timeouts = (config.shard_start_timeout, config.shard_step_timeout)
         self.progress = StepProgress.create(n)
-        # Commands travel through shared memory where the memory order allows (x86-64), else gloo.
-        self.ring: CommandRing | None = CommandRing.create(n) if command_ring_supported() else None
+        # Commands travel through shared memory where the memory order allows (x86-64), else gloo
+        # (also with one rank, which has no reader to write for).
+        self.ring: CommandRing | None = CommandRing.create(n) if n > 1 and command_ring_supported() else None
         port = free_loopback_port()
         rank_config = replace(config, model_id=str(model_dir))
         self.procs: list[subprocess.Popen[bytes]] = []
