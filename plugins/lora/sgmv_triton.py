@@ -55,7 +55,7 @@ def _tile_rows(slots_ptr, order_ptr, T, pm, ORDERED: tl.constexpr, BLOCK_M: tl.c
     """The tile's positions (into h), its rows (into x and out) and their slots (0 past T)."""
     offs_m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     in_t = offs_m < T
-    if ORDERED:
+    if ORDERED:  # noqa: SIM108 (a constexpr branch, kept as a plain if for Triton)
         rows = tl.load(order_ptr + offs_m, mask=in_t, other=0).to(tl.int64)
     else:
         rows = offs_m.to(tl.int64)
