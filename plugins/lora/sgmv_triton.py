@@ -48,6 +48,8 @@ import triton.language as tl
 _NONE = 2**31 - 1  # the end of a part that does not exist
 _NO_SLOT: tl.constexpr = tl.constexpr(_NONE)  # "no slot left" in the kernels' slot loops
 _MAX_PARTS = 4  # part ends passed as scalars; a layer of more parts reads all W columns (still right)
+_SHRINK_PROGRAMS = 256  # the shrink splits K until about this many programs (H200: 132 SMs)
+_MAX_SPLIT = 16
 
 
 @triton.jit
@@ -63,22 +65,26 @@ def _tile_rows(slots_ptr, order_ptr, T, pm, ORDERED: tl.constexpr, BLOCK_M: tl.c
     return offs_m.to(tl.int64), rows, s
 
 
-@triton.jit
-def _shrink_kernel(x_ptr, a_ptr, slots_ptr, order_ptr, h_ptr, T, K, W,
-                   stride_xt, stride_xk, stride_as, stride_aw, stride_ak, stride_ht,
+@triton.jit(do_not_specialize=["T"])
+def _shrink_kernel(x_ptr, a_ptr, slots_ptr, order_ptr, h_ptr, T, K, W, K_PER_SPLIT,
+                   stride_xt, stride_xk, stride_as, stride_aw, stride_ak, stride_hs, stride_ht,
                    ORDERED: tl.constexpr, PRECISION: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr):
     wb = tl.program_id(0)  # fastest: the W blocks of one tile run together and share its x in L2
     pm = tl.program_id(1)
+    ks = tl.program_id(2)  # which split of K: its partial sum goes to h[ks]
     offs_m, rows, s = _tile_rows(slots_ptr, order_ptr, T, pm, ORDERED, BLOCK_M)
     offs_w = wb * BLOCK_W + tl.arange(0, BLOCK_W)
     w_in = offs_w < W
+    k_lo = ks * K_PER_SPLIT  # a multiple of BLOCK_K
+    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+    h_base = h_ptr + ks.to(tl.int64) * stride_hs
     slot = tl.min(tl.where(s > 0, s, _NO_SLOT), axis=0)
     while slot < _NO_SLOT:
         sel = s == slot
         a_base = a_ptr + slot.to(tl.int64) * stride_as
         acc = tl.zeros((BLOCK_M, BLOCK_W), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_in = offs_k < K
             xt = tl.load(x_ptr + rows[:, None] * stride_xt + offs_k[None, :] * stride_xk,
@@ -86,13 +92,13 @@ def _shrink_kernel(x_ptr, a_ptr, slots_ptr, order_ptr, h_ptr, T, K, W,
             at = tl.load(a_base + offs_k[:, None] * stride_ak + offs_w[None, :] * stride_aw,
                          mask=k_in[:, None] & w_in[None, :], other=0.0)  # [BLOCK_K, BLOCK_W]
             acc = tl.dot(xt, at, acc, input_precision=PRECISION)
-        tl.store(h_ptr + offs_m[:, None] * stride_ht + offs_w[None, :], acc, mask=sel[:, None] & w_in[None, :])
+        tl.store(h_base + offs_m[:, None] * stride_ht + offs_w[None, :], acc, mask=sel[:, None] & w_in[None, :])
         slot = tl.min(tl.where(s > slot, s, _NO_SLOT), axis=0)
 
 
-@triton.jit
-def _expand_kernel(h_ptr, b_ptr, slots_ptr, order_ptr, out_ptr, T, N, R, E0, E1, E2,
-                   stride_ht, stride_bs, stride_bn, stride_bw, stride_ot, stride_on,
+@triton.jit(do_not_specialize=["T", "SPLIT"])
+def _expand_kernel(h_ptr, b_ptr, slots_ptr, order_ptr, out_ptr, T, N, R, E0, E1, E2, SPLIT,
+                   stride_hs, stride_ht, stride_bs, stride_bn, stride_bw, stride_ot, stride_on,
                    ORDERED: tl.constexpr, PRECISION: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     nb = tl.program_id(0)
@@ -113,8 +119,11 @@ def _expand_kernel(h_ptr, b_ptr, slots_ptr, order_ptr, out_ptr, T, N, R, E0, E1,
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for c in range(c_lo, c_hi, BLOCK_R):
             offs_c = c + tl.arange(0, BLOCK_R)
-            ht = tl.load(h_ptr + offs_m[:, None] * stride_ht + offs_c[None, :],
-                         mask=sel[:, None] & (offs_c < c_hi)[None, :], other=0.0)  # [BLOCK_M, BLOCK_R]
+            h_ptrs = h_ptr + offs_m[:, None] * stride_ht + offs_c[None, :]
+            h_mask = sel[:, None] & (offs_c < c_hi)[None, :]
+            ht = tl.load(h_ptrs, mask=h_mask, other=0.0)  # [BLOCK_M, BLOCK_R], the shrink's partial sums
+            for sp in range(1, SPLIT):
+                ht += tl.load(h_ptrs + sp * stride_hs, mask=h_mask, other=0.0)
             own = (offs_c[:, None] >= col0[None, :]) & (offs_c[:, None] < col0[None, :] + R) & n_in[None, :]
             bt = tl.load(b_base + offs_c[:, None] * stride_bw + offs_n[None, :] * stride_bn,
                          mask=own, other=0.0)  # [BLOCK_R, BLOCK_N]
@@ -154,18 +163,25 @@ def lora_shrink_expand(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, token_
         ends = []
     ends += [_NONE] * (3 - len(ends))
     rank = W // num_parts
-    h = torch.empty(T, W, dtype=torch.float32, device=x.device)  # rows of slot 0 are never read
     ordered = order is not None
     order_arg = order if order is not None else token_slots  # not read when not ordered
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32: the default, unused for 16-bit
     block_m = _pow2_between(triton.cdiv(T, 128), 16, 64)  # small tiles until there are ~128 of them
-    block_w = _pow2_between(W, 16, 64)
-    _shrink_kernel[(triton.cdiv(W, block_w), triton.cdiv(T, block_m))](
-        x, a, token_slots, order_arg, h, T, K, W, x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2),
-        h.stride(0), ORDERED=ordered, PRECISION=precision, BLOCK_M=block_m, BLOCK_W=block_w, BLOCK_K=64,
-        num_warps=4)
+    block_w, block_k = _pow2_between(W, 16, 64), 64
+    tiles, w_blocks, k_blocks = triton.cdiv(T, block_m), triton.cdiv(W, block_w), triton.cdiv(K, block_k)
+    # Few tiles (decode): split K too, up to ~256 programs and down to 4 K blocks each; each split
+    # writes its partial sums to h[split], which the expand adds up (no atomics: deterministic).
+    split = 1
+    while tiles * w_blocks * split * 2 <= _SHRINK_PROGRAMS and split * 2 <= min(_MAX_SPLIT, k_blocks // 4):
+        split *= 2
+    k_per_split = triton.cdiv(k_blocks, split) * block_k
+    h = torch.empty(split, T, W, dtype=torch.float32, device=x.device)  # rows of slot 0 are never read
+    _shrink_kernel[(w_blocks, tiles, split)](
+        x, a, token_slots, order_arg, h, T, K, W, k_per_split, x.stride(0), x.stride(1), a.stride(0), a.stride(1),
+        a.stride(2), h.stride(0), h.stride(1), ORDERED=ordered, PRECISION=precision, BLOCK_M=block_m,
+        BLOCK_W=block_w, BLOCK_K=block_k, num_warps=4)
     block_n = _pow2_between(N, 16, 128)
-    _expand_kernel[(triton.cdiv(N, block_n), triton.cdiv(T, block_m))](
-        h, b, token_slots, order_arg, out, T, N, rank, ends[0], ends[1], ends[2], h.stride(0), b.stride(0),
-        b.stride(1), b.stride(2), out.stride(0), out.stride(1), ORDERED=ordered, PRECISION=precision,
+    _expand_kernel[(triton.cdiv(N, block_n), tiles)](
+        h, b, token_slots, order_arg, out, T, N, rank, ends[0], ends[1], ends[2], split, h.stride(0), h.stride(1),
+        b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1), ORDERED=ordered, PRECISION=precision,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=_pow2_between(rank, 16, 64), num_warps=4)

@@ -20,7 +20,7 @@ def _setup() -> None:
 
 
 # (rows' slots, slots S, max rank R, the fused parts' output sizes, in, dtype, ordered). The
-# kernels' tiles are 16 rows here (64 in the last case) and 16..128 outputs; "ordered" goes through the
+# kernels' tiles are 16 rows here (64 in the last case) and 16..128 outputs, K in 64-blocks; "ordered" goes through the
 # layer (LoraBatch.kernel_order: rows sorted by slot, the parts passed), else a direct call
 # without an order (parts passed too, but for the first four cases: the old signature).
 CASES = [
@@ -42,6 +42,9 @@ CASES = [
     ([1], 2, 16, [32, 32], 64, "float16", True),  # T = 1, two parts
     ([0], 2, 16, [48, 16, 16], 32, "float32", True),  # T = 1, the base
     ([1, 2, 0, 2, 1, 1, 0, 2, 2] * 3, 3, 64, [100], 200, "float16", True),  # rank 64, one part
+    # the shrink splitting K (partial sums added by the expand): 4 splits of 256, 2 uneven ones
+    ([i % 4 for i in range(37)], 4, 16, [64, 32, 32], 1024, "float32", True),
+    ([0, 2, 1, 1, 2, 2, 0, 1, 2, 1], 3, 8, [48, 48], 600, "float16", False),
     # a 4200-row step (64-row tiles): two prefills, then decode rows of both and the base
     ([0] * 100 + [1] * 1500 + [2] * 1000 + [i % 3 for i in range(1600)], 3, 8, [64, 64], 32, "float32", True),
 ]
