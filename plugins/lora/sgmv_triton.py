@@ -1,33 +1,42 @@
 """The LoRA delta on CUDA in two segmented, tiled Triton kernels (SGMV-style) over fixed-size slot
-tables: one launch per kernel serves every adapter of the step, and rows of the base model (slot
-0) cost nothing but reading their slot.
+tables: one launch of each serves every adapter of the step, and rows of the base model (slot 0)
+cost nothing but reading their slot.
 
-    shrink: h[p, :]   = x[row(p), :] @ a[slot]^T      x [T, in], a [S, W, in]   -> h [T, W] fp32
-    expand: out[row(p), n] += h[p, cols(n)] @ b[slot][n, cols(n)]^T   b [S, out, W] -> out [T, out]
+    shrink: h[p, :]  = x[row(p), :] @ a[slot]^T             x [T, in], a [S, W, in] -> h [T, W] fp32
+    expand: out[row(p), n] += h[p, cols(n)] @ b[slot][n, cols(n)]^T    b [S, out, W] -> out [T, out]
 
 ``W`` is the layer's parts P times ``--max-lora-rank`` R (``loom.lora.layers``): ``a`` stacks the
-parts' A factors, ``b`` is block-diagonal (output rows of part i use only columns ``[i*R,
-(i+1)*R)``). ``p`` runs over the step's rows in ``order`` (a permutation of them, ``row(p) =
-order[p]``; the identity when none is given): the runner sorts the rows by slot once per step
-(:func:`loom.lora.layers.kernel_batch`) so that rows of one adapter sit next to each other even
-when decode rows of different adapters interleave. ``h`` is kept in that order.
+parts' A factors, ``b`` is block-diagonal (the outputs of part i use only the rank columns
+``cols(n) = [i*R, (i+1)*R)``). ``p`` runs over the step's rows in ``order``, a permutation of them
+(``row(p) = order[p]``, the identity when none is given): the layers pass the rows sorted by slot,
+sorted once per step on the device (``LoraBatch.kernel_order``), so that rows of one adapter sit
+next to each other even where decode rows of several adapters interleave. ``h`` is kept in that
+order.
 
-Tiles. Each program of the shrink takes a tile of ``BLOCK_M`` consecutive rows (in ``order``) and
-a block of ``BLOCK_W`` rank columns; each program of the expand a tile of rows and a block of
-``BLOCK_N`` outputs. The tile serves all of its rows in a data-dependent loop over the distinct
-slots present: take the smallest slot above the last one done (slot 0 never: base rows have no
-delta), ``tl.dot`` the tile against that slot's factors with the other rows masked off, store that
-slot's rows, repeat until no slot is left. A prefill's rows share one slot, so a tile of them reads
-its adapter's factors once for ``BLOCK_M`` rows (a per-row GEMV, BGMV-style, re-read them for every
-row: for a 16k-token prefill that was ~1 MB of gate/up B per row); a sorted decode tile holds one
-or two slots; a tile of base rows only returns at once.
+Tiles. A program of the shrink takes a tile of ``BLOCK_M`` consecutive rows (in ``order``), a
+block of ``BLOCK_W`` rank columns and a range of K; a program of the expand a tile of rows and a
+block of ``BLOCK_N`` outputs. Either serves all of its tile's rows in a data-dependent loop over
+the distinct slots present: take the smallest slot above the last one done (never slot 0: base
+rows have no delta), ``tl.dot`` the tile against that slot's factors with the other rows masked
+off, store that slot's rows, until no slot is left. The rows of a prefill share a slot, so a tile
+of them reads its adapter's factors once for ``BLOCK_M`` rows, where a GEMV per row (BGMV-style,
+this module's first version) re-read them for every row: ~1 MB of gate/up B per row, 16 GB of L2
+traffic per layer for a 16k-token prefill, against 128 MB now. A sorted decode tile holds one or
+two slots; a tile of base rows only returns at once.
 
-The expand reads, for a block of outputs inside part i, only the rank columns ``[i*R, (i+1)*R)``
-(``parts``: the parts' output sizes; a block that straddles two parts reads both parts' columns,
-each output its own), not all ``W`` = P*R: a third of the block-diagonal table for qkv, half for
-gate/up. The dots run on the tables' dtype (h rounded to it, as the torch path does) with float32
-accumulation; float32 tables use IEEE float32 dots, not TF32. Block sizes are clamped to 16 at
-least (``tl.dot``'s minimum), masked loads pad a rank of 8 or a width of 48.
+The expand reads, for a block of outputs inside part i, only that part's R rank columns
+(``parts``: the parts' output sizes), not all P*R of the block-diagonal table: a third for qkv,
+half for gate/up. A block straddling parts reads the columns of the parts it holds, each output
+masked to its own part's, so the zeros (or anything) outside the diagonal blocks are never read.
+
+Sizes. ``BLOCK_M`` is 16 until there are 128 tiles, up to 64 (prefills); ``BLOCK_K`` 64,
+``BLOCK_W`` 16..64, ``BLOCK_N`` up to 128, the rank chunk ``BLOCK_R`` 16..64, 4 warps: every
+``tl.dot`` dimension is 16 at least, masked loads pad a rank of 8 or a width of 48. With few tiles
+(decode: 256 rows are 16 tiles) the shrink also splits K, up to about 256 programs and down to 4
+K blocks each; each split writes its partial sums to its own ``h[split]``, which the expand adds
+up as it loads h (deterministic: no atomics). The dots run on the tables' dtype (h rounded to it,
+as the torch path's ``x @ a^T`` is) with float32 accumulation, the delta added to ``out`` in
+float32 and rounded once; float32 tables use IEEE float32 dots, not TF32.
 
 Nothing depends on host data: the slots and the order are read on the device and the grid depends
 only on T and the table shapes, so a step can be captured in a CUDA graph and replayed with other
