@@ -115,28 +115,31 @@ def _expand_kernel(h_ptr, b_ptr, slots_ptr, order_ptr, out_ptr, T, N, R, E0, E1,
     offs_m, rows, s = _tile_rows(slots_ptr, order_ptr, T, pm, ORDERED, BLOCK_M)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     n_in = offs_n < N
-    # Each output's part (E0..E2: the ends of parts 0..2) and its first rank column; the block's
-    # parts span the columns [c_lo, c_hi), read BLOCK_R at a time, each output masked to its own.
+    # Each output's part (E0..E2: the ends of parts 0..2); the block holds parts p_lo..p_hi (one
+    # but where it straddles a part end). Part p's outputs read its rank columns [p*R, p*R + R),
+    # BLOCK_R at a time, masked per output only (so the loads of B stay vectorized along them).
     part = (offs_n >= E0).to(tl.int32) + (offs_n >= E1).to(tl.int32) + (offs_n >= E2).to(tl.int32)
-    col0 = part * R
-    c_lo = tl.min(tl.where(n_in, col0, _NO_SLOT), axis=0)
-    c_hi = tl.max(tl.where(n_in, col0, 0), axis=0) + R
+    p_lo = tl.min(tl.where(n_in, part, _NO_SLOT), axis=0)
+    p_hi = tl.max(tl.where(n_in, part, 0), axis=0)
     slot = tl.min(tl.where(s > 0, s, _NO_SLOT), axis=0)
     while slot < _NO_SLOT:
         sel = s == slot
         b_base = b_ptr + slot.to(tl.int64) * stride_bs
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for c in range(c_lo, c_hi, BLOCK_R):
-            offs_c = c + tl.arange(0, BLOCK_R)
-            h_ptrs = h_ptr + offs_m[:, None] * stride_ht + offs_c[None, :]
-            h_mask = sel[:, None] & (offs_c < c_hi)[None, :]
-            ht = tl.load(h_ptrs, mask=h_mask, other=0.0)  # [BLOCK_M, BLOCK_R], the shrink's partial sums
-            for sp in range(1, SPLIT):
-                ht += tl.load(h_ptrs + sp * stride_hs, mask=h_mask, other=0.0)
-            own = (offs_c[:, None] >= col0[None, :]) & (offs_c[:, None] < col0[None, :] + R) & n_in[None, :]
-            bt = tl.load(b_base + offs_c[:, None] * stride_bw + offs_n[None, :] * stride_bn,
-                         mask=own, other=0.0)  # [BLOCK_R, BLOCK_N]
-            acc = tl.dot(ht.to(bt.dtype), bt, acc, input_precision=PRECISION)
+        for p in range(p_lo, p_hi + 1):
+            p_out = n_in & (part == p)
+            c_end = p * R + R
+            for c in range(p * R, c_end, BLOCK_R):
+                offs_c = c + tl.arange(0, BLOCK_R)
+                c_in = offs_c < c_end
+                h_ptrs = h_ptr + offs_m[:, None] * stride_ht + offs_c[None, :]
+                h_mask = sel[:, None] & c_in[None, :]
+                ht = tl.load(h_ptrs, mask=h_mask, other=0.0)  # [BLOCK_M, BLOCK_R], the shrink's partial sums
+                for sp in range(1, SPLIT):
+                    ht += tl.load(h_ptrs + sp * stride_hs, mask=h_mask, other=0.0)
+                bt = tl.load(b_base + offs_c[:, None] * stride_bw + offs_n[None, :] * stride_bn,
+                             mask=c_in[:, None] & p_out[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
+                acc = tl.dot(ht.to(bt.dtype), bt, acc, input_precision=PRECISION)
         ptrs = out_ptr + rows[:, None] * stride_ot + offs_n[None, :] * stride_on
         mask = sel[:, None] & n_in[None, :]
         prev = tl.load(ptrs, mask=mask, other=0.0)
