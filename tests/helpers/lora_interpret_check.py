@@ -19,12 +19,34 @@ def _setup() -> None:
     triton_interpret.setup_script()
 
 
-# (rows' slots, slots S, rank width W, in, out, dtype)
+# (rows' slots, slots S, max rank R, the fused parts' output sizes, in, dtype, ordered). The
+# kernels' tiles are 16 rows here (64 in the last case) and 16..128 outputs, K in 64-blocks; "ordered" goes through the
+# layer (LoraBatch.kernel_order: rows sorted by slot, the parts passed), else a direct call
+# without an order (parts passed too, but for the first four cases: the old signature).
 CASES = [
-    ([0, 1, 1, 2, 0, 3, 3, 3], 4, 16, 64, 96, "float32"),  # a mixed step: base, prefill and decode rows
-    ([2, 2, 2, 2], 3, 48, 130, 70, "float32"),  # one adapter, sizes off the block sizes
-    ([0, 0, 0], 2, 8, 64, 64, "float32"),  # only base rows: nothing changes
-    ([1, 0, 2, 1, 2], 3, 32, 96, 200, "float16"),
+    ([0, 1, 1, 2, 0, 3, 3, 3], 4, 16, [96], 64, "float32", False),  # a mixed step: base, prefill and decode rows
+    ([2, 2, 2, 2], 3, 48, [70], 130, "float32", False),  # one adapter, sizes off the block sizes
+    ([0, 0, 0], 2, 8, [64], 64, "float32", False),  # only base rows: nothing changes
+    ([1, 0, 2, 1, 2], 3, 32, [200], 96, "float16", False),
+    # qkv (3 parts of unequal sizes, one 128-output block straddling all three), rank 8 padded to
+    # 16: decode rows of 4 adapters and the base interleaved over 3 tiles, T not a multiple of 16
+    ([i % 5 for i in range(37)], 5, 8, [40, 24, 24], 64, "float32", False),
+    ([i % 5 for i in range(37)], 5, 8, [40, 24, 24], 64, "float32", True),  # the same, rows sorted by slot
+    # gate/up (2 parts, the 2nd 128-block straddles them): a prefill's run of one adapter across
+    # tile boundaries between base rows and another adapter's run
+    ([0] * 5 + [3] * 50 + [1] * 20 + [0] * 3, 4, 16, [160, 160], 80, "float16", True),
+    ([0] * 5 + [3] * 50 + [1] * 20 + [0] * 3, 4, 16, [160, 160], 80, "float32", False),
+    # qkv with whole blocks inside part 0 and one block straddling parts 1 and 2
+    ([3, 0, 1, 3, 3, 2, 0, 1, 1, 1, 2, 3, 0, 0, 2, 1, 3, 2, 2, 1], 4, 16, [256, 64, 64], 48, "float32", True),
+    ([2], 3, 16, [64], 64, "float32", False),  # T = 1
+    ([1], 2, 16, [32, 32], 64, "float16", True),  # T = 1, two parts
+    ([0], 2, 16, [48, 16, 16], 32, "float32", True),  # T = 1, the base
+    ([1, 2, 0, 2, 1, 1, 0, 2, 2] * 3, 3, 64, [100], 200, "float16", True),  # rank 64, one part
+    # the shrink splitting K (partial sums added by the expand): 4 splits of 256, 2 uneven ones
+    ([i % 4 for i in range(37)], 4, 16, [64, 32, 32], 1024, "float32", True),
+    ([0, 2, 1, 1, 2, 2, 0, 1, 2, 1], 3, 8, [48, 48], 600, "float16", False),
+    # a 4200-row step (64-row tiles): two prefills, then decode rows of both and the base
+    ([0] * 100 + [1] * 1500 + [2] * 1000 + [i % 3 for i in range(1600)], 3, 8, [64, 64], 32, "float32", True),
 ]
 
 
@@ -74,25 +96,46 @@ def main() -> int:
     from loom_plugins.lora.sgmv_triton import lora_shrink_expand
 
     failed = 0
-    for i, (slots, num_slots, width, k, n, dtype_name) in enumerate(CASES):
+    for i, (slots, num_slots, rank, parts, k, dtype_name, ordered) in enumerate(CASES):
         dtype = getattr(torch, dtype_name)
         gen = torch.Generator().manual_seed(i)
-        layer = LoraLayerWeights(num_slots, width, k, [n], dtype, torch.device("cpu"))
+        n, width = sum(parts), len(parts) * rank
+        # The tables as LoraSlots writes them: part p's A in rows p*R : p*R + r, its scaled B in
+        # its own output rows and columns p*R : p*R + r, zeros elsewhere in the block diagonal.
+        # The kernels' copy has NaN outside the diagonal blocks: the expand reads only each
+        # output's own part's columns (the old cases, called without parts, have zeros there).
+        layer = LoraLayerWeights(num_slots, rank, k, parts, dtype, torch.device("cpu"))
+        ref = LoraLayerWeights(num_slots, rank, k, parts, torch.float32, torch.device("cpu"))
         for s in range(1, num_slots):
-            layer.write(s, (torch.randn(width, k, generator=gen) * 0.2).to(dtype),
-                        (torch.randn(n, width, generator=gen) * 0.2).to(dtype))
+            a, b = torch.zeros(width, k), torch.zeros(n, width)
+            for p, (lo, size) in enumerate(zip(layer.part_offsets, parts, strict=True)):
+                r = max(1, rank - 4 * ((s + p) % 2))  # ranks below the max rank: padded columns
+                a[p * rank : p * rank + r] = torch.randn(r, k, generator=gen) * 0.2
+                b[lo : lo + size, p * rank : p * rank + r] = torch.randn(size, r, generator=gen) * 0.2
+            a, b = a.to(dtype), b.to(dtype)
+            ref.write(s, a.float(), b.float())
+            if i >= 4:
+                diagonal = torch.zeros(n, width, dtype=torch.bool)
+                for p, (lo, size) in enumerate(zip(layer.part_offsets, parts, strict=True)):
+                    diagonal[lo : lo + size, p * rank : (p + 1) * rank] = True
+                b = b.masked_fill(~diagonal, float("nan"))
+            layer.write(s, a, b)
         x = torch.randn(len(slots), k, generator=gen).to(dtype)
         base = torch.randn(len(slots), n, generator=gen).to(dtype)
         token_slots = torch.tensor(slots, dtype=torch.int32)
         rows = [(s, (token_slots == s).nonzero().squeeze(1)) for s in sorted(set(slots)) if s]
         # The torch path in float32 (a float32 copy of the tables for the fp16 case).
-        ref = LoraLayerWeights(num_slots, width, k, [n], torch.float32, torch.device("cpu"))
-        for s in range(1, num_slots):
-            ref.write(s, layer.a[s].float(), layer.b[s].float())
         with lora_batch(LoraBatch(token_slots, rows)):
             expected = ref.add_to(x.float(), base.float().clone())
         got = base.clone()
-        lora_shrink_expand(x, layer.a, layer.b, token_slots, got)
+        if ordered:
+            layer.kernel = lora_shrink_expand
+            with lora_batch(LoraBatch(token_slots, [], use_kernel=True)):
+                layer.add_to(x, got)
+        elif i >= 4:
+            lora_shrink_expand(x, layer.a, layer.b, token_slots, got, parts=parts)
+        else:
+            lora_shrink_expand(x, layer.a, layer.b, token_slots, got)
         base_rows = token_slots == 0
         same_base = torch.equal(got[base_rows], base[base_rows])
         tol = 1e-4 if dtype == torch.float32 else 2e-2
@@ -100,8 +143,9 @@ def main() -> int:
         err = (got.float() - expected.float()).abs().max().item()
         ok = same_base and close
         failed += not ok
-        print(f"{'ok' if ok else 'FAIL'} case {i}: slots={slots} W={width} in={k} out={n} {dtype_name} "
-              f"max err {err:.2e} base rows untouched {same_base}")
+        print(f"{'ok' if ok else 'FAIL'} case {i}: T={len(slots)} slots={sorted(set(slots))} R={rank} parts={parts} "
+              f"in={k} {dtype_name} {'sorted by slot' if ordered else 'unordered'} max err {err:.2e} "
+              f"base rows untouched {same_base}")
     failed += not engine_case()
     return 1 if failed else 0
 

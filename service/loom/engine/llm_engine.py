@@ -384,7 +384,7 @@ class LLMEngine:
         lora = self.worker.lora
         if lora is None:
             return ()
-        kernel = "triton-bgmv" if lora.kernel is not None else "torch"
+        kernel = "triton-sgmv" if lora.kernel is not None else "torch"
         return (f"lora:{kernel}?max_loras={lora.max_loras}&max_lora_rank={lora.max_rank}",)
 
     def adapter_command(self, cmd: AdapterCommand) -> AdapterReply | None:

@@ -18,14 +18,16 @@ Each step the model runner sets a :class:`LoraBatch` (:func:`lora_batch`): the s
 row; on the CPU the rows of each adapter present (one gather, two GEMMs and a scatter-add per
 adapter present and layer, no per-row loop); on CUDA a Triton kernel
 (``plugins/lora/sgmv_triton.py``, handed in by the worker) reads the per-row slots from a fixed
-device buffer, so the step can be captured in a CUDA graph.
+device buffer, and the rows sorted by slot on the device once per step
+(:meth:`LoraBatch.kernel_order`), so the step can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -46,9 +48,16 @@ class LayerTarget:
     layer_out_features: int  # all the fused layer's rows
 
 
-# A device kernel for the delta: (x [T, in], a [S, W, in], b [S, out, W], token_slots [T] int32,
-# out [T, out]) -> None, adding each row's delta to ``out`` in place (rows of slot 0 untouched).
-LoraKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+class LoraKernel(Protocol):
+    """A device kernel for the delta: (x [T, in], a [S, W, in], b [S, out, W], token_slots [T]
+    int32, out [T, out]) -> None, adding each row's delta to ``out`` in place (rows of slot 0
+    untouched). ``order``: the rows sorted by slot (:meth:`LoraBatch.kernel_order`), or None;
+    ``parts``: the output sizes of the layer's fused parts (B block-diagonal over them), or None
+    (one part)."""
+
+    def __call__(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor,
+                 out: torch.Tensor, order: torch.Tensor | None = None,
+                 parts: Sequence[int] | None = None) -> None: ...
 
 
 @dataclass
@@ -58,6 +67,16 @@ class LoraBatch:
     token_slots: torch.Tensor  # [T] int32, 0 = base model
     rows_by_slot: list[tuple[int, torch.Tensor]]  # torch path: (slot, rows [n] int64) per adapter present
     use_kernel: bool = False  # the layers' device kernel over token_slots (CUDA), not the torch path
+    order: torch.Tensor | None = None  # kernel: [T] int64, the rows sorted by slot (see kernel_order)
+
+    def kernel_order(self) -> torch.Tensor:
+        """The rows sorted by slot (stable), sorted on the device at the step's first adapted layer
+        and kept for the others: once per step, no host read, so inside a captured CUDA graph when
+        the step is captured. A kernel tile then holds one adapter's rows even where decode rows of
+        several adapters interleave."""
+        if self.order is None:
+            self.order = torch.sort(self.token_slots, stable=True).indices
+        return self.order
 
 
 _batch: LoraBatch | None = None
@@ -99,7 +118,7 @@ class LoraLayerWeights(nn.Module):
         if batch is None:
             return out
         if batch.use_kernel and self.kernel is not None:
-            self.kernel(x, self.a, self.b, batch.token_slots, out)
+            self.kernel(x, self.a, self.b, batch.token_slots, out, order=batch.kernel_order(), parts=self.part_sizes)
             return out
         for slot, rows in batch.rows_by_slot:
             xs = x.index_select(0, rows)  # [n, in]

@@ -94,6 +94,8 @@ class CudaGraphRunner:
                     ctx = ForwardContext(backend, kv_caches, meta, backend.prepare(meta))
 
                     def forward(t: int = bs * q, ctx: ForwardContext = ctx) -> torch.Tensor:
+                        # a fresh batch per forward: its rows' order by slot (LoraBatch.kernel_order) is
+                        # sorted from the static slot buffer at the first adapted layer, inside the graph
                         slots = None if self.lora_slots is None else LoraBatch(self.lora_slots[:t], [], True)
                         with forward_context(ctx), lora_batch(slots):
                             out: torch.Tensor = model(self.input_ids[:t], self.positions[:t])  # [t, H]
