@@ -5,7 +5,7 @@
 #
 #   bash scripts/gpu_round.sh setup            # carry .whl (and .gg1/ for the SmolLM2 GGUF's first half)
 #   bash scripts/gpu_round.sh tests            # the GPU-marked tests -> $OUT/gpu-tests-h200.txt
-#   bash scripts/gpu_round.sh bench NAME [ARGS] # loom bench W1,W2 on random:llama-8b, bf16, plus ARGS
+#   bash scripts/gpu_round.sh bench NAME [ARGS] # loom bench --device cuda --dtype bfloat16 ARGS (BENCH_MAX_S: its limit, 240)
 #   bash scripts/gpu_round.sh gguf             # carry .gg2/: joins the SmolLM2 GGUF
 #
 # Every step has a time limit, and BUDGET_END (epoch seconds) makes later steps skip themselves
@@ -47,7 +47,7 @@ tests)
 bench)
   name=${1:?name}; shift
   t=$(left); [ "$t" -gt 90 ] || { echo "bench $name: skipped, ${t}s left"; exit 0; }
-  [ "$t" -gt 240 ] && t=240
+  [ "$t" -gt "${BENCH_MAX_S:-240}" ] && t=${BENCH_MAX_S:-240}
   ( cd /tmp && timeout "$t" python3 -m loom.cli bench --device cuda --dtype bfloat16 --out "$OUT/$name.json" "$@" \
       > "$OUT/$name.log" 2>&1 ); rc=$?
   echo "== $name (rc $rc, $(( $(left) )) s left)"; grep -E "^(W[0-9]|C3|S1|L1)|ratio|Error|error" "$OUT/$name.log" | tail -12

@@ -458,6 +458,8 @@ def _run_draft_speculation(args: argparse.Namespace, result: dict[str, Any]) -> 
                         max_batch_total_tokens=args.max_batch_total_tokens or (16 * 1024 if device.type == "cpu"
                                                                                 else None),
                         num_threads=args.threads if device.type == "cpu" else None)
+    if args.cuda_memory_fraction is not None:  # leave room for the draft model and its pool
+        base = dataclasses.replace(base, cuda_memory_fraction=args.cuda_memory_fraction)
     entry = run_w5(base, options, quick=args.quick)
     result["workloads"]["W5"] = entry
     for key, run in entry["runs"].items():
