@@ -302,3 +302,26 @@ def test_speculative_verification_rows_use_the_adapter(tiny_model_dir: Callable[
     got = _run(engine, [_request(f"s-{n}", prompt, n, 12) for n in ("qv", "")])
     assert {n: _tokens(got[f"s-{n}"]) for n in ("qv", "")} == expected
     assert sum(o.num_draft_tokens for outs in got.values() for o in outs) > 0  # drafts were verified
+
+
+def test_kernel_variants_are_compiled_before_serving(tiny_model_dir: Callable[[str], Path]) -> None:
+    """The device kernel is called once per distinct layer shape and warm-up size before serving
+    (its prefill tile heights included), with zero deltas: slot 1, whose tables are still empty."""
+    from loom.lora.layers import WARM_UP_TOKENS, LoraSlots
+    from loom.model_loader import load_model
+    from loom.plugin_api import default_registry
+
+    loaded = load_model(tiny_model_dir("llama"), torch.float32, torch.device("cpu"), default_registry(), "auto")
+    calls: list[tuple[int, int, int, tuple[int, ...]]] = []
+
+    def kernel(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, out: torch.Tensor,
+               order: torch.Tensor | None = None, parts: Any = None) -> None:
+        assert bool((slots == 1).all()) and order is not None and bool((a == 0).all())
+        calls.append((x.shape[0], x.shape[1], out.shape[1], tuple(parts)))
+
+    lora = LoraSlots(loaded.model, 2, 8, torch.device("cpu"), torch.float32, kernel)
+    lora.warm_up_kernel(4096)
+    shapes = {(layer.a.shape[2], tuple(layer.part_sizes)) for layer in lora.layers.values()}
+    sizes = sorted({min(n, 4096) for n in WARM_UP_TOKENS})
+    assert sorted(calls) == sorted((t, k, sum(p), p) for k, p in shapes for t in sizes)
+    assert len(shapes) < len(lora.layers)  # each shape once, not each layer

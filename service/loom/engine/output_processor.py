@@ -43,6 +43,9 @@ class OutputProcessor:
         usage and metrics do not count as drafts)."""
         self._prompt_logprobs(planned, result)
         outputs: list[EngineOutput] = []
+        refusals = self.grammars.accept_step(
+            [(seq, tokens) for seq, tokens in zip(planned.sample_seqs, result.token_ids, strict=True)
+             if not seq.is_finished and seq.seq_id not in result.failed]) if self.grammars is not None else {}
         for i, seq in enumerate(planned.sample_seqs):
             if seq.is_finished:
                 continue  # finished or aborted while the step ran, or failed earlier in it
@@ -52,7 +55,7 @@ class OutputProcessor:
                 seq.num_pending_tokens -= 1
                 outputs += self.fail_request(seq.request_id, error)
                 continue
-            refusal = self.grammars.accept_tokens(seq, result.token_ids[i]) if self.grammars is not None else None
+            refusal = refusals.get(seq.seq_id)
             if refusal is not None:  # its grammar's matcher could not follow
                 seq.token_ids[positions[i]] = result.token_ids[i][0]
                 seq.num_pending_tokens -= 1

@@ -183,6 +183,33 @@ class LoraSlots:
         for layer in self.layers.values():
             layer.clear(slot)
 
+    def warm_up_kernel(self, max_tokens: int) -> None:
+        """Compile the device kernel's variants before serving: each distinct layer shape at step
+        sizes that pick each of the kernel's tile heights (``WARM_UP_TOKENS``, up to
+        ``max_tokens``). The engine's warm-up runs the base model only, so without this every
+        variant compiled at the first steps with adapters (on the H200, L1's first prefills
+        waited seconds for them). The rows use slot 1, whose tables hold no adapter yet: the
+        delta is zero."""
+        if self.kernel is None or not self.layers or self.max_loras < 1:
+            return
+        seen: set[tuple[int, tuple[int, ...]]] = set()
+        for layer in self.layers.values():
+            key = (layer.a.shape[2], tuple(layer.part_sizes))
+            if key in seen:
+                continue
+            seen.add(key)
+            for t in sorted({min(n, max_tokens) for n in WARM_UP_TOKENS}):
+                x = torch.zeros(t, layer.a.shape[2], dtype=layer.a.dtype, device=layer.a.device)
+                out = torch.zeros(t, layer.b.shape[1], dtype=layer.a.dtype, device=layer.a.device)
+                slots = torch.ones(t, dtype=torch.int32, device=layer.a.device)
+                batch = LoraBatch(slots, [], use_kernel=True)
+                self.kernel(x, layer.a, layer.b, slots, out, order=batch.kernel_order(), parts=layer.part_sizes)
+
+
+# Step sizes whose kernel launches cover the kernel's tile heights (plugins/lora/sgmv_triton.py:
+# 16-row tiles up to 2,048 rows, 32 up to 4,096, 64 beyond) and its split and unsplit K.
+WARM_UP_TOKENS = (1, 256, 2048, 4096, 8192)
+
 
 def adapter_tables(adapter: PeftAdapter, targets: dict[str, LayerTarget], max_rank: int,
                    dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

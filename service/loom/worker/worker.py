@@ -183,8 +183,11 @@ class Worker:
 
     def capture_cuda_graphs(self, max_model_len: int, query_lens: tuple[int, ...] = (1,)) -> None:
         """Capture graphs over the current pool (after its last rebuild) for steps whose every
-        sequence has one of ``query_lens`` rows: 1 for decode, k + 1 to verify k drafts."""
+        sequence has one of ``query_lens`` rows: 1 for decode, k + 1 to verify k drafts. (The
+        LoRA kernel's other variants are compiled here too: the last step before serving.)"""
         runner = self._runner()
+        if self.lora is not None and self.device.type == "cuda":  # the prefill variants too, before serving
+            self.lora.warm_up_kernel(self.config.max_batch_prefill_tokens)
         runner.cuda_graphs = maybe_capture_cuda_graphs(
             self.config.cuda_graphs, self.model, self.backend, runner.kv_caches, self.config.block_size,
             max_model_len, self.device, self.config.max_batch_size, query_lens, lora=self.lora is not None)
