@@ -198,6 +198,30 @@ def test_speculation_steps_aside_above_the_batch_limit(engine_on: Callable[..., 
     assert all(len(o.token_ids) <= 4 for o in outs)
 
 
+def test_steps_where_every_sequence_rests_stay_asynchronous(engine_on: Callable[..., LLMEngine]) -> None:
+    """Drafts that are always wrong: each sequence backs off (4, 8, ... steps); steps in which no
+    sequence is due to propose are launched while the previous one is in flight, and count for
+    the back-off, which ends: speculation resumes. Outputs are those without speculation."""
+    reqs = [EngineRequest(f"r{i}", tuple(range(3 + i, 40 + i)), SamplingParams(),
+                          StoppingParams(max_new_tokens=60, ignore_eos=True)) for i in range(2)]
+    ref, _, _ = run(engine_on(), reqs)
+    REFERENCE.clear()
+    for r in reqs:
+        REFERENCE[r.prompt_token_ids] = ref[(r.request_id, 0)]
+    LIES["rate"] = 1.0
+    try:
+        spec = engine_on(speculate=3, speculator="oracle", async_scheduling="on")
+        got, _, _ = run(spec, reqs)
+    finally:
+        LIES["rate"] = 0.0
+    assert got == ref
+    assert spec.speculator is not None
+    c = spec.speculator.counters
+    assert c.draft_tokens > 0 and c.accepted_tokens == 0
+    assert spec.num_async_steps > 20  # the resting steps overlapped
+    assert c.verifications > 2 * len(reqs)  # each sequence tried again after its back-off
+
+
 def test_a_request_can_turn_speculation_off(engine_on: Callable[..., LLMEngine]) -> None:
     reqs = _requests(5, count=2)
     ref, _, _ = run(engine_on(), reqs)

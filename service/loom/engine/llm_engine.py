@@ -244,8 +244,8 @@ class LLMEngine:
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"--speculator {config.speculator}: {exc}") from exc
         if self._async:
-            log.info("asynchronous scheduling is off in steps that may speculate (batches up to "
-                     "--speculate-max-batch-size): drafts are proposed from tokens on the host",
+            log.info("asynchronous scheduling is off in steps where a sequence is due to propose drafts "
+                     "(batches up to --speculate-max-batch-size): drafts are proposed from tokens on the host",
                      speculate_max_batch_size=config.speculate_max_batch_size)
         return Speculator(proposer, config.speculate, config.speculate_max_batch_size, self.vocab_size,
                           self.max_model_len, pad_to_k=self.device.type == "cuda")
@@ -545,6 +545,8 @@ class LLMEngine:
         drafts: dict[int, list[int]] = {}
         if self.speculator is not None and prev is None:
             drafts = self.speculator.add_drafts(sched, self.block_manager, len(self.scheduler.running))
+        elif self.speculator is not None:  # overlapped: no sequence was due to propose
+            self.speculator.rest(sched)
         self.num_steps += 1
         started = time.monotonic()
         if self.step_latency is not None:
@@ -615,8 +617,10 @@ class LLMEngine:
 
     def _needs_sync(self) -> bool:
         """Whether some live sequence needs all its tokens on the host before its next step
-        (drafts are proposed from the tokens on the host, too)."""
-        if self.speculator is not None and len(self.scheduler.running) <= self.speculator.max_batch_size:
+        (drafts are proposed from the tokens on the host, too: a step in which some sequence is
+        due to propose; not one in which every sequence backs off after rejections, is near its
+        max_new_tokens or has speculation turned off)."""
+        if self.speculator is not None and self.speculator.will_propose(self.scheduler.running):
             return True
         return any(_needs_host_tokens(s) for s in self.scheduler.running) or any(
             _needs_host_tokens(s) for s in self.scheduler.waiting)

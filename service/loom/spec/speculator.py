@@ -155,6 +155,29 @@ class Speculator:
             self.counters.steps += 1
         return drafts
 
+    def will_propose(self, seqs: list[Sequence]) -> bool:
+        """Whether the next step's :meth:`add_drafts` may ask the proposer for some of ``seqs``
+        (it needs their tokens on the host): a sequence that speculates, is not backing off and
+        has room before max_new_tokens. When none will, the step can be launched while the
+        previous one is still in flight (the engine then calls :meth:`rest` for it)."""
+        if len(seqs) > self.max_batch_size:
+            return False
+        for seq in seqs:
+            if not seq.sampling.speculate or seq.stopping.max_new_tokens - seq.num_output_tokens - 1 <= 0:
+                continue
+            stats = self._stats.get(seq.seq_id)
+            if stats is None or stats.backoff == 0:
+                return True
+        return False
+
+    def rest(self, sched: SchedulerOutput) -> None:
+        """A step launched without asking for drafts (none would have been asked for): the
+        sequences backing off count it, as :meth:`add_drafts` would have."""
+        for seq in sched.seqs:
+            stats = self._stats.get(seq.seq_id)
+            if stats is not None and stats.backoff > 0:
+                stats.backoff -= 1
+
     def reset(self) -> None:
         """Forget every sequence and count (after the warm-up)."""
         for sid in list(self._live):
