@@ -134,8 +134,7 @@ class DraftModelProposer(Proposer):
             sample_rows.append(len(ids) - 1)
             st.computed = end
         n = len(seqs)
-        greedy = SamplingPlan(floats=[(1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0)] * n,
-                              ints=[(self.vocab_size, 0, 0)] * n, flags=0, banned=[], top_n=[0] * n)
+        greedy = SamplingPlan.greedy(n, self.vocab_size)
         plan = StepPlan(input_ids=ids, positions=positions, slot_mapping=slots, query_lens=query_lens,
                         seq_lens=seq_lens, block_tables=[st.blocks for st in seqs], pending_rows=[], pending_src=[],
                         sample_rows=sample_rows, sample_seq_ids=list(range(n)), sample_request_ids=[""] * n,

@@ -69,8 +69,7 @@ def step_time(worker: Any, batch: int, q: int, context: int, iters: int, seed: i
             positions.append(p)
             slots.append(tables[b][p // bs] * bs + p % bs)
     rows = batch * q
-    greedy = SamplingPlan(floats=[(1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0)] * rows,
-                          ints=[(vocab, 0, 0)] * rows, flags=0, banned=[], top_n=[0] * rows)
+    greedy = SamplingPlan.greedy(rows, vocab)
     plan = StepPlan(input_ids=ids, positions=positions, slot_mapping=slots, query_lens=[q] * batch,
                     seq_lens=[context + q] * batch, block_tables=tables, pending_rows=[], pending_src=[],
                     sample_rows=list(range(rows)), sample_seq_ids=list(range(batch)),

@@ -77,6 +77,12 @@ class SamplingPlan:
     def num_rows(self) -> int:
         return len(self.floats)
 
+    @classmethod
+    def greedy(cls, rows: int, vocab_size: int) -> SamplingPlan:
+        """``rows`` greedy rows with neutral parameters (a draft model's steps, benchmarks)."""
+        return cls(floats=[(1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0)] * rows, ints=[(vocab_size, 0, 0)] * rows,
+                   flags=0, banned=[], top_n=[0] * rows)
+
 
 def build_sampling_batch(plan: SamplingPlan, vocab_size: int, device: torch.device,
                          stager: Stager | None = None) -> SamplingBatch:
