@@ -45,7 +45,8 @@ class OutputProcessor:
         outputs: list[EngineOutput] = []
         refusals = self.grammars.accept_step(
             [(seq, tokens) for seq, tokens in zip(planned.sample_seqs, result.token_ids, strict=True)
-             if not seq.is_finished and seq.seq_id not in result.failed]) if self.grammars is not None else {}
+             if not seq.is_finished and seq.seq_id not in result.failed]
+        ) if self.grammars is not None and self.grammars.any_matched(planned.sample_seqs) else {}
         for i, seq in enumerate(planned.sample_seqs):
             if seq.is_finished:
                 continue  # finished or aborted while the step ran, or failed earlier in it
