@@ -7,6 +7,14 @@
 #   bash scripts/gpu_round.sh tests            # the GPU-marked tests -> $OUT/gpu-tests-h200.txt
 #   bash scripts/gpu_round.sh bench NAME [ARGS] # loom bench --device cuda --dtype bfloat16 ARGS (BENCH_MAX_S: its limit, 240)
 #   bash scripts/gpu_round.sh gguf             # carry .gg2/: joins the SmolLM2 GGUF
+#   bash scripts/gpu_round.sh pending-random   # the measurements still owed on random models (below)
+#   bash scripts/gpu_round.sh pending-smollm2  # ... and on SmolLM2 (after gguf and xgrammar)
+#
+# What is owed (2026-12-02): W5 b with the int4 draft since resting steps run asynchronously
+# (#16: engine / model >= 0.9), W2 int4 with GEMM plans swept at M = 16..256 (#15), FP8 KV
+# with its per-block pool layout and W3 with the two-intercept step-latency model (#20); S1
+# since rows are filled and tokens accepted in one xgrammar call each (#17), W5 a again (#16).
+# Wheels and GGUF halves: docs/benchmarks.md ("Running on the H200").
 #
 # Every step has a time limit, and BUDGET_END (epoch seconds) makes later steps skip themselves
 # rather than run past the call's limit.
@@ -51,6 +59,18 @@ bench)
   ( cd /tmp && timeout "$t" python3 -m loom.cli bench --device cuda --dtype bfloat16 --out "$OUT/$name.json" "$@" \
       > "$OUT/$name.log" 2>&1 ); rc=$?
   echo "== $name (rc $rc, $(( $(left) )) s left)"; grep -E "^(W[0-9]|C3|S1|L1)|ratio|Error|error" "$OUT/$name.log" | tail -12
+  ;;
+pending-random)
+  BENCH_MAX_S=170 "$0" bench w5int4 --workloads W5 --model-id random:llama-8b --speculator-option model_id=random:llama-8b \
+    --speculator-option quantize=gptq --speculator-option kv_tokens=16384 --cuda-memory-fraction 0.6
+  t=$(left); [ "$t" -gt 150 ] && timeout $(( t - 60 )) python3 scripts/bench_w4a16_plans.py --schemes gptq \
+    --tokens 16,64,256 --quick --budget-s $(( t - 90 )) --out "$OUT/w4a16-plans-m16-256.json" > "$OUT/w4a16.log" 2>&1
+  "$0" bench w6fp8kv --workloads W1,W2 --model-id random:llama-8b --kv-cache-dtype fp8
+  "$0" bench w3 --workloads W3 --model-id random:llama-8b --request-rate 24.9 --max-step-latency-ms 50
+  ;;
+pending-smollm2)
+  "$0" bench s1 --workloads S1 --s1-repeats 5
+  "$0" bench w5a --workloads C3
   ;;
 *) echo "unknown phase $phase"; exit 2;;
 esac
