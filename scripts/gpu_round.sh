@@ -23,6 +23,7 @@ phase=${1:?phase}; shift
 export PYTHONPATH=/tmp/site:/tmp/loomsite
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 budget_end=${BUDGET_END:-$(( $(date +%s) + 540 ))}
+export BUDGET_END=$budget_end  # phases that call this script again share it
 
 left() { echo $(( budget_end - $(date +%s) )); }
 
