@@ -193,8 +193,8 @@ class StructuredOutput:
             self._bitmask = torch.empty(max(len(rows), 2 * self._bitmask.shape[0]), self.words, dtype=torch.int32)
         bitmask = self._bitmask[: len(rows)]  # [G, ceil(V / 32)]
         first_rows: list[tuple[int, Sequence]] = []
-        # Rows without drafts are filled in one call, on xgrammar's threads (a row takes ~5-10 us
-        # on one core; 64 of them were half the host time a constrained step added on the H200).
+        # Rows without drafts are filled in one call (xgrammar's loop in C++: 64 rows in ~65 us
+        # on one core, against ~100 us for a Python loop of single fills).
         batch_matchers: list[xgrammar.GrammarMatcher] = []
         batch_rows: list[int] = []
         batch_seqs: list[Sequence] = []
@@ -249,7 +249,11 @@ class StructuredOutput:
         if self._batcher is None:
             import xgrammar as xg
 
-            self._batcher = xg.BatchGrammarMatcher()  # threads: half the host's cores
+            # One thread: the loop in C++ without a Python call a row. xgrammar's thread pool
+            # cost more than it saved at these sizes: 64 rows of S1's schemas took 63-69 us on
+            # one thread and 571-697 us on two on this project's VM, and a profile on the H200
+            # (8 threads, its default there) measured 0.55 ms a step.
+            self._batcher = xg.BatchGrammarMatcher(max_threads=1)
         return self._batcher
 
     def _hold_back_stops(self, row: torch.Tensor, seq: Sequence) -> None:
