@@ -1602,7 +1602,7 @@ class PluginInUse(_message.Message):
     SETTINGS_FIELD_NUMBER: _builtins.int
     kind: _builtins.str
     """What it provides: "attention", "model", "quantizer", "speculative", or "lora" (the kernel
-    computing LoRA adapters' deltas, "torch" or "triton-bgmv", with settings max_loras and
+    computing LoRA adapters' deltas, "torch" or "triton-sgmv", with settings max_loras and
     max_lora_rank; built in, listed while LoRA is on).
     """
     name: _builtins.str
