@@ -57,6 +57,13 @@ def run(engine: LLMEngine, requests: list[EngineRequest]) -> tuple[dict[tuple[st
     return tokens, logprobs, outs
 
 
+def teach_oracle(ref: dict[tuple[str, int], list[int]], reqs: list[EngineRequest]) -> None:
+    """The oracle proposer's answers: each request's tokens from a run without drafts."""
+    REFERENCE.clear()
+    for r in reqs:
+        REFERENCE[r.prompt_token_ids] = ref[(r.request_id, 0)]
+
+
 def _requests(draw: int, count: int = 6, **sampling: Any) -> list[EngineRequest]:
     rng = random.Random(draw)
     reqs = []
@@ -81,9 +88,7 @@ def test_outputs_equal_those_without_speculation(plain_engine: LLMEngine, oracle
     logprobs equal the run without speculation: greedy, seeded sampling (the coupled noise of
     loom.sample.verify) and penalties over the drafts."""
     ref_tokens, ref_lps, _ = run(plain_engine, _requests(1, **sampling))
-    REFERENCE.clear()
-    for r in _requests(1, **sampling):
-        REFERENCE[r.prompt_token_ids] = ref_tokens[(r.request_id, 0)]
+    teach_oracle(ref_tokens, _requests(1, **sampling))
     LIES["rate"] = lie_rate
     tokens, lps, outs = run(oracle_engine, _requests(1, **sampling))
     assert tokens == ref_tokens
@@ -109,9 +114,7 @@ def test_uniform_cuda_steps_with_filler_equal_those_without_speculation(plain_en
     and the outputs, the lengths and the KV blocks are those of the run without speculation."""
     reqs = _requests(5, count=8, top_n_tokens=2)
     ref_tokens, ref_lps, _ = run(plain_engine, reqs)
-    REFERENCE.clear()
-    for r in reqs:
-        REFERENCE[r.prompt_token_ids] = ref_tokens[(r.request_id, 0)]
+    teach_oracle(ref_tokens, reqs)
     LIES["rate"] = lie_rate
     engine = engine_on(speculate=4, speculator="oracle")
     assert engine.speculator is not None
@@ -172,9 +175,7 @@ def test_preemption_and_prefix_hits_with_speculation(engine_on: Callable[..., LL
     reqs = [EngineRequest(f"p{i}", (*shared, 40 + i), SamplingParams(),
                           StoppingParams(max_new_tokens=30, ignore_eos=True)) for i in range(6)]
     ref, _, _ = run(engine_on(), reqs)
-    REFERENCE.clear()
-    for r in reqs:
-        REFERENCE[r.prompt_token_ids] = ref[(r.request_id, 0)]
+    teach_oracle(ref, reqs)
     LIES["rate"] = 0.3
     spec = engine_on(speculate=4, speculator="oracle", max_batch_total_tokens=160)
     got, _, _ = run(spec, reqs)
@@ -184,11 +185,9 @@ def test_preemption_and_prefix_hits_with_speculation(engine_on: Callable[..., LL
 
 
 def test_speculation_steps_aside_above_the_batch_limit(engine_on: Callable[..., LLMEngine]) -> None:
-    REFERENCE.clear()
     reqs = _requests(4, count=5)
     ref, _, _ = run(engine_on(), reqs)
-    for r in reqs:
-        REFERENCE[r.prompt_token_ids] = ref[(r.request_id, 0)]
+    teach_oracle(ref, reqs)
     LIES["rate"] = 0.0
     spec = engine_on(speculate=3, speculator="oracle", speculate_max_batch_size=2)
     got, _, outs = run(spec, reqs)
@@ -205,9 +204,7 @@ def test_steps_where_every_sequence_rests_stay_asynchronous(engine_on: Callable[
     reqs = [EngineRequest(f"r{i}", tuple(range(3 + i, 40 + i)), SamplingParams(),
                           StoppingParams(max_new_tokens=60, ignore_eos=True)) for i in range(2)]
     ref, _, _ = run(engine_on(), reqs)
-    REFERENCE.clear()
-    for r in reqs:
-        REFERENCE[r.prompt_token_ids] = ref[(r.request_id, 0)]
+    teach_oracle(ref, reqs)
     LIES["rate"] = 1.0
     try:
         spec = engine_on(speculate=3, speculator="oracle", async_scheduling="on")
@@ -225,9 +222,7 @@ def test_steps_where_every_sequence_rests_stay_asynchronous(engine_on: Callable[
 def test_a_request_can_turn_speculation_off(engine_on: Callable[..., LLMEngine]) -> None:
     reqs = _requests(5, count=2)
     ref, _, _ = run(engine_on(), reqs)
-    REFERENCE.clear()
-    for r in reqs:
-        REFERENCE[r.prompt_token_ids] = ref[(r.request_id, 0)]
+    teach_oracle(ref, reqs)
     LIES["rate"] = 0.0
     off = [EngineRequest(r.request_id, r.prompt_token_ids, SamplingParams(speculate=False), r.stopping, n=r.n)
            for r in reqs]

@@ -205,7 +205,6 @@ class StructuredOutput:
                 bitmask[j : j + 1 + len(guess)].fill_(-1)
                 j += 1 + len(guess)
                 continue
-            done = seq.num_known_tokens - seq.num_prompt_tokens  # output tokens before this step's
             if not guess:
                 batch_matchers.append(matcher)
                 batch_rows.append(j)
@@ -213,6 +212,7 @@ class StructuredOutput:
                 first_rows.append((j, seq))
                 j += 1
                 continue
+            done = seq.num_known_tokens - seq.num_prompt_tokens  # output tokens before this step's
             walked = 0
             for k in range(1 + len(guess)):
                 if k and walked == k - 1 and not matcher.is_terminated() and matcher.accept_token(guess[k - 1]):
