@@ -6,7 +6,9 @@ stages and the K split from fixed rules written without a GPU; this script times
 plan for each layer shape and token count M, each call replayed from a CUDA graph (as decode
 steps run, so launch overhead is not counted), beside bf16 cuBLAS on the same shape and the
 layer's weight-read limit (packed bytes over the measured copy bandwidth). It prints the best plan
-against the current one; ``--out`` writes all timings as JSON for docs/quantization.md.
+against the current one (and, at one token, the current plan on the general GEMV beside the
+integer-code one, ``_gemv_int_kernel``); ``--out`` writes all timings as JSON for
+docs/quantization.md.
 
     PYTHONPATH=service:plugins/.. python scripts/bench_w4a16_plans.py [--quick] [--out FILE]
 
@@ -173,19 +175,28 @@ def main() -> None:
                     ok = torch.allclose(out.float(), ref_out.float(), rtol=2e-2, atol=2e-2)
                     timings.append({"plan": p.__dict__, "s": s, "matches_current": ok})
                 cur_s = _time_graphed(lambda c=current: run(c), device)
+                general_s = None
+                if m == 1 and wt.INT_GEMV and any(seg.table is None for seg in layout.segments):  # the same plan on the general GEMV, beside the integer-code one
+                    wt.INT_GEMV = False
+                    try:
+                        general_s = _time_graphed(lambda c=current: run(c), device)
+                    finally:
+                        wt.INT_GEMV = True
                 bf16_s = _time_graphed(lambda x=x, out=out, w=dense: torch.matmul(x, w.t(), out=out), device)
                 limit_s = (packed_bytes + x.numel() * x.element_size() + out.numel() * out.element_size()) / bandwidth
                 good = [t for t in timings if "s" in t and t["matches_current"]]
                 best = min(good, key=lambda t: t["s"]) if good else None
                 row = {"scheme": scheme_name, "layer": name, "m": m, "n": n, "k": k, "current_plan": current.__dict__,
-                       "current_s": cur_s, "best": best, "bf16_cublas_s": bf16_s, "weight_read_limit_s": limit_s,
+                       "current_s": cur_s, "current_plan_general_gemv_s": general_s, "best": best, "bf16_cublas_s": bf16_s, "weight_read_limit_s": limit_s,
                        "candidates": timings}
                 results.append(row)
                 if best is not None:
                     print(f"{scheme_name:5s} {name:13s} M={m:4d}: current {cur_s * 1e6:8.1f} us, best "
                           f"{best['s'] * 1e6:8.1f} us ({cur_s / best['s']:.2f}x) {best['plan']}; bf16 "
                           f"{bf16_s * 1e6:8.1f} us; limit {limit_s * 1e6:7.1f} us (best at "
-                          f"{limit_s / best['s']:.0%})", flush=True)
+                          f"{limit_s / best['s']:.0%})"
+                          + (f"; the general GEMV {general_s * 1e6:8.1f} us" if general_s is not None else ""),
+                          flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"copy_bytes_per_s": bandwidth, "results": results}, indent=1))
 

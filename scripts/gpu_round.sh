@@ -9,8 +9,9 @@
 #   bash scripts/gpu_round.sh gguf             # carry .gg2/: joins the SmolLM2 GGUF
 #   bash scripts/gpu_round.sh pending-random   # the measurements still owed on random models (below)
 #   bash scripts/gpu_round.sh pending-smollm2  # ... and on SmolLM2 (after gguf and xgrammar)
+#   bash scripts/gpu_round.sh w6int            # the integer-code GEMV: M=1 sweep beside the general one, W1 int4 / bf16
 #
-# What is owed (2026-12-02): W5 b with the int4 draft since resting steps run asynchronously
+# What is owed (2026-12-02): the integer-code GEMV's speed (#15: W1 int4 >= 2.5x bf16), W5 b with the int4 draft since resting steps run asynchronously
 # (#16: engine / model >= 0.9), W2 int4 with GEMM plans swept at M = 16..256 (#15), FP8 KV
 # with its per-block pool layout and W3 with the two-intercept step-latency model (#20); S1
 # since rows are filled and tokens accepted in one xgrammar call each (#17), W5 a again (#16).
@@ -68,6 +69,13 @@ pending-random)
     --tokens 16,64,256 --quick --budget-s $(( t - 90 )) --out "$OUT/w4a16-plans-m16-256.json" > "$OUT/w4a16.log" 2>&1
   "$0" bench w6fp8kv --workloads W1,W2 --model-id random:llama-8b --kv-cache-dtype fp8
   "$0" bench w3 --workloads W3 --model-id random:llama-8b --request-rate 24.9 --max-step-latency-ms 50
+  ;;
+w6int)
+  t=$(left); [ "$t" -gt 200 ] && timeout 150 python3 scripts/bench_w4a16_plans.py --schemes gptq,awq --tokens 1 \
+    --quick --budget-s 120 --out "$OUT/w4a16-plans-m1-int.json" > "$OUT/w4a16-m1.log" 2>&1; tail -8 "$OUT/w4a16-m1.log"
+  BENCH_MAX_S=150 "$0" bench w6gptq --workloads W1 --model-id random:llama-8b --quantize gptq
+  BENCH_MAX_S=150 "$0" bench w6awq --workloads W1 --model-id random:llama-8b --quantize awq
+  BENCH_MAX_S=150 "$0" bench w6bf16 --workloads W1 --model-id random:llama-8b
   ;;
 pending-smollm2)
   "$0" bench s1 --workloads S1 --s1-repeats 5

@@ -149,6 +149,89 @@ def _gemv_kernel(x_ptr, perm_ptr, qw_ptr, s_ptr, z_ptr, lut_ptr, bias_ptr, out_p
 
 
 @_jit
+def _gemv_int_kernel(x_ptr, perm_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr,
+                     N, K, K_SPLIT, stride_qk, stride_sk, stride_os, MAGIC, HI_SHIFT,
+                     GROUP: tl.constexpr, BITS: tl.constexpr, F: tl.constexpr, WORDS: tl.constexpr,
+                     HAS_PERM: tl.constexpr, EVEN_K: tl.constexpr, X_PAIRS: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    """The one-token GEMV for integer codes whose K tiles lie in one group (``GROUP % BLOCK_K
+    == 0``), written for the ALU: about 3 instructions a weight, where :func:`_gemv_kernel`'s
+    unpack-convert-scale spends about 13 and runs at a third of the read bandwidth.
+
+    - No integer-to-float conversion. Code j of a word sits at bit ``b = BITS * (j % HALF)`` of
+      the word (the low half-word) or of the word shifted right by 16 (the high one). Masked in
+      place and ORed with the exponent ``23 - b`` it *is* the float ``2^(23-b) + q`` (its
+      float's mantissa unit is ``2^-b`` there: ``2^(23-b) * (1 + q 2^b / 2^23)``): one LOP3.
+      One FADD takes ``2^(23-b) + zero`` off, exactly, leaving ``q - zero``.
+    - The scale is applied once per word row: ``t`` sums ``(q - zero) * x`` over a row's F codes
+      (one FFMA each), then ``acc += t * scale``.
+    - ``MAGIC`` (``0x4B000000``, the float 2^23) and ``HI_SHIFT`` (16) arrive as run-time
+      arguments: as constants, LLVM folds the mask and the OR into two instructions (LOP3 takes
+      one immediate) and the shift and mask into a bit-field extract.
+    - bf16 activations are read two at a time as one int32 (``X_PAIRS``): a bf16 is the top half
+      of its float32, so either half becomes a float with one shift or mask.
+
+    ``scripts/w4a16_sass.py`` counts the instructions of the compiled loop (sm_90, no GPU)."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    HALF: tl.constexpr = 16 // BITS  # codes in a word's low half
+    MASK: tl.constexpr = (1 << BITS) - 1
+    acc = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
+    k_start = pid_s * K_SPLIT
+    k_end = tl.minimum(k_start + K_SPLIT, K)
+    x_pairs = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        rows = k0 // F + tl.arange(0, WORDS)  # word rows of the tile
+        r_mask = rows < K // F
+        if EVEN_K:
+            words = tl.load(qw_ptr + rows[:, None] * stride_qk + offs_n[None, :], mask=n_mask[None, :], other=0)
+        else:
+            words = tl.load(qw_ptr + rows[:, None] * stride_qk + offs_n[None, :],
+                            mask=r_mask[:, None] & n_mask[None, :], other=0)  # [WORDS, BLOCK_N]
+        hi = words >> HI_SHIFT
+        g = k0 // GROUP
+        scale = tl.load(s_ptr + g * stride_sk + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        zero = tl.load(z_ptr + g * stride_sk + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        t = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
+        for j in tl.static_range(F):
+            # x of input rows * F + j (the kernel's order), as float32: [WORDS]
+            if HAS_PERM:
+                src = tl.load(perm_ptr + rows * F + j, mask=r_mask, other=0)
+                x = tl.load(x_ptr + src, mask=r_mask, other=0.0).to(tl.float32)
+            elif X_PAIRS:
+                if j % 2 == 0:
+                    if EVEN_K:
+                        pair = tl.load(x_pairs + rows * (F // 2) + j // 2)
+                    else:
+                        pair = tl.load(x_pairs + rows * (F // 2) + j // 2, mask=r_mask, other=0)
+                    x = (pair << 16).to(tl.float32, bitcast=True)
+                else:
+                    x = (pair & -65536).to(tl.float32, bitcast=True)
+            elif EVEN_K:
+                x = tl.load(x_ptr + rows * F + j).to(tl.float32)
+            else:
+                x = tl.load(x_ptr + rows * F + j, mask=r_mask, other=0.0).to(tl.float32)
+            if j < HALF:  # noqa: SIM108 (a constexpr branch, kept as a plain if for Triton)
+                w = words
+            else:
+                w = hi
+            bits_in = (w & (MASK << (BITS * (j % HALF)))) | (MAGIC - ((BITS * (j % HALF)) << 23))
+            f = bits_in.to(tl.float32, bitcast=True)  # 2^(23 - b) + q, exactly
+            t += (f - (zero + (1 << (23 - BITS * (j % HALF))))) * x[:, None]
+        acc += t * scale
+    y = tl.sum(acc, axis=0)  # [BLOCK_N]
+    if PARTIAL:
+        tl.store(out_ptr + pid_s * stride_os + offs_n, y, mask=n_mask)
+    else:
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@_jit
 def _gemm_kernel(x_ptr, perm_ptr, qw_ptr, s_ptr, z_ptr, lut_ptr, bias_ptr, out_ptr,
                  M, N, K, K_SPLIT, stride_xm, stride_qk, stride_sk, stride_om, stride_os,
                  GROUP: tl.constexpr, BITS: tl.constexpr, F: tl.constexpr, LUT: tl.constexpr,
@@ -334,6 +417,17 @@ def w4a16_linear(x: torch.Tensor, layout: W4A16Layout, bias: torch.Tensor | None
     return out.view(*lead, n)
 
 
+_MAGIC = 0x4B000000  # the float 2^23's bits (see _gemv_int_kernel)
+# LOOM_W4A16_INT_GEMV=0 keeps integer codes on the general GEMV (for side-by-side benchmarks)
+INT_GEMV = os.environ.get("LOOM_W4A16_INT_GEMV", "1") != "0"
+
+
+def _int_gemv(layout: W4A16Layout, seg: Segment, p: Plan) -> bool:
+    """Whether a one-token call runs :func:`_gemv_int_kernel`: integer codes (not a table) whose
+    K tiles each lie in one group."""
+    return INT_GEMV and seg.table is None and layout.group_size % p.block_k == 0
+
+
 def _fused(x2: torch.Tensor, layout: W4A16Layout, seg: Segment, bias: torch.Tensor | None, out: torch.Tensor,
            p: Plan) -> None:
     m, k = x2.shape
@@ -346,7 +440,15 @@ def _fused(x2: torch.Tensor, layout: W4A16Layout, seg: Segment, bias: torch.Tens
     stride_om = target.stride(1) if partial else out.stride(0)
     flags = dict(**_layout_flags(layout, seg, p.block_k), HAS_BIAS=bias is not None, PARTIAL=partial,
                  BLOCK_N=p.block_n, BLOCK_K=p.block_k, num_warps=p.num_warps, num_stages=p.num_stages)
-    if p.kind == "gemv":
+    if p.kind == "gemv" and _int_gemv(layout, seg, p):
+        _gemv_int_kernel[(triton.cdiv(n, p.block_n), p.split)](
+            x2, perm, qw, s, z, b, target, n, k, p.k_split, qw.stride(0), s.stride(0), stride_os, _MAGIC, 16,
+            GROUP=layout.group_size, BITS=layout.bits, F=flags["F"], WORDS=flags["WORDS"], HAS_PERM=flags["HAS_PERM"],
+            EVEN_K=k % p.block_k == 0,
+            X_PAIRS=x2.dtype == torch.bfloat16 and seg.perm is None and x2.data_ptr() % 4 == 0,
+            HAS_BIAS=bias is not None, PARTIAL=partial, BLOCK_N=p.block_n, BLOCK_K=p.block_k,
+            num_warps=p.num_warps, num_stages=p.num_stages)
+    elif p.kind == "gemv":
         _gemv_kernel[(triton.cdiv(n, p.block_n), p.split)](x2, perm, qw, s, z, lut, b, target, n, k, p.k_split, qw.stride(0), s.stride(0),
                            stride_os, **flags)
     else:

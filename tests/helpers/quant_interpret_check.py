@@ -43,8 +43,9 @@ def int_layout(k: int, n: int, group: int, bits: int, parts: list[int], act_orde
     gs = k if group == -1 else group
     maxq = (1 << bits) - 1
     codes = torch.randint(0, maxq + 1, (k, n), generator=g, dtype=torch.int32)
-    zeros = torch.randint(0, maxq + 1, (k // gs, n), generator=g, dtype=torch.int32)
-    scales = (torch.rand(k // gs, n, generator=g) * 0.01 + 0.001).half()
+    groups = -(-k // gs)  # a ragged last group when gs does not divide k (as GPTQ's g_idx allows)
+    zeros = torch.randint(0, maxq + 1, (groups, n), generator=g, dtype=torch.int32)
+    scales = (torch.rand(groups, n, generator=g) * 0.01 + 0.001).half()
     g_idx = None
     if act_order:  # one order per part (distinct): one segment each
         g_idx = torch.stack([torch.randperm(k, generator=g) // gs for _ in parts]).to(torch.int32)
@@ -84,7 +85,8 @@ def check_w4a16(label: str, layout: Any, m: int, dtype: Any, bias: bool, dense: 
     bound = (2 * u + k * 2.0**-24) * s + u * ref.abs() + 1e-30
     err = (y.double() - ref).abs()
     ok = y.shape == (m, n) and y.dtype == dtype and bool((err <= bound).all())
-    print(f"{'ok  ' if ok else 'FAIL'} {label}: {p.kind} split {p.split} segments {len(layout.segments)}, "
+    kind = "gemv-int" if p.kind == "gemv" and all(wt._int_gemv(layout, seg, p) for seg in layout.segments) else p.kind
+    print(f"{'ok  ' if ok else 'FAIL'} {label}: {kind} split {p.split} segments {len(layout.segments)}, "
           f"max err / bound {float((err / bound).max()):.3f}", flush=True)
     return ok
 
@@ -133,6 +135,22 @@ def main() -> int:
                     False, 8),
         check_w4a16("group 24 (not a tile) bf16 M=1", int_layout(120, 64, 24, 4, [64], False, bf16, 9), 1, bf16,
                     False, False, 9),
+        # the integer-code GEMV (_gemv_int_kernel): per channel, 2 bits, a ragged last group (K not a
+        # multiple of the K tile: masked rows), bf16 pairs with and without act-order, split K
+        check_w4a16("per channel fp32 M=1", int_layout(192, 64, -1, 4, [64], False, f32, 15), 1, f32, False, False,
+                    15),
+        check_w4a16("per channel bf16 M=1 bias", int_layout(256, 80, -1, 4, [80], False, bf16, 16), 1, bf16, True,
+                    False, 16),
+        check_w4a16("2-bit g32 bf16 M=1", int_layout(256, 64, 32, 2, [64], False, bf16, 17), 1, bf16, False, False,
+                    17),
+        check_w4a16("ragged last group g64 bf16 M=1", int_layout(200, 64, 64, 4, [64], False, bf16, 18), 1, bf16,
+                    True, False, 18),
+        check_w4a16("ragged last group g64 fp16 M=1", int_layout(200, 64, 64, 8, [64], False, f16, 19), 1, f16,
+                    False, False, 19),
+        check_w4a16("act-order bf16 M=1", int_layout(256, 64, 64, 4, [32, 32], True, bf16, 20), 1, bf16, True, False,
+                    20),
+        check_w4a16("8-bit g128 bf16 M=1 long K", int_layout(1024, 48, 128, 8, [48], False, bf16, 21), 1, bf16,
+                    False, False, 21),
         check_w4a16("nf4 2 tables fp32 M=17", nf4_layout(128, [32, 32], True, f32, 10), 17, f32, False, False, 10),
         check_w4a16("nf4 fp16 M=1", nf4_layout(128, [64], False, f16, 11), 1, f16, False, False, 11),
         check_w4a16("nf4 bf16 M=1 bias", nf4_layout(192, [32, 32], False, bf16, 12), 1, bf16, True, False, 12),
