@@ -17,15 +17,25 @@ Loading a kernel from the cache takes milliseconds; compiling one takes 10-25 s 
 extension quotes its own measured figure). A load still running after a second is a compile: it
 is then announced with that figure and reported every few seconds until it ends
 (:mod:`loom.startup_progress`), so a first start is never silent while it compiles.
+
+Torch guards a build directory with a ``lock`` file that its builder deletes when it is done. A
+process that dies inside ``cpp_extension.load`` (killed, or exiting while a daemon thread warms a
+kernel: every load takes that lock, even when nothing needs compiling) leaves the file behind, and
+every later load waited for it forever ("compiling a CPU kernel ... still running"). Loom's loads
+therefore first take an ``flock`` on a file of their own beside it, which the kernel releases
+when its holder dies: whoever holds it is the only loader, so a torch ``lock`` found then is a
+dead process's, and is removed (logged).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import platform
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import structlog
@@ -93,9 +103,11 @@ class CpuExtension:
                     with ProgressReporter("compiling a CPU kernel, once per machine",
                                           self.usual_build_s, announce_after_s=_COMPILE_ANNOUNCE_AFTER_S,
                                           kernel=self.name, source=str(self.source)):
-                        cpp_extension.load(name=self._module_name(), sources=[str(self.source)],
-                                           extra_cflags=self.cflags, extra_include_paths=[str(INCLUDE_DIR)],
-                                           is_python_module=False, verbose=False)
+                        name = self._module_name()
+                        with _sole_loader(Path(cpp_extension._get_build_directory(name, verbose=False)), self.name):
+                            cpp_extension.load(name=name, sources=[str(self.source)], extra_cflags=self.cflags,
+                                               extra_include_paths=[str(INCLUDE_DIR)], is_python_module=False,
+                                               verbose=False)
                     self._ok = hasattr(getattr(torch.ops, self.namespace), self.op)
                     if not self._ok:
                         self._why = f"the build did not register torch.ops.{self.namespace}.{self.op}"
@@ -111,3 +123,21 @@ class CpuExtension:
         if not kernels_enabled():
             return "LOOM_CPU_KERNELS=0"
         return self._why or "not built yet"
+
+
+@contextlib.contextmanager
+def _sole_loader(build_dir: Path, kernel: str) -> Iterator[None]:
+    """Hold an ``flock`` on ``build_dir/loom.flock`` (released by the kernel if this process
+    dies); a torch ``lock`` file still there is a dead loader's, and is removed."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "loom.flock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                log.warning("removing a build lock left by a process that died while loading a CPU kernel",
+                            kernel=kernel, lock=str(stale))
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
