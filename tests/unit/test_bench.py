@@ -11,6 +11,7 @@ import math
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -212,6 +213,26 @@ def test_arrivals_and_serving_statistics() -> None:
     assert sorted([0.5, 2.0]) == sorted([(2.0 - 1.0) / 2, (3.5 - 1.5) / 1])  # TPOT = (E2E - TTFT)/(n-1)
     assert s["tpot_s"]["mean"] == pytest.approx(1.25)
     assert s["itl_s"]["p99"] == 2.0
+
+
+def test_sustained_throughput_separates_keeping_up_from_falling_behind() -> None:
+    """W3 with Poisson arrivals: the run totals include the drain, so they read below the offered
+    load even for a server that keeps up; the sustained share compares completion and arrival spans."""
+    w = Workload("W3", [([1] * 4, 4)] * 20, "twenty")
+
+    def run(latency: Callable[[int], float]) -> dict[str, Any]:
+        timings = [RequestTiming(0.5 * i, [0.5 * i + latency(i) * (j + 1) / 4 for j in range(4)]) for i in range(20)]
+        return summarize(timings, w)
+
+    keeps_up = run(lambda i: 3.0)  # every request takes 3 s: completions as fast as arrivals
+    assert keeps_up["sustained"]["offered_request_s"] == pytest.approx(2.0)
+    assert keeps_up["sustained"]["share"] == pytest.approx(1.0)
+    assert keeps_up["sustained"]["served_out_tok_s"] == pytest.approx(8.0)
+    assert keeps_up["out_tok_s"] == pytest.approx(0.8 * keeps_up["sustained"]["offered_out_tok_s"])  # the drain
+    behind = run(lambda i: 3.0 + 0.25 * i)  # a queue grows: each request waits longer
+    assert behind["sustained"]["share"] == pytest.approx(9.5 / 14.25)
+    at_once = summarize([RequestTiming(0.0, [1.0]), RequestTiming(0.0, [2.0])], Workload("W3", [([1], 1)] * 2, ""))
+    assert at_once["sustained"] is None
 
 
 def test_cpu_benchmarks_hold_every_request_of_a_workload_in_the_pool() -> None:

@@ -345,7 +345,9 @@ def _run_serving(args: argparse.Namespace, device: torch.device, result: dict[st
           f"{1e3 * g['ttft_s']['p50']:.0f} ms p99 {1e3 * g['ttft_s']['p99']:.0f} ms, TPOT mean "
           f"{1e3 * g['tpot_s']['mean']:.1f} ms; engine {e['out_tok_s']:.1f} out tok/s; "
           f"gRPC overhead {100 * entry['grpc_overhead']:.1f}% (means over {len(entry['runs'])} "
-          f"pair(s): grpc {entry['grpc_mean_out_tok_s']:.1f}, engine {entry['engine_mean_out_tok_s']:.1f})",
+          f"pair(s): grpc {entry['grpc_mean_out_tok_s']:.1f}, engine {entry['engine_mean_out_tok_s']:.1f})"
+          + (f"; sustained {g['sustained']['served_out_tok_s']:.1f} of {g['sustained']['offered_out_tok_s']:.1f} "
+             f"offered out tok/s ({g['sustained']['share']:.3f})" if g.get("sustained") else ""),
           flush=True)
 
 
