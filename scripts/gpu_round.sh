@@ -10,6 +10,7 @@
 #   bash scripts/gpu_round.sh pending-random   # the measurements still owed on random models (below)
 #   bash scripts/gpu_round.sh pending-smollm2  # ... and on SmolLM2 (after gguf and xgrammar)
 #   bash scripts/gpu_round.sh w6int            # the integer-code GEMV: M=1 sweep beside the general one, W1 int4 / bf16
+#   bash scripts/gpu_round.sh moeprof          # where a Qwen3-30B-A3B-shaped decode step goes (#22: 3.4 of 4.8 ms outside the experts)
 #
 # What is owed (2026-12-02): the integer-code GEMV's speed (#15: W1 int4 >= 2.5x bf16), W5 b with the int4 draft since resting steps run asynchronously
 # (#16: engine / model >= 0.9), W2 int4 with GEMM plans swept at M = 16..256 (#15), FP8 KV
@@ -76,6 +77,10 @@ w6int)
   BENCH_MAX_S=150 "$0" bench w6gptq --workloads W1 --model-id random:llama-8b --quantize gptq
   BENCH_MAX_S=150 "$0" bench w6awq --workloads W1 --model-id random:llama-8b --quantize awq
   BENCH_MAX_S=150 "$0" bench w6bf16 --workloads W1 --model-id random:llama-8b
+  ;;
+moeprof)
+  t=$(left); [ "$t" -gt 150 ] && timeout $(( t - 30 )) python3 scripts/profile_decode.py random:qwen3-30b-a3b 1 "$OUT" \
+    > "$OUT/moe-profile.log" 2>&1; tail -40 "$OUT/moe-profile.log"
   ;;
 pending-smollm2)
   "$0" bench s1 --workloads S1 --s1-repeats 5
