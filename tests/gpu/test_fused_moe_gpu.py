@@ -89,6 +89,23 @@ def test_sort_by_expert_on_the_gpu(t: int, k: int, e: int, block_m: int) -> None
     assert block_expert[: total // block_m].tolist() == want_blocks
 
 
+@pytest.mark.parametrize(("t", "e", "k", "renormalize", "dtype"), [
+    (1, 128, 8, True, torch.bfloat16), (300, 128, 8, True, torch.bfloat16), (33, 8, 2, True, torch.float32),
+    (9, 60, 4, False, torch.float16)])
+def test_routing_kernel_chooses_the_torch_paths_experts(t: int, e: int, k: int, renormalize: bool,
+                                                          dtype: torch.dtype) -> None:
+    """``select_experts`` on CUDA (one Triton launch) against its torch path on the CPU: distinct
+    logits, so the same experts in the same order; the weights within the exp's rounding."""
+    gen = torch.Generator().manual_seed(t)
+    logits = torch.stack([torch.randperm(e, generator=gen) for _ in range(t)]).float().mul(2.0**-4).to(dtype)
+    wdtype = None if dtype == torch.float32 else dtype
+    want_w, want_ids = select_experts(logits, k, renormalize, wdtype)
+    got_w, got_ids = select_experts(logits.to(CUDA), k, renormalize, wdtype)
+    assert got_ids.dtype == torch.int32 and torch.equal(got_ids.cpu().long(), want_ids)
+    tol = 1e-6 if wdtype is None else 2.0**-7
+    torch.testing.assert_close(got_w.cpu().float(), want_w.float(), atol=tol, rtol=tol)
+
+
 def test_no_host_sync_and_a_cuda_graph_replays_any_routing() -> None:
     """The layer (router, top-k, sort, GEMMs) never waits for the device, and a graph captured
     with one routing replays others exactly as eager runs compute them."""

@@ -9,7 +9,8 @@ Checked: the sort by expert (``align_rows_by_expert``) gives exactly the layout 
 model (``expected_layout`` below: every expert's rows in increasing order from a block-aligned
 offset, padded with the sentinel, each block's expert), for routings with idle experts, one
 expert taking every row, and more rows than a program's tile; and the grouped GEMMs
-(``fused_experts_triton``) equal the torch path within float32 rounding (fp16 within its own).
+(``fused_experts_triton``) equal the torch path within float32 rounding (fp16 within its own);
+the router's softmax and top-k in one kernel (``route``) choose the torch path's experts.
 bf16 is left to the GPU tests: the interpreter of triton 3.6 computes bf16 dots wrongly.
 """
 
@@ -107,12 +108,50 @@ def check_experts() -> list[str]:
     return errors
 
 
+def check_routing() -> list[str]:
+    """``route`` against ``select_experts``' torch path: the same experts in the same order (the
+    logits are distinct), the weights within float32 rounding; equal logits: lowest expert first."""
+    import torch
+
+    from loom.layers.fused_moe import select_experts
+    from loom.layers.fused_moe_triton import route
+
+    errors: list[str] = []
+    gen = torch.Generator().manual_seed(2)
+    cases = [  # (T, E, k, renormalize, logits dtype, weights dtype)
+        (1, 128, 8, True, torch.bfloat16, torch.bfloat16),  # Qwen3-30B-A3B's decode row
+        (7, 8, 2, True, torch.float32, None),  # Mixtral: float32 weights
+        (5, 60, 4, False, torch.float16, torch.float16),  # E not a power of two, no renormalisation
+        (3, 512, 10, True, torch.float32, None),  # k not a power of two, four warps
+    ]
+    for T, E, k, renorm, dtype, wdtype in cases:
+        # distinct logits (a permutation of a grid exact in every dtype): no ties to break
+        logits = torch.stack([torch.randperm(E, generator=gen) for _ in range(T)]).float().mul(2.0**-4).to(dtype)
+        want_w, want_ids = select_experts(logits, k, renorm, wdtype)
+        got_w, got_ids = route(logits, k, renorm, wdtype)
+        name = f"T={T} E={E} k={k} renormalize={renorm} {dtype} -> {wdtype}"
+        err = (got_w.float() - want_w.float()).abs().max().item()
+        tol = 2e-7 if (wdtype or torch.float32) == torch.float32 else 2.0 ** -8
+        ok = torch.equal(got_ids.long(), want_ids) and got_w.dtype == want_w.dtype and err <= tol
+        print(f"{'ok  ' if ok else 'FAIL'} routing {name}: max weight err {err:.2e}")
+        if not ok:
+            errors.append(f"{name}: ids equal {torch.equal(got_ids.long(), want_ids)}, weight err {err:.2e}")
+    tied = torch.zeros(1, 16)
+    tied[0, [3, 9, 12]] = 1.0
+    w, ids = route(tied, 2, True)
+    if ids.tolist() != [[3, 9]] or not torch.allclose(w, torch.tensor([[0.5, 0.5]])):
+        errors.append(f"ties: {ids.tolist()} {w.tolist()}, expected [[3, 9]] and halves")
+    print(f"{'FAIL' if errors else 'ok  '} routing ties: lowest expert first")
+    return errors
+
+
 def main() -> int:
     _setup()
+    routing_errors = check_routing()
     errors = check_alignment()
     print(f"{'FAIL' if errors else 'ok  '} sort by expert: {'; '.join(errors) or 'as expected'}")
     expert_errors = check_experts()
-    return 1 if errors or expert_errors else 0
+    return 1 if errors or expert_errors or routing_errors else 0
 
 
 if __name__ == "__main__":

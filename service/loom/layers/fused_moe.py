@@ -46,7 +46,12 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
 
     transformers' order: softmax in float32, top-k of the probabilities (ties as ``torch.topk``),
     divide by their sum when ``renormalize``; then cast to ``weights_dtype`` (None: float32).
+    On CUDA one Triton kernel does it all (:func:`fused_moe_triton.route`; the ids are then
+    int32, what the expert kernels read).
     """
+    if (router_logits.is_cuda and fused_moe_triton.HAS_TRITON and kernel_switches.fused_kernels
+            and fused_moe_triton.route_supported(router_logits, top_k)):
+        return fused_moe_triton.route(router_logits, top_k, renormalize, weights_dtype)
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:

@@ -2,7 +2,7 @@
 
 A step's tokens each pick ``k`` experts: ``N = T * k`` (token, expert) rows, numbered
 ``i = t * k + j``. The experts run as grouped GEMMs over those rows, four launches per layer
-whatever the number of experts:
+whatever the number of experts (plus ``_route_kernel``, the router's softmax and top-k in one):
 
 1. ``_count_kernel`` (one program per expert) counts the rows routed to its expert.
 2. ``_place_kernel`` (one program per expert) lays the rows out expert by expert: each expert's
@@ -105,6 +105,62 @@ def block_config(num_rows: int, num_experts: int, dtype: torch.dtype) -> MoeBloc
     if dtype == torch.float32:
         cfg = MoeBlockConfig(cfg.block_m, min(cfg.block_n, 64), 32, cfg.num_warps, 2)
     return cfg
+
+
+# ------------------------------------------------------------------------------------------------
+# Routing
+# ------------------------------------------------------------------------------------------------
+
+
+@_jit()
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_l,
+                  K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr):
+    # Program t routes token t: softmax of its E logits in float32, its K largest (chosen on the
+    # logits, whose order the softmax keeps; equal ones lowest expert first), renormalised.
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    ok = e < E
+    logits = tl.load(logits_ptr + t * stride_l + e, mask=ok, other=float("-inf")).to(tl.float32)
+    ex = tl.where(ok, tl.exp(logits - tl.max(logits, axis=0)), 0.0)
+    probs = ex / tl.sum(ex, axis=0)  # [BLOCK_E], as torch.softmax(dtype=float32)
+    slots = tl.arange(0, BLOCK_K)
+    chosen_p = tl.zeros([BLOCK_K], tl.float32)
+    chosen_e = tl.zeros([BLOCK_K], tl.int32)
+    rest = logits
+    for j in tl.static_range(K):
+        best = tl.argmax(rest, axis=0, tie_break_left=True)
+        chosen_p = tl.where(slots == j, tl.sum(tl.where(e == best, probs, 0.0), axis=0), chosen_p)
+        chosen_e = tl.where(slots == j, best.to(tl.int32), chosen_e)
+        rest = tl.where(e == best, float("-inf"), rest)
+    if RENORMALIZE:
+        chosen_p = chosen_p / tl.sum(tl.where(slots < K, chosen_p, 0.0), axis=0)
+    tl.store(weights_ptr + t * K + slots, chosen_p.to(weights_ptr.dtype.element_ty), mask=slots < K)
+    tl.store(ids_ptr + t * K + slots, chosen_e, mask=slots < K)
+
+
+def route_supported(router_logits: torch.Tensor, top_k: int) -> bool:
+    """Whether :func:`route` serves these logits (the kernel holds a token's experts in one tile)."""
+    return router_logits.dim() == 2 and router_logits.shape[1] <= 4096 and 0 < top_k <= 64
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+          weights_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`loom.layers.fused_moe.select_experts` in one launch (where torch takes five:
+    softmax, top-k, sum, divide, cast): ``(weights [T, k] in weights_dtype or float32, expert
+    ids [T, k] int32)``. The experts are chosen on the logits, so the choice is exact; equal
+    logits go to the lowest expert first (``torch.topk`` leaves that order unspecified). The
+    weights are the float32 softmax's, computed with the device's exp."""
+    T, E = router_logits.shape
+    if router_logits.stride(-1) != 1:
+        router_logits = router_logits.contiguous()
+    dev = router_logits.device
+    weights = torch.empty(T, top_k, dtype=weights_dtype or torch.float32, device=dev)
+    ids = torch.empty(T, top_k, dtype=torch.int32, device=dev)
+    if T:
+        _route_kernel[(T,)](router_logits, weights, ids, E, router_logits.stride(0), K=top_k,
+                            BLOCK_K=_next_pow2(top_k), BLOCK_E=max(16, _next_pow2(E)), RENORMALIZE=renormalize,
+                            num_warps=4 if E > 256 else 1)
+    return weights, ids
 
 
 # ------------------------------------------------------------------------------------------------
