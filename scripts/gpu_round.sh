@@ -10,6 +10,7 @@
 #   bash scripts/gpu_round.sh pending-random   # the measurements still owed on random models (below)
 #   bash scripts/gpu_round.sh pending-smollm2  # ... and on SmolLM2 (after gguf and xgrammar)
 #   bash scripts/gpu_round.sh w6int            # the integer-code GEMV: M=1 sweep beside the general one, W1 int4 / bf16
+#   bash scripts/gpu_round.sh quantize8b       # loom quantize --method gptq random:llama-8b on the GPU, then W1 served from it
 #   bash scripts/gpu_round.sh moeprof          # where a Qwen3-30B-A3B-shaped decode step goes (#22: 3.4 of 4.8 ms outside the experts)
 #
 # What is owed (2026-12-02): the integer-code GEMV's speed (#15: W1 int4 >= 2.5x bf16), W5 b with the int4 draft since resting steps run asynchronously
@@ -77,6 +78,13 @@ w6int)
   BENCH_MAX_S=150 "$0" bench w6gptq --workloads W1 --model-id random:llama-8b --quantize gptq
   BENCH_MAX_S=150 "$0" bench w6awq --workloads W1 --model-id random:llama-8b --quantize awq
   BENCH_MAX_S=150 "$0" bench w6bf16 --workloads W1 --model-id random:llama-8b
+  ;;
+quantize8b)
+  t=$(left); [ "$t" -gt 300 ] || { echo "quantize8b: skipped, ${t}s left"; exit 0; }
+  ( cd /tmp && /usr/bin/time -v timeout $(( t - 150 )) python3 -m loom.cli quantize --method gptq --group-size 128 \
+      --device cuda random:llama-8b /tmp/llama-8b-gptq --force ) > "$OUT/quantize8b.log" 2>&1
+  grep -E "wrote|Maximum resident|Elapsed|Error|error" "$OUT/quantize8b.log" | tail -6
+  [ -f /tmp/llama-8b-gptq/config.json ] && BENCH_MAX_S=140 "$0" bench w6ckpt --workloads W1 --model-id /tmp/llama-8b-gptq
   ;;
 moeprof)
   t=$(left); [ "$t" -gt 150 ] && timeout $(( t - 30 )) python3 scripts/profile_decode.py random:qwen3-30b-a3b 1 "$OUT" \

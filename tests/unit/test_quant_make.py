@@ -165,6 +165,22 @@ def test_damping_outside_its_range_is_refused_with_exit_2(tiny_with_tokenizer: P
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(("device", "message"), [
+    ("tpu", "--device 'tpu': expected cpu or cuda (cuda:N)"),
+    ("meta", "--device 'meta': expected cpu or cuda (cuda:N)"),
+    pytest.param("cuda", "--device cuda: this machine has no CUDA device", marks=pytest.mark.skipif(
+        torch.cuda.is_available(), reason="this machine has CUDA")),
+    pytest.param("cuda:7", "CUDA device", marks=pytest.mark.skipif(
+        torch.cuda.device_count() > 7, reason="this machine has 8 GPUs"))])
+def test_a_device_that_cannot_quantize_is_refused_with_exit_2(device: str, message: str, tiny_with_tokenizer: Path,
+                                                              tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = loom_main(["quantize", "--method", "rtn", "--group-size", "32", "--device", device,
+                      str(tiny_with_tokenizer), str(tmp_path / "out")])
+    assert code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_sink_weight_counts_the_first_token_of_each_window_more() -> None:
     from loom_plugins.quant.make.pipeline import QuantizeError, QuantizeRequest, _adder
 

@@ -35,7 +35,7 @@ def search_scales(x: torch.Tensor, weights: list[torch.Tensor], bits: int, group
     w_mean = w_norm.view(w.shape[0], in_f).mean(dim=0)  # [in]
     x_mean = x.abs().float().mean(dim=0)  # [in]
     reference = x @ w.t()  # [tokens, out]
-    best, best_loss = torch.ones(in_f), float("inf")
+    best, best_loss = torch.ones(in_f, device=w.device), float("inf")
     for step in range(GRID):
         a = step / GRID
         s = (x_mean.pow(a) / w_mean.clamp(min=1e-4).pow(1 - a)).clamp(min=1e-4)

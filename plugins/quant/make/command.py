@@ -32,19 +32,26 @@ def add_quantize_command(sub: Any) -> None:
     p.add_argument("--sink-weight", type=float, default=1.0,
                    help="gptq: times the first token of each calibration window (the attention sink) counts in "
                         "the Hessian (default: 1)")
+    p.add_argument("--device", default="auto",
+                   help="where each layer is calibrated and quantized: cpu, cuda (cuda:N), or auto: cuda when a "
+                        "CUDA device is present (one decoder layer on it at a time; the model stays in host "
+                        "memory) (default: auto)")
     p.add_argument("--force", action="store_true", help="write into an OUT_DIR that is not empty")
     p.set_defaults(func=run_quantize)
 
 
 def run_quantize(args: argparse.Namespace) -> int:
+    import torch
+
     from loom.config import ConfigError
     from loom.model_loader import check_model_id, resolve_model_dir
 
     from .pipeline import QuantizeError, QuantizeRequest, quantize_model
 
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     request = QuantizeRequest(method=args.method, bits=args.bits, group_size=args.group_size,
                               act_order=args.act_order, samples=args.samples, seq_len=args.seq_len,
-                              damp=args.damp, sink_weight=args.sink_weight)
+                              damp=args.damp, sink_weight=args.sink_weight, device=device)
     out_dir: Path = args.out_dir
     try:
         request.check()
@@ -56,6 +63,6 @@ def run_quantize(args: argparse.Namespace) -> int:
     except (QuantizeError, ConfigError) as exc:
         print(f"loom quantize: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {out_dir} ({request.method}, {time.monotonic() - started:.0f} s); serve it with "
+    print(f"wrote {out_dir} ({request.method} on {request.device}, {time.monotonic() - started:.0f} s); serve it with "
           f"loom serve --model-id {out_dir}")
     return 0

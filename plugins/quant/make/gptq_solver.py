@@ -24,35 +24,41 @@ class HessianAccumulator:
     """``H = 2/n sum x x^T`` over the inputs a linear layer sees (in float64: n is thousands)."""
 
     def __init__(self, in_features: int) -> None:
-        self.h = torch.zeros(in_features, in_features, dtype=torch.float64)
+        self.in_features = in_features
+        self.h: torch.Tensor | None = None  # on the device of the first inputs added
         self.n = 0
 
     def add(self, x: torch.Tensor) -> None:  # x [..., in]
         flat = x.reshape(-1, x.shape[-1]).double()
+        if self.h is None:
+            self.h = torch.zeros(self.in_features, self.in_features, dtype=torch.float64, device=flat.device)
         self.h += flat.t() @ flat
         self.n += flat.shape[0]
 
     def hessian(self) -> torch.Tensor:
+        if self.h is None:
+            return torch.zeros(self.in_features, self.in_features, dtype=torch.float64)
         return (2.0 / max(self.n, 1)) * self.h
 
 
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int, sym: bool,
                   act_order: bool, damp: float = 0.01, min_zero: int = 0) -> QuantizedLinear:
-    """``weight [out, in]`` quantized with GPTQ against ``hessian [in, in]``."""
+    """``weight [out, in]`` quantized with GPTQ against ``hessian [in, in]``, on their device."""
     w = weight.float().clone()
+    dev = w.device
     out_f, in_f = w.shape
-    h = hessian.double().clone()
+    h = hessian.to(dev, torch.float64, copy=True)
     dead = torch.diag(h) == 0
     h[dead, dead] = 1
     w[:, dead] = 0
-    perm = torch.argsort(torch.diag(h), descending=True) if act_order else torch.arange(in_f)
+    perm = torch.argsort(torch.diag(h), descending=True) if act_order else torch.arange(in_f, device=dev)
     w, h = w[:, perm], h[perm][:, perm]
-    h += damp * torch.mean(torch.diag(h)) * torch.eye(in_f, dtype=h.dtype)
+    h += damp * torch.mean(torch.diag(h)) * torch.eye(in_f, dtype=h.dtype, device=dev)
     hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
 
     gs = group_size_of(group_size, in_f)
     block = max(BLOCK // gs, 1) * gs if gs <= BLOCK else gs  # whole groups per block
-    codes = torch.zeros(out_f, in_f, dtype=torch.int64)
+    codes = torch.zeros(out_f, in_f, dtype=torch.int64, device=dev)
     scales, zeros = [], []
     params = find_params(w, bits, sym, min_zero) if group_size == -1 else None
     for i1 in range(0, in_f, block):
@@ -78,6 +84,6 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
         scales, zeros = [params.scale], [params.zero]
     # Back to the layer's input order: input perm[c] was quantized c-th, in group c // gs.
     inverse = torch.argsort(perm)
-    g_idx = torch.empty(in_f, dtype=torch.int32)
-    g_idx[perm] = (torch.arange(in_f) // gs).to(torch.int32)
+    g_idx = torch.empty(in_f, dtype=torch.int32, device=dev)
+    g_idx[perm] = (torch.arange(in_f, device=dev) // gs).to(torch.int32)
     return QuantizedLinear(codes[:, inverse], torch.cat(scales, 1), torch.cat(zeros, 1).long(), g_idx, bits)

@@ -55,6 +55,10 @@ class QuantizedLinear:
     g_idx: torch.Tensor  # [in] int32: each input's group
     bits: int
 
+    def to(self, device: torch.device | str) -> QuantizedLinear:
+        return QuantizedLinear(self.codes.to(device), self.scales.to(device), self.zeros.to(device),
+                               self.g_idx.to(device), self.bits)
+
     def dequantize(self) -> torch.Tensor:  # [out, in] float32
         g = self.g_idx.long()
         return (self.codes - self.zeros[:, g]).float() * self.scales[:, g]
