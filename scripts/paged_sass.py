@@ -16,17 +16,14 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from w4a16_sass import _OP, _k_loop  # noqa: E402 (the same loop finder and opcode pattern)
+from w4a16_sass import _OP, _k_loop, disassemble  # noqa: E402 (the same loop finder and disassembly)
 
 
 def count(dtype: str, fp8: bool, num_stages: int | None = None, block_n: int = 64, num_warps: int = 4) -> dict[str, Any]:
@@ -56,21 +53,13 @@ def count(dtype: str, fp8: bool, num_stages: int | None = None, block_n: int = 6
         options["num_stages"] = num_stages
     compiled = triton.compile(ASTSource(tk._paged_attn_kernel, {**sig, **{c: "constexpr" for c in consts}}, consts,
                                         attrs), target=GPUTarget("cuda", 90, 32), options=options)
-    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as tmp:
-        tmp.write(compiled.asm["cubin"])
-        tmp.flush()
-        sass = subprocess.run([str(bin_dir / "nvdisasm"), "-c", tmp.name], capture_output=True, text=True,
-                              check=True).stdout
-        usage = subprocess.run([str(bin_dir / "cuobjdump"), "--dump-resource-usage", tmp.name], capture_output=True,
-                               text=True, check=True).stdout
+    sass, regs, _ = disassemble(compiled)
     ops = collections.Counter(_OP.findall(_k_loop(sass)))
     elements = 2 * block_n * 128 // (32 * num_warps)  # K and V elements a thread handles an iteration
-    regs = re.search(r"REG:(\d+)", usage)
     return {"activations": dtype, "pool": "fp8_e4m3" if fp8 else dtype, "num_stages": num_stages or "default",
             "loop_instructions": sum(ops.values()), "kv_elements_per_thread": elements,
             "instructions_per_kv_element": round(sum(ops.values()) / elements, 2),
-            "registers": int(regs.group(1)) if regs else -1, "by_opcode": dict(ops.most_common())}
+            "registers": regs, "by_opcode": dict(ops.most_common())}
 
 
 def main() -> None:

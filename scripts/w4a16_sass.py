@@ -98,6 +98,15 @@ def _compile(wt: Any, case: Case) -> tuple[bytes, str]:
     full = {**sig, **{c: "constexpr" for c in consts}}
     compiled = triton.compile(ASTSource(fn, full, consts, attrs), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": case.num_warps, "num_stages": case.num_stages})
+    sass, regs, spills = disassemble(compiled)
+    return compiled.asm["cubin"], sass + "\n" + f"// registers {regs} spills {spills}"
+
+
+def disassemble(compiled: Any) -> tuple[str, int, int]:
+    """(SASS, registers a thread, stack bytes: spills) of a kernel ``triton.compile`` built for a
+    GPU target, through the nvdisasm and cuobjdump Triton bundles (-1 where not reported)."""
+    import triton
+
     bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as tmp:
         tmp.write(compiled.asm["cubin"])
@@ -106,10 +115,8 @@ def _compile(wt: Any, case: Case) -> tuple[bytes, str]:
                               check=True).stdout
         usage = subprocess.run([str(bin_dir / "cuobjdump"), "--dump-resource-usage", tmp.name], capture_output=True,
                                text=True, check=True).stdout
-    regs = re.search(r"REG:(\d+)", usage)
-    spills = re.search(r"STACK:(\d+)", usage)
-    return compiled.asm["cubin"], sass + "\n" + (
-        f"// registers {regs.group(1) if regs else -1} spills {spills.group(1) if spills else -1}")
+    regs, spills = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
+    return sass, int(regs.group(1)) if regs else -1, int(spills.group(1)) if spills else -1
 
 
 def _k_loop(sass: str) -> str:

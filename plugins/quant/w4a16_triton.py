@@ -115,6 +115,19 @@ def _weight_tile(qw_ptr, s_ptr, z_ptr, lut_ptr, k0, offs_n, n_mask, K, stride_qk
 
 
 @_jit
+def _store_gemv(y, out_ptr, bias_ptr, pid_s, stride_os, offs_n, n_mask, HAS_BIAS: tl.constexpr,
+                PARTIAL: tl.constexpr):
+    """A GEMV program's outputs ``y [BLOCK_N]`` (float32): split pid_s's partial sums, or the
+    finished outputs with the bias added, in the output's dtype."""
+    if PARTIAL:
+        tl.store(out_ptr + pid_s * stride_os + offs_n, y, mask=n_mask)
+    else:
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@_jit
 def _gemv_kernel(x_ptr, perm_ptr, qw_ptr, s_ptr, z_ptr, lut_ptr, bias_ptr, out_ptr,
                  N, K, K_SPLIT, stride_qk, stride_sk, stride_os,
                  GROUP: tl.constexpr, BITS: tl.constexpr, F: tl.constexpr, LUT: tl.constexpr,
@@ -139,13 +152,7 @@ def _gemv_kernel(x_ptr, perm_ptr, qw_ptr, s_ptr, z_ptr, lut_ptr, bias_ptr, out_p
         w = _weight_tile(qw_ptr, s_ptr, z_ptr, lut_ptr, k0, offs_n, n_mask, K, stride_qk, stride_sk,
                          GROUP, BITS, F, LUT, ONE_GROUP, BLOCK_K, WORDS, BLOCK_N)
         acc += w * x[:, None]
-    y = tl.sum(acc, axis=0)  # [BLOCK_N]
-    if PARTIAL:
-        tl.store(out_ptr + pid_s * stride_os + offs_n, y, mask=n_mask)
-    else:
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+    _store_gemv(tl.sum(acc, axis=0), out_ptr, bias_ptr, pid_s, stride_os, offs_n, n_mask, HAS_BIAS, PARTIAL)
 
 
 @_jit
@@ -222,13 +229,7 @@ def _gemv_int_kernel(x_ptr, perm_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr,
             f = bits_in.to(tl.float32, bitcast=True)  # 2^(23 - b) + q, exactly
             t += (f - (zero + (1 << (23 - BITS * (j % HALF))))) * x[:, None]
         acc += t * scale
-    y = tl.sum(acc, axis=0)  # [BLOCK_N]
-    if PARTIAL:
-        tl.store(out_ptr + pid_s * stride_os + offs_n, y, mask=n_mask)
-    else:
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+    _store_gemv(tl.sum(acc, axis=0), out_ptr, bias_ptr, pid_s, stride_os, offs_n, n_mask, HAS_BIAS, PARTIAL)
 
 
 @_jit
