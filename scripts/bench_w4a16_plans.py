@@ -87,7 +87,7 @@ def _candidates(wt: Any, m: int, n: int, k: int, group: int, quick: bool) -> lis
     per_sm: list[int]
     if m == 1:
         shapes = [(1, bn) for bn in ((64, 128) if quick else (32, 64, 128, 256))]
-        warps, stages, per_sm = [4] if quick else [2, 4, 8], [2, 4] if quick else [1, 2, 3, 4], [4, 8, 16, 32]
+        warps, stages, per_sm = [4, 8] if quick else [2, 4, 8], [2] if quick else [1, 2, 3, 4], [4, 8, 16, 32]
         kind = "gemv"
     else:
         bms = [b for b in (16, 32, 64, 128) if b <= max(16, 2 * m)]
@@ -161,10 +161,10 @@ def main() -> None:
 
                 ref_out = torch.empty(m, n, device=device, dtype=dtype)
                 run(wt.plan(m, n, k, layout.group_size, wt.sm_count(device) if device.type == "cuda" else 8,
-                            1 << 30))
+                            1 << 30, wt.uses_table(layout)))
                 ref_out.copy_(out)
                 current = wt.plan(m, n, k, layout.group_size, wt.sm_count(device) if device.type == "cuda" else 8,
-                                  1 << 30)
+                                  1 << 30, wt.uses_table(layout))
                 timings = []
                 for p in _candidates(wt, m, n, k, layout.group_size, args.quick or args.interpret):
                     try:

@@ -338,11 +338,14 @@ def block_k_for(group: int) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def plan(m: int, n: int, k: int, group: int, sms: int, dense_from: int) -> Plan:
-    """How a call of ``m`` tokens on an ``n x k`` layer runs (a pure function of the shapes)."""
+def plan(m: int, n: int, k: int, group: int, sms: int, dense_from: int, table: bool = False) -> Plan:
+    """How a call of ``m`` tokens on an ``n x k`` layer runs (a pure function of the shapes and
+    of whether the codes index a table, NF4, or are integers)."""
     bk = block_k_for(group)
     if m >= dense_from:
         return Plan("dense", 0, 128, bk, 1, k, 4, 1)
+    if m == 1 and not table and group % min(bk, 128) == 0:
+        return _int_gemv_plan(n, k, min(bk, 128), sms)
     if m == 1:  # a [128, 64] float32 accumulator: 64 registers a thread, several programs an SM
         kind, bm, bn, warps, stages = "gemv", 1, 128, 4, 2
         bk = min(bk, 64)  # still inside one group: group sizes are multiples of 64 or of bk
@@ -362,6 +365,29 @@ def plan(m: int, n: int, k: int, group: int, sms: int, dense_from: int) -> Plan:
     k_split = -(-k_blocks // split) * bk
     split = -(-k // k_split)  # no empty split
     return Plan(kind, bm, bn, bk, split, k_split, warps, stages)
+
+
+def _int_gemv_plan(n: int, k: int, bk: int, sms: int) -> Plan:
+    """The integer-code GEMV's plan (:func:`_gemv_int_kernel`): 64-wide, ``bk``-deep tiles (up to
+    128, inside one group), splits of about 512 inputs, halved while the grid holds fewer than
+    4 programs an SM (and a split has more than one K tile left), at most 32 splits.
+
+    From the H200 sweep of 2026-12-03 (``scripts/bench_w4a16_plans.py --schemes gptq,awq
+    --tokens 1 --quick``, bench/results/gpu-w4a16-plans-m1-int.json): on llama-8b's four layer
+    shapes this rule picks each shape's fastest measured plan (qkv 8 splits, o_proj 16, gate_up
+    8, down 28), 1.11-1.31x faster than the general GEMV's rule on the same kernel."""
+    k_blocks = -(-k // bk)
+    tiles = -(-n // 64)
+    limit = _MAX_SPLIT["gemv"]
+    per_split = max(1, 512 // bk, -(-k_blocks // limit))  # K tiles a split
+
+    def splits(per: int) -> int:
+        return -(-k_blocks // per)
+
+    while per_split > 1 and tiles * splits(per_split) < 4 * sms and splits(per_split // 2) <= limit:
+        per_split //= 2
+    k_split = per_split * bk
+    return Plan("gemv", 1, 64, bk, -(-k // k_split), k_split, 4, 2)
 
 
 @functools.cache
@@ -405,7 +431,8 @@ def w4a16_linear(x: torch.Tensor, layout: W4A16Layout, bias: torch.Tensor | None
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out.view(*lead, n)
-    p = plan(m, n, k, layout.group_size, sm_count(x.device), DENSE_FROM_TOKENS if dense_from is None else dense_from)
+    p = plan(m, n, k, layout.group_size, sm_count(x.device), DENSE_FROM_TOKENS if dense_from is None else dense_from,
+             uses_table(layout))
     if p.kind == "dense":
         wt = dequantize_t(layout, x.dtype, p)
         if bias is None:
@@ -421,6 +448,12 @@ def w4a16_linear(x: torch.Tensor, layout: W4A16Layout, bias: torch.Tensor | None
 _MAGIC = 0x4B000000  # the float 2^23's bits (see _gemv_int_kernel)
 # LOOM_W4A16_INT_GEMV=0 keeps integer codes on the general GEMV (for side-by-side benchmarks)
 INT_GEMV = os.environ.get("LOOM_W4A16_INT_GEMV", "1") != "0"
+
+
+def uses_table(layout: W4A16Layout) -> bool:
+    """Whether the layout's codes index a table (NF4) rather than being integers: what
+    :func:`plan` is told, since the two GEMVs want different plans at one token."""
+    return any(seg.table is not None for seg in layout.segments)
 
 
 def _int_gemv(layout: W4A16Layout, seg: Segment, p: Plan) -> bool:

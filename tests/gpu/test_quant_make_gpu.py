@@ -1,7 +1,8 @@
 """``loom quantize --device cuda``: each decoder layer calibrated and quantized on the GPU, the model
-kept in host memory. The checkpoint equals the CPU's in its tensors and layout, its codes up to the
-rounding of the few weights float32 arithmetic on another device puts on the other side of a step,
-and it serves the same logits within the quantization's own noise."""
+kept in host memory. The checkpoint equals the CPU's in its tensors and layout: the dense tensors
+no method rewrites exactly; the norms AWQ folds its scales into, the scales and the codes up to
+the rounding that float32 arithmetic on another device moves (a few codes cross a step); and it
+serves the same logits within a small part of the quantization's own error."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.reference_attention import ModelHarness
+from helpers.tiny_models import save_tiny_llama_with_vocab_of
 from safetensors.torch import load_file
 
 from loom.model_loader import load_model, resolve_model_dir
@@ -29,7 +31,8 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_quantizing_on_the_gpu_writes_the_cpus_checkpoint(name: str, tmp_path: Path,
                                                           quant_registry: PluginRegistry) -> None:
-    source = resolve_model_dir("random:tiny-llama")
+    # A saved checkpoint (not random:...), so that the dense model's own logits are at hand.
+    source = save_tiny_llama_with_vocab_of(resolve_model_dir("random:tiny-llama"), tmp_path / "dense")
     options = {**CASES[name], "samples": 2, "seq_len": 64}
     cpu = quantize_model(source, tmp_path / "cpu", QuantizeRequest(**options, device="cpu"), progress=False)
     gpu = quantize_model(source, tmp_path / "gpu", QuantizeRequest(**options, device="cuda"), progress=False)
@@ -39,7 +42,10 @@ def test_quantizing_on_the_gpu_writes_the_cpus_checkpoint(name: str, tmp_path: P
         assert a[key].shape == b[key].shape and a[key].dtype == b[key].dtype, key
         if key.endswith(("qweight", "qzeros", "scales", "g_idx")):
             continue
-        assert torch.equal(a[key], b[key]), key  # the dense tensors (embedding, norms, head)
+        if name == "awq" and key.endswith("layernorm.weight"):  # AWQ's scales are folded into them
+            torch.testing.assert_close(a[key].float(), b[key].float(), rtol=2e-2, atol=1e-4)
+            continue
+        assert torch.equal(a[key], b[key]), key  # the embedding, the final norm, the head
     if name != "gptq-act-order":  # (act-order may order near-equal Hessian diagonals otherwise)
         words = sum(a[k].numel() for k in a if k.endswith("qweight"))
         differing = sum(int((a[k] != b[k]).sum()) for k in a if k.endswith("qweight"))  # a code apart
@@ -47,9 +53,16 @@ def test_quantizing_on_the_gpu_writes_the_cpus_checkpoint(name: str, tmp_path: P
         for k in (k for k in a if k.endswith("scales")):
             torch.testing.assert_close(a[k].float(), b[k].float(), rtol=2e-2, atol=1e-4)
 
-    def logits(path: Path) -> torch.Tensor:
-        loaded = load_model(path, torch.float32, "cpu", quant_registry, "auto")
+    def logits(path: Path, quantize: str = "auto") -> torch.Tensor:
+        loaded = load_model(path, torch.float32, "cpu", quant_registry, quantize)
         return ModelHarness(loaded.model, loaded.hf_config).prefill(PROMPT)
 
-    on_cpu, on_gpu = logits(cpu), logits(gpu)
-    assert float((on_gpu - on_cpu).norm() / on_cpu.norm()) < 2e-2
+    dense, on_cpu, on_gpu = logits(source, "none"), logits(cpu), logits(gpu)
+    # The two checkpoints differ by far less than either differs from the dense model. On the CPU
+    # (2026-12-03) the quantization's own error is 0.39-0.58 of the dense logits' norm for these
+    # cases; act-order, which may walk near-equal Hessian diagonals in another order on the GPU,
+    # measured 0.04 between the devices on the H200.
+    quant_error = float((on_cpu - dense).norm())
+    assert float((on_gpu - on_cpu).norm()) < 0.25 * quant_error
+    if name != "gptq-act-order":
+        assert float((on_gpu - on_cpu).norm() / on_cpu.norm()) < 2e-2

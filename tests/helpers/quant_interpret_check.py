@@ -76,7 +76,8 @@ def check_w4a16(label: str, layout: Any, m: int, dtype: Any, bias: bool, dense: 
     k, n = layout.in_features, layout.out_features
     x = torch.randn(m, k, generator=g).to(dtype)
     b = torch.randn(n, generator=g).to(dtype) if bias else None
-    p = wt.plan(m, n, k, layout.group_size, wt.sm_count(x.device), 1 if dense else wt.DENSE_FROM_TOKENS)
+    p = wt.plan(m, n, k, layout.group_size, wt.sm_count(x.device), 1 if dense else wt.DENSE_FROM_TOKENS,
+                wt.uses_table(layout))
     y = wt.w4a16_linear(x, layout, b, dense_from=1 if dense else None)
     w = layout.dequantize(torch.float32).double()  # [N, K], the torch path of the same layout
     ref = x.double() @ w.t() + (b.double() if b is not None else 0.0)

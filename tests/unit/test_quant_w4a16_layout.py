@@ -95,7 +95,7 @@ def test_plans_depend_on_shapes_and_cover_k(n: int, k: int, group: int) -> None:
     gs = k if group == -1 else group
     sms = 132
     for m in (1, 2, 7, 16, 32, 33, 64, 300, 1023):
-        p = plan(m, n, k, gs, sms, 1024)
+        p = plan(m, n, k, gs, sms, 1024, table=True)  # NF4's codes: the general GEMV at one token
         assert p.kind == ("gemv" if m == 1 else "gemm")
         assert p.block_k == (min(64, block_k_for(gs)) if m == 1 else block_k_for(gs))
         assert p.k_split % p.block_k == 0
@@ -103,9 +103,26 @@ def test_plans_depend_on_shapes_and_cover_k(n: int, k: int, group: int) -> None:
         tiles = -(-n // p.block_n) * (1 if m == 1 else -(-m // p.block_m))
         # enough programs for the GPU, unless K ran out of blocks to split
         assert tiles * p.split >= 4 * sms or p.split * 2 > min(16, -(-k // p.block_k))
-        assert plan(m, n, k, gs, sms, 1024) is p  # cached: no work per call
+        assert plan(m, n, k, gs, sms, 1024, table=True) is p  # cached: no work per call
+        if m > 1:
+            assert plan(m, n, k, gs, sms, 1024) == p  # integer codes: the same GEMM plans
     assert plan(1024, n, k, gs, sms, 1024).kind == "dense"
     assert gs % block_k_for(gs) == 0 or block_k_for(gs) == 64
+    p = plan(1, n, k, gs, sms, 1024)  # integer codes: the integer-code GEMV's plan
+    assert (p.kind, p.block_n, p.block_k) == ("gemv", 64, min(128, block_k_for(gs)))
+    assert (p.split - 1) * p.k_split < k <= p.split * p.k_split and p.k_split % p.block_k == 0
+    # splits of 512 inputs, shorter only while the grid is small, down to one tile, up to 32 splits
+    assert p.split <= 32
+    assert (p.k_split >= 512 or -(-n // 64) * p.split >= 4 * sms or p.k_split == p.block_k
+            or -(-k // (p.k_split // 2)) > 32)
+
+
+@pytest.mark.parametrize(("n", "k", "split"), [(6144, 4096, 8), (4096, 4096, 16), (28672, 4096, 8), (4096, 14336, 28)])
+def test_the_integer_code_gemv_plans_are_the_fastest_measured_on_llama_8b(n: int, k: int, split: int) -> None:
+    """bench/results/gpu-w4a16-plans-m1-int.json (H200, 2026-12-03): the fastest plan of each of
+    llama-8b's layer shapes at one token (group 128) was 64 x 128 tiles with these splits."""
+    p = plan(1, n, k, 128, 132, 1024)
+    assert (p.block_n, p.block_k, p.split, p.k_split) == (64, 128, split, -(-k // split // 128) * 128)
 
 
 def test_a_rank_slice_of_act_order_inputs_repacks_when_it_holds_whole_groups() -> None:
