@@ -1,6 +1,9 @@
 """Where a decode step's time goes: host (cProfile) and device (torch.profiler) for one model.
 
-Usage: python scripts/profile_decode.py random:llama-1b [batch] [out_dir] [async: auto|on|off]
+Usage: python scripts/profile_decode.py random:llama-1b [batch] [out_dir] [async: auto|on|off] [FIELD=VALUE ...]
+
+FIELD=VALUE: further EngineConfig fields, e.g. ``quantize=fp8`` or ``kv_cache_dtype=fp8`` (numbers
+are read as numbers); they are part of the report's file name.
 """
 
 from __future__ import annotations
@@ -25,8 +28,12 @@ def main() -> None:
     batch = int(sys.argv[2]) if len(sys.argv) > 2 else 1
     out = Path(sys.argv[3] if len(sys.argv) > 3 else ".")
     mode = sys.argv[4] if len(sys.argv) > 4 else "auto"
+    extra: dict[str, object] = {}
+    for item in sys.argv[5:]:
+        key, _, value = item.partition("=")
+        extra[key] = int(value) if value.isdigit() else value
     engine = LLMEngine(EngineConfig(model_id=model, max_total_tokens=2048, max_batch_prefill_tokens=16384,
-                                    async_scheduling=mode))
+                                    async_scheduling=mode, **extra))  # type: ignore[arg-type]
     rng = random.Random(0)
     for i in range(batch):
         prompt = tuple(rng.randint(10, 1000) for _ in range(512))
@@ -66,10 +73,11 @@ def main() -> None:
             engine.step()
         torch.cuda.synchronize()
     table = p.key_averages().table(sort_by="cuda_time_total", row_limit=30)
-    report = (f"model {model} batch {batch} async {mode}: {step_ms:.3f} ms per decode step\n"
+    report = (f"model {model} batch {batch} async {mode} {extra}: {step_ms:.3f} ms per decode step\n"
               f"first 20 steps (ms, synchronized): {warm_ms}\n\n{text.getvalue()}\n\n{table}\n"
               f"\nthe third step (a prefill step, profiled):\n{prefill_table}\n")
-    (out / f"profile-{model.replace(':', '-')}-b{batch}-{mode}.txt").write_text(report)
+    suffix = "".join(f"-{k}-{v}" for k, v in extra.items())
+    (out / f"profile-{model.replace(':', '-')}-b{batch}-{mode}{suffix}.txt").write_text(report)
     print(report[:3000])
 
 
