@@ -1,0 +1,101 @@
+"""The MoE routing kernels (``loom.layers.moe_routing_triton``) compiled for Hopper (sm_90) on a
+machine without a GPU: Triton's front end, its GPU passes and the ptxas it bundles, no launch.
+
+Checks what the interpreter cannot: that each kernel compiles, without register spills, and that
+the one-launch decode kernel (``_route_sort_kernel``) reduces every float32 value (the softmax's
+max and sum, the top-k's argmax, the renormalisation) over the same tile shapes in the same
+register layouts as ``_route_kernel``: the reduction order is fixed by the layout, so the two
+paths give the same weights bit for bit on the GPU too (the interpreter only shows it for numpy's
+order). Run as a script in its own process, without ``TRITON_INTERPRET``
+(``tests/unit/test_fused_moe.py`` runs it). Prints one line per case; exits non-zero on a failure.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def compile_for_hopper(fn: Any, sig: dict[str, str], consts: dict[str, Any], num_warps: int) -> Any:
+    """``fn`` compiled for sm_90 with pointers and strides 16-aligned (as Triton's launcher
+    specializes the usual tensors; the token count T never is)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(sig)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr") or n.startswith("stride")}
+    full = {**sig, **{c: "constexpr" for c in consts}}
+    return triton.compile(ASTSource(fn, full, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps})
+
+
+def float_reductions(ttgir: str) -> list[str]:
+    """Each float32 ``tt.reduce`` of a kernel's TTGIR as ``shape @ layout`` (the layout spelled
+    out, not by its local alias), in program order."""
+    aliases = dict(re.findall(r"^(#\w+) = (#ttg\.[^\n]+)$", ttgir, flags=re.M))
+    out = []
+    for operands in re.findall(r"^\s+\}\) : \((tensor<[^)]*?)\) ->", ttgir, flags=re.M):
+        first = re.match(r"tensor<([\dx]+xf32), (#\w+)>", operands)  # a reduction's first operand
+        if first:
+            out.append(f"{first.group(1)} @ {aliases.get(first.group(2), first.group(2))}")
+    return out
+
+
+def _spills(compiled: Any) -> tuple[int, int]:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from w4a16_sass import disassemble
+
+    _, regs, spills = disassemble(compiled)
+    return regs, spills
+
+
+def check_routing() -> int:
+    from loom.layers import moe_routing_triton as rt
+
+    failed = 0
+    route_sig = dict(logits_ptr="*bf16", weights_ptr="*bf16", ids_ptr="*i32", T="i32", E="i32", stride_l="i32")
+    fused_sig = dict(logits_ptr="*bf16", weights_ptr="*bf16", ids_ptr="*i32", sorted_ptr="*i32",
+                     block_expert_ptr="*i32", num_padded_ptr="*i32", T="i32", E="i32", stride_l="i32")
+    for experts, k, dtype, wdtype, block_m in ((128, 8, "bf16", "bf16", 16), (8, 2, "fp32", "fp32", 16),
+                                               (60, 4, "fp16", "fp16", 16), (512, 10, "fp32", "fp32", 32),
+                                               (1024, 4, "bf16", "bf16", 16)):
+        rows, block_k, block_e = rt.route_rows(experts), rt._next_pow2(k), rt._block_e(experts)
+        consts: dict[str, Any] = dict(K=k, BLOCK_T=rows, BLOCK_K=block_k, BLOCK_E=block_e, RENORMALIZE=True)
+        types = dict(logits_ptr=f"*{dtype}", weights_ptr=f"*{wdtype}")
+        fused_consts = {**consts, "BLOCK_M": block_m, "CHUNK": min(rt._SORT_CHUNK, block_e),
+                        "MAX_BLOCKS": rt._next_pow2(rt._cdiv(rows * block_k, block_m))}
+        name = f"E={experts} k={k} {dtype} block_m={block_m}"
+        try:
+            route = compile_for_hopper(rt._route_kernel, {**route_sig, **types}, consts, rt.ROUTE_WARPS)
+            fused = compile_for_hopper(rt._route_sort_kernel, {**fused_sig, **types}, fused_consts, rt.ROUTE_WARPS)
+        except Exception as exc:  # reported: the script fails
+            failed += 1
+            print(f"FAIL routing {name}: {type(exc).__name__}: {exc}")
+            continue
+        want, got = float_reductions(route.asm["ttgir"]), float_reductions(fused.asm["ttgir"])
+        usage = {kernel: _spills(c) for kernel, c in (("route", route), ("route_sort", fused))}
+        problems = [f"{kernel} spills {spills} bytes" for kernel, (_, spills) in usage.items() if spills]
+        if not want or got != want:
+            problems.append(f"float reductions differ: {want} vs {got}")
+        failed += bool(problems)
+        regs = ", ".join(f"{kernel} {r} registers" for kernel, (r, _) in usage.items())
+        print(f"{'FAIL' if problems else 'ok  '} routing {name}: {len(want)} float reductions alike; {regs}"
+              f"{': ' + '; '.join(problems) if problems else ''}")
+    return failed
+
+
+def main() -> int:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from helpers.source_tree import make_importable
+
+    make_importable()
+    return 1 if check_routing() else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
