@@ -78,8 +78,9 @@ class LlamaAttentionBlock(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+            q, k = rotary.forward_with_qk_norm(positions, q, k, self.q_norm, self.k_norm)  # one kernel on CUDA
+        else:
+            q, k = rotary(positions, q, k)
         out = self.attn(q.reshape(T, self.q_size), k.reshape(T, self.kv_size), v)  # [T, Hq*D]
         return self.o_proj(out)
 

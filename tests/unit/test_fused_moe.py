@@ -102,7 +102,7 @@ def test_routing_kernels_compile_for_hopper_and_reduce_alike() -> None:
     """Both routing paths compiled for sm_90 (no GPU needed): no spills, and the one-launch
     decode kernel reduces its float32 values in ``_route_kernel``'s layouts (same weights bits)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "moe_compile_check.py")],
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "layout_compile_check.py"), "routing"],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0 and "FAIL" not in proc.stdout, proc.stdout + proc.stderr
     assert proc.stdout.count("ok  ") == 5, proc.stdout

@@ -1,13 +1,19 @@
-"""The MoE routing kernels (``loom.layers.moe_routing_triton``) compiled for Hopper (sm_90) on a
-machine without a GPU: Triton's front end, its GPU passes and the ptxas it bundles, no launch.
+"""Fused kernels compiled for Hopper (sm_90) on a machine without a GPU (Triton's front end, its
+GPU passes and the ptxas it bundles; no launch), each next to the kernel(s) whose results it must
+reproduce bit for bit:
+
+* ``routing``: the MoE decode path's ``_route_sort_kernel`` against ``_route_kernel``
+  (``loom.layers.moe_routing_triton``);
+* ``qk_norm_rotary``: ``fused_ops._qk_norm_rotary_kernel`` against ``_add_rms_norm_kernel`` on
+  one head.
 
 Checks what the interpreter cannot: that each kernel compiles, without register spills, and that
-the one-launch decode kernel (``_route_sort_kernel``) reduces every float32 value (the softmax's
-max and sum, the top-k's argmax, the renormalisation) over the same tile shapes in the same
-register layouts as ``_route_kernel``: the reduction order is fixed by the layout, so the two
-paths give the same weights bit for bit on the GPU too (the interpreter only shows it for numpy's
-order). Run as a script in its own process, without ``TRITON_INTERPRET``
-(``tests/unit/test_fused_moe.py`` runs it). Prints one line per case; exits non-zero on a failure.
+the fused kernel reduces every float32 value (softmax max and sum, argmax, renormalisation; the
+sum of squares) over the same tile shapes in the same register layouts as the other: the
+reduction order is fixed by the layout, so the two give the same bits on the GPU too (the
+interpreter only shows it for numpy's order). Run as a script in its own process, without
+``TRITON_INTERPRET``, with the group to check (``tests/unit/test_fused_moe.py`` and
+``tests/unit/test_fused_layers.py`` run it). Prints one line per case; exits non-zero on a failure.
 """
 
 from __future__ import annotations
@@ -89,13 +95,53 @@ def check_routing() -> int:
     return failed
 
 
-def main() -> int:
+def check_qk_norm_rotary() -> int:
+    from loom.layers import fused_ops
+
+    failed = 0
+    for dtype, head_dim in (("bf16", 128), ("bf16", 64), ("fp16", 256), ("fp32", 128)):
+        block = fused_ops._next_pow2(head_dim)
+        warps = fused_ops.norm_warps(block)
+        act = f"*{dtype}"
+        norm_sig = dict(x_ptr=act, res_ptr=act, w_ptr=act, out_ptr=act, res_out_ptr=act, stride_xt="i32",
+                        stride_xr="i32", stride_rt="i32", stride_rr="i32", R="i32", H="i32", eps="fp32")
+        fused_sig = dict(q_ptr=act, k_ptr=act, q_out_ptr=act, k_out_ptr=act, qw_ptr=act, kw_ptr=act,
+                         pos_ptr="*i64", cos_ptr="*fp32", sin_ptr="*fp32", stride_qt="i32", stride_qh="i32",
+                         stride_kt="i32", stride_kh="i32", stride_cos="i32", HQ="i32", HKV="i32", D="i32",
+                         q_eps="fp32", k_eps="fp32")
+        name = f"{dtype} head_dim={head_dim}"
+        try:
+            norm = compile_for_hopper(fused_ops._add_rms_norm_kernel, norm_sig,
+                                      dict(HAS_RESIDUAL=False, BLOCK=block), warps)
+            fused = compile_for_hopper(fused_ops._qk_norm_rotary_kernel, fused_sig,
+                                       dict(HALF=head_dim // 2, BLOCK=block, BLOCK_HALF=block // 2, GEMMA=False),
+                                       warps)
+        except Exception as exc:  # reported: the script fails
+            failed += 1
+            print(f"FAIL qk_norm_rotary {name}: {type(exc).__name__}: {exc}")
+            continue
+        want, got = float_reductions(norm.asm["ttgir"]), float_reductions(fused.asm["ttgir"])
+        usage = {kernel: _spills(c) for kernel, c in (("add_rms_norm", norm), ("qk_norm_rotary", fused))}
+        problems = [f"{kernel} spills {spills} bytes" for kernel, (_, spills) in usage.items() if spills]
+        if not want or got != want:
+            problems.append(f"float reductions differ: {want} vs {got}")
+        failed += bool(problems)
+        regs = ", ".join(f"{kernel} {r} registers" for kernel, (r, _) in usage.items())
+        print(f"{'FAIL' if problems else 'ok  '} qk_norm_rotary {name}: {len(want)} float reductions alike; "
+              f"{regs}{': ' + '; '.join(problems) if problems else ''}")
+    return failed
+
+
+def main(group: str) -> int:
     sys.path.insert(0, str(ROOT / "tests"))
     from helpers.source_tree import make_importable
 
     make_importable()
-    return 1 if check_routing() else 0
+    checks = {"routing": check_routing, "qk_norm_rotary": check_qk_norm_rotary}
+    if group not in checks:
+        raise SystemExit(f"unknown group {group!r}: one of {', '.join(checks)}")
+    return 1 if checks[group]() else 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(sys.argv[1] if len(sys.argv) > 1 else "routing"))
