@@ -32,6 +32,13 @@ def test_norm(dtype: torch.dtype, tokens: int, hidden: int, with_residual: bool)
     fc.check_norm("cuda", dtype, tokens, hidden, with_residual)
 
 
+@pytest.mark.parametrize(("dtype", "tokens", "hidden", "top_k", "weights_dtype"), [
+    *fc.combine_norm_cases(), (torch.bfloat16, 1, 2048, 8, torch.bfloat16),  # Qwen3-30B-A3B's decode row
+    (torch.bfloat16, 300, 2048, 8, torch.bfloat16), (torch.bfloat16, 64, 4096, 2, torch.float32)])  # Mixtral-like
+def test_combine_norm(dtype: torch.dtype, tokens: int, hidden: int, top_k: int, weights_dtype: torch.dtype) -> None:
+    fc.check_combine_norm("cuda", dtype, tokens, hidden, top_k, weights_dtype)
+
+
 @pytest.mark.parametrize(("dtype", "tokens", "heads", "head_dim"), [*fc.head_norm_cases(), (torch.bfloat16, 64, 32, 128)])
 def test_head_norm(dtype: torch.dtype, tokens: int, heads: int, head_dim: int) -> None:
     fc.check_head_norm("cuda", dtype, tokens, heads, head_dim)
@@ -73,7 +80,8 @@ def test_layers_use_the_kernels_on_cuda_unless_switched_off() -> None:
 
     with fc.count_launches() as counts:
         run()
-    assert counts == {"fused_add_rms_norm": 3, "rotary": 1, "qk_norm_rotary": 1, "silu_and_mul": 1}
+    assert counts == {"fused_add_rms_norm": 3, "fused_combine_add_rms_norm": 0, "rotary": 1, "qk_norm_rotary": 1,
+                      "silu_and_mul": 1}
     with fc.torch_path(), fc.count_launches() as counts:
         run()
     assert sum(counts.values()) == 0

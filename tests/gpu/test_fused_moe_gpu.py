@@ -170,6 +170,29 @@ def test_no_host_sync_and_a_cuda_graph_replays_any_routing(t: int) -> None:
         assert torch.equal(static_out, block(static_x)), f"replay {seed} differs from eager"
 
 
+@pytest.mark.parametrize("t", [1, 5, 40])
+def test_combine_folded_into_the_next_norm_gives_the_same_bits(t: int) -> None:
+    """The layer's experts' rows summed by the next residual add + norm (one launch) against its
+    summed output through that norm (two): the same normed rows and residual, bf16 and float32."""
+    from loom.layers.fused_moe_triton import ExpertOutputs
+    from loom.layers.norm import RMSNorm
+
+    for dtype in (torch.bfloat16, torch.float32):
+        torch.manual_seed(t)
+        with torch.device(CUDA):
+            block = SparseMoeBlock(64, 8, 1024, 384, renormalize=True, weights_in_logits_dtype=True).to(dtype)
+            norm = RMSNorm(1024).to(dtype)
+        for p in block.parameters():
+            p.data.normal_(0, 0.05)
+        norm.weight.data.normal_(1, 0.3)
+        x, residual = torch.randn(t, 1024, device=CUDA).to(dtype), torch.randn(t, 1024, device=CUDA).to(dtype)
+        rows = block.forward_uncombined(x)
+        assert isinstance(rows, ExpertOutputs)
+        folded = norm.forward_with_residual(rows, residual)
+        separate = norm.forward_with_residual(block(x), residual)
+        assert all(torch.equal(a, b) for a, b in zip(folded, separate, strict=True)), dtype
+
+
 def test_block_configs_fit_the_shapes() -> None:
     for n in (1, 8, 64, 512, 4096, 65536):
         for dtype in (torch.bfloat16, torch.float32):

@@ -22,6 +22,9 @@ What is compared, and how closely (distances in units in the last place, ulps, o
 * silu_and_mul on the CPU: the interpreter's exp is numpy's and torch's CPU silu uses its own
   vectorised expf; they disagree in the last float32 bit now and then, which can move a rounded
   half-precision output by 1 ulp (rarely: share bounded as for the norm), float32 ones by a few.
+* fused_combine_add_rms_norm (an MoE layer's weighted sum folded into the next add + norm):
+  bit-identical to the combine kernel followed by fused_add_rms_norm (the same float32 sum in the
+  same order, each term rounded, no FMA), and its residual sum to torch's combine and add.
 * qk_norm_rotary (Qwen3's q/k norms and RoPE in one kernel) against the two kernels it replaces
   (``fused_add_rms_norm`` per head, then ``rotary``): bit-identical, in the interpreter and on a
   GPU (the same sum of squares in the same layout: ``helpers/layout_compile_check.py`` compares
@@ -212,6 +215,35 @@ def check_qk_norm_rotary(device: str, dtype: torch.dtype, tokens: int, hq: int, 
     _assert_head_scale_close(got_k, ref_k.contiguous(), "k against the torch path")
 
 
+def check_combine_norm(device: str, dtype: torch.dtype, tokens: int, hidden: int, top_k: int,
+                       weights_dtype: torch.dtype) -> None:
+    """An MoE layer's expert rows summed with their routing weights inside the next residual add +
+    norm (``fused_combine_add_rms_norm``): the same bits as the MoE combine kernel followed by
+    ``fused_add_rms_norm``; the residual sum also the same bits as torch's combine and add."""
+    from loom.layers.fused_moe_triton import combine_rows
+
+    seed = tokens * 7 + hidden * 3 + top_k
+    rows = _randn((tokens * top_k, hidden), seed, dtype, device)
+    weights = torch.softmax(_randn((tokens, top_k), seed + 1, torch.float32, "cpu"), -1).to(weights_dtype).to(device)
+    residual = _randn((tokens, hidden), seed + 2, dtype, device, scale=4.0)
+    norm = RMSNorm(hidden, eps=1e-6).to(device=device, dtype=dtype)
+    norm.weight.data = 1 + _randn((hidden,), seed + 3, dtype, device, scale=0.5)
+    before = rows.clone()
+    out, h = fused_ops.fused_combine_add_rms_norm(rows, weights, residual, norm.weight, norm.eps)
+    assert torch.equal(rows, before), "the fused norm wrote into the expert rows"
+    want_out, want_h = fused_ops.fused_add_rms_norm(combine_rows(rows, weights), residual, norm.weight, norm.eps)
+    assert_ulps(h, want_h, 0, 0.0, "residual sum against combine + add")
+    assert_ulps(out, want_out, 0, 0.0, "norm against combine + norm")
+    with torch_path():  # torch's combine: each weighted row rounded, summed in float32 in j order
+        acc = torch.zeros(tokens, hidden, dtype=torch.float32, device=device)
+        for j in range(top_k):
+            acc += (rows[j::top_k].float() * weights[:, j:j + 1].float()).to(dtype).float()
+        ref_h = residual + acc.to(dtype)
+        ref = norm(ref_h)
+    assert_ulps(h, ref_h, 0, 0.0, "residual sum against torch")
+    assert_ulps(out, ref, *_norm_tolerance(dtype, unit_weight=False), "norm against torch")
+
+
 def check_silu_and_mul(device: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     """``silu(gate) * up`` of a ``[..., 2*I]`` input; gates spread wide enough for both tails."""
     seed = sum(shape) * 13 + len(shape)
@@ -259,6 +291,12 @@ def qk_norm_rotary_cases(full: bool) -> list[tuple[torch.dtype, int, int, int, i
         (torch.bfloat16, 7, 8, 4, 256, True), (torch.float32, 5, 4, 1, 128, True), (torch.bfloat16, 3, 6, 2, 96, True)]
 
 
+def combine_norm_cases() -> list[tuple[torch.dtype, int, int, int, torch.dtype]]:
+    """(dtype, T, H, k, weights dtype): Qwen3-MoE's bf16 weights and Mixtral's float32 ones."""
+    return [(dtype, t, h, k, wd) for dtype in (torch.float32, torch.bfloat16) for t in (1, 7)
+            for h, k in ((64, 2), (576, 8)) for wd in dict.fromkeys((dtype, torch.float32))] + [(torch.float16, 3, 2048, 8, torch.float16)]
+
+
 def silu_cases() -> list[tuple[torch.dtype, tuple[int, ...]]]:
     return [(dtype, (t, 2 * i)) for dtype in (torch.float32, torch.bfloat16) for t in TOKENS
             for i in SILU_SIZES] + [(torch.float16, (7, 2 * 576)), (torch.bfloat16, (2, 3, 2 * 64))]
@@ -267,7 +305,8 @@ def silu_cases() -> list[tuple[torch.dtype, tuple[int, ...]]]:
 @contextlib.contextmanager
 def count_launches() -> Iterator[dict[str, int]]:
     """Counts the calls the layers make into each fused kernel's launcher while active."""
-    counts = {"fused_add_rms_norm": 0, "rotary": 0, "qk_norm_rotary": 0, "silu_and_mul": 0}
+    counts = {"fused_add_rms_norm": 0, "fused_combine_add_rms_norm": 0, "rotary": 0, "qk_norm_rotary": 0,
+              "silu_and_mul": 0}
     originals = {name: getattr(fused_ops, name) for name in counts}
 
     def counting(name: str) -> Any:
@@ -305,8 +344,9 @@ def check_model(device: str, model_dir: Path, registry: Any) -> None:
     with count_launches() as counts:
         got = logits()
     qk_norm = getattr(loaded.model.model.layers[0].self_attn, "q_norm", None) is not None
-    assert counts == {"fused_add_rms_norm": 2 * layers + 1, "rotary": 0 if qk_norm else layers,
-                      "qk_norm_rotary": layers if qk_norm else 0, "silu_and_mul": layers}, counts
+    assert counts == {"fused_add_rms_norm": 2 * layers + 1, "fused_combine_add_rms_norm": 0,
+                      "rotary": 0 if qk_norm else layers, "qk_norm_rotary": layers if qk_norm else 0,
+                      "silu_and_mul": layers}, counts
     with torch_path(), count_launches() as counts:
         ref = logits()
     assert sum(counts.values()) == 0, counts

@@ -103,8 +103,9 @@ def check_qk_norm_rotary() -> int:
         block = fused_ops._next_pow2(head_dim)
         warps = fused_ops.norm_warps(block)
         act = f"*{dtype}"
-        norm_sig = dict(x_ptr=act, res_ptr=act, w_ptr=act, out_ptr=act, res_out_ptr=act, stride_xt="i32",
-                        stride_xr="i32", stride_rt="i32", stride_rr="i32", R="i32", H="i32", eps="fp32")
+        norm_sig = dict(x_ptr=act, res_ptr=act, w_ptr=act, out_ptr=act, res_out_ptr=act, ew_ptr=act,
+                        stride_xt="i32", stride_xr="i32", stride_rt="i32", stride_rr="i32", R="i32", H="i32",
+                        eps="fp32")
         fused_sig = dict(q_ptr=act, k_ptr=act, q_out_ptr=act, k_out_ptr=act, qw_ptr=act, kw_ptr=act,
                          pos_ptr="*i64", cos_ptr="*fp32", sin_ptr="*fp32", stride_qt="i32", stride_qh="i32",
                          stride_kt="i32", stride_kh="i32", stride_cos="i32", HQ="i32", HKV="i32", D="i32",
@@ -112,7 +113,7 @@ def check_qk_norm_rotary() -> int:
         name = f"{dtype} head_dim={head_dim}"
         try:
             norm = compile_for_hopper(fused_ops._add_rms_norm_kernel, norm_sig,
-                                      dict(HAS_RESIDUAL=False, BLOCK=block), warps)
+                                      dict(HAS_RESIDUAL=False, BLOCK=block, TOP_K=0), warps)
             fused = compile_for_hopper(fused_ops._qk_norm_rotary_kernel, fused_sig,
                                        dict(HALF=head_dim // 2, BLOCK=block, BLOCK_HALF=block // 2, GEMMA=False),
                                        warps)

@@ -213,17 +213,23 @@ def check_fused_routing() -> list[str]:
 def check_block() -> list[str]:
     """``SparseMoeBlock`` taking the Triton path on these CPU tensors (as it does on CUDA): a
     decode-sized batch routes and sorts in one launch and hands the layout to the experts, a
-    larger one takes the three launches; both within float32 rounding of the torch path."""
+    larger one takes the three launches; both within float32 rounding of the torch path. Its
+    uncombined output (the experts' rows) through the next residual add + norm gives the same
+    bits as its output through that norm."""
     import torch
 
     from loom import kernel_switches
-    from loom.layers import fused_moe, moe_routing_triton
+    from loom.layers import fused_moe, fused_ops, moe_routing_triton
+    from loom.layers.fused_moe_triton import ExpertOutputs
+    from loom.layers.norm import RMSNorm
 
     errors: list[str] = []
     torch.manual_seed(4)
     block = fused_moe.SparseMoeBlock(16, 4, 64, 32, renormalize=True)
     for p in block.parameters():
         p.data.normal_(0, 0.1)
+    norm = RMSNorm(64)
+    norm.weight.data = 1 + 0.3 * torch.randn(64)
     calls = {"route_and_sort": 0}
     original = moe_routing_triton.route_and_sort
 
@@ -232,20 +238,80 @@ def check_block() -> list[str]:
         return original(*args, **kwargs)  # type: ignore[arg-type]
 
     fused_moe.triton_experts_supported = lambda x: kernel_switches.fused_kernels  # type: ignore[assignment]
+    fused_ops.enabled = lambda x: kernel_switches.fused_kernels  # type: ignore[assignment]
     moe_routing_triton.route_and_sort = counting  # type: ignore[assignment]
     for T, fused in ((1, True), (8, True), (9, False)):
-        x = torch.randn(T, 64)
+        x, residual = torch.randn(T, 64), torch.randn(T, 64)
         calls["route_and_sort"] = 0
         with torch.no_grad():
             got = block(x)
+            rows = block.forward_uncombined(x)
+            folded = norm.forward_with_residual(rows, residual)
+            separate = norm.forward_with_residual(got, residual)
             with kernel_switches.fused_kernels_off():
                 want = block(x)
         err = (got - want).abs().max().item()
-        ok = err <= 1e-5 and calls["route_and_sort"] == int(fused)
-        print(f"{'ok  ' if ok else 'FAIL'} block T={T} (routing and sort in one launch: {fused}): max err {err:.2e}")
+        same = isinstance(rows, ExpertOutputs) and all(torch.equal(a, b) for a, b in zip(folded, separate, strict=True))
+        ok = err <= 1e-5 and calls["route_and_sort"] == 2 * int(fused) and same
+        print(f"{'ok  ' if ok else 'FAIL'} block T={T} (routing and sort in one launch: {fused}): max err {err:.2e}, "
+              f"combine folded into the norm: {'same bits' if same else 'DIFFERENT'}")
         if not ok:
-            errors.append(f"block T={T}: max err {err:.2e}, route_and_sort calls {calls['route_and_sort']}")
+            errors.append(f"block T={T}: max err {err:.2e}, route_and_sort calls {calls['route_and_sort']}, "
+                          f"folded combine the same: {same}")
     return errors
+
+
+def check_model() -> list[str]:
+    """A tiny Qwen3-MoE (float32: the interpreter's bf16 dots are wrong) on the Triton kernels:
+    every MoE layer's combine is folded into the norm after it (no combine launch; one folded
+    norm a sparse layer), and the logits are the torch path's within float32 rounding."""
+    import shutil
+    import tempfile
+
+    import torch
+
+    import loom_plugins.models
+    from helpers.reference_attention import ModelHarness
+    from helpers.tiny_models import save_tiny_model
+    from loom import kernel_switches
+    from loom.layers import fused_moe, fused_moe_triton, fused_ops
+    from loom.model_loader import load_model
+    from loom.plugin_api import PluginRegistry
+
+    registry = PluginRegistry()
+    registry.register(loom_plugins.models, "loom-models", "loom-server")
+    tmp = Path(tempfile.mkdtemp(prefix="loom-moe-"))
+    try:
+        loaded = load_model(save_tiny_model("qwen3-moe", tmp / "m"), torch.float32, torch.device("cpu"), registry)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    fused_moe.triton_experts_supported = lambda x: kernel_switches.fused_kernels  # type: ignore[assignment]
+    fused_ops.enabled = lambda x: kernel_switches.fused_kernels  # type: ignore[assignment]
+    calls = {"combine_rows": 0, "fused_combine_add_rms_norm": 0}
+    originals = {"combine_rows": fused_moe_triton.combine_rows,
+                 "fused_combine_add_rms_norm": fused_ops.fused_combine_add_rms_norm}
+
+    def counting(name: str) -> object:
+        def call(*args: object) -> object:
+            calls[name] += 1
+            return originals[name](*args)  # type: ignore[operator]
+        return call
+
+    fused_moe_triton.combine_rows = counting("combine_rows")  # type: ignore[assignment]
+    fused_ops.fused_combine_add_rms_norm = counting("fused_combine_add_rms_norm")  # type: ignore[assignment]
+    prompt = [1, 17, 42, 99, 3, 250, 7, 7, 128, 64, 5]
+
+    def logits() -> torch.Tensor:
+        return ModelHarness(loaded.model, loaded.hf_config, dtype=torch.float32, device="cpu").prefill(prompt)
+
+    got = logits()
+    with kernel_switches.fused_kernels_off():
+        want = logits()
+    err = (got - want).abs().max().item()
+    sparse = 2  # layers 0 and 2 (helpers/tiny_models.py)
+    ok = err <= 1e-4 and calls == {"combine_rows": 0, "fused_combine_add_rms_norm": sparse}
+    print(f"{'ok  ' if ok else 'FAIL'} model qwen3-moe float32: max logit err {err:.2e}, launches {calls}")
+    return [] if ok else [f"model: max logit err {err:.2e}, launches {calls}"]
 
 
 def main() -> int:
@@ -253,7 +319,7 @@ def main() -> int:
     routing_errors = check_routing() + check_fused_routing()
     errors = check_alignment()
     print(f"{'FAIL' if errors else 'ok  '} sort by expert: {'; '.join(errors) or 'as expected'}")
-    expert_errors = check_experts() + check_block()
+    expert_errors = check_experts() + check_block() + check_model()
     return 1 if errors or expert_errors or routing_errors else 0
 
 

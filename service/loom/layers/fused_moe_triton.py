@@ -11,6 +11,9 @@ per layer whatever the number of experts:
    ``silu(gate) * up`` (``act [N, I]``, row ``i`` at ``i``): the activation is its epilogue.
 2. ``_down_kernel``: the same grouping over ``w2 [E, H, I]``: ``y [N, H]``.
 3. ``_combine_kernel``: ``out[t] = sum_j w[t, j] * y[t * k + j]`` in float32, in ``j`` order.
+   Where the layer's output goes straight into a residual add and RMSNorm (Llama-family decoders
+   on one rank), the layer hands back the rows unsummed (:class:`ExpertOutputs`) and the norm
+   kernel does this sum, rounded the same way, before its add: one launch fewer.
 
 Shapes depend only on ``T`` (and the model): ``NB`` blocks (``num_blocks_bound``) hold any
 routing, the grids are fixed, and the device-side ``num_padded`` tells programs
@@ -186,7 +189,8 @@ def _down_kernel(
 
 @_jit()
 def _combine_kernel(y_ptr, w_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
-    # out[t, cols] = sum_j w[t, j] * y[t * k + j, cols]; in float32, j in order.
+    # out[t, cols] = sum_j w[t, j] * y[t * k + j, cols]; in float32, j in order. (The residual
+    # add + norm kernel of fused_ops sums the same way when it folds this in.)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < H
@@ -199,7 +203,35 @@ def _combine_kernel(y_ptr, w_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.con
     tl.store(out_ptr + t * H + cols, acc.to(dtype), mask=mask)
 
 
-def fused_experts_triton(
+def combine_rows(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``rows [T * k, H]`` (contiguous), ``weights [T, k]`` -> ``[T, H]``: each token's expert
+    rows weighted and summed. Compiled without FMA contraction: in float32 each product is
+    rounded before the add, as torch's separate ops (and the fused norm) do."""
+    T, k = weights.shape
+    H = rows.shape[1]
+    out = torch.empty((T, H), dtype=rows.dtype, device=rows.device)
+    if T:
+        block = min(1024, _next_pow2(H))
+        _combine_kernel[(T, _cdiv(H, block))](rows, weights.contiguous(), out, H, TOP_K=k, BLOCK=block,
+                                              enable_fp_fusion=False)
+    return out
+
+
+@dataclass(frozen=True)
+class ExpertOutputs:
+    """An MoE layer's output before its weighted sum: row ``t * k + j`` of ``rows [T * k, H]``
+    (contiguous) is token ``t``'s ``j``-th expert's output, ``weights [T, k]`` the routing
+    weights. :meth:`combine` sums them; a norm that follows the layer can sum them itself
+    (``RMSNorm.forward_with_residual``)."""
+
+    rows: torch.Tensor
+    weights: torch.Tensor
+
+    def combine(self) -> torch.Tensor:  # [T, H]
+        return combine_rows(self.rows, self.weights)
+
+
+def expert_outputs_triton(
     x: torch.Tensor,  # [T, H]
     w13: torch.Tensor,  # [E, 2I, H]
     w2: torch.Tensor,  # [E, H, I]
@@ -207,20 +239,20 @@ def fused_experts_triton(
     topk_ids: torch.Tensor,  # [T, k]
     config: MoeBlockConfig | None = None,
     layout: ExpertLayout | None = None,
-) -> torch.Tensor:  # [T, H]
-    """Every token's ``k`` experts, weighted and summed: three launches, after the sort's two
-    unless ``layout`` (``moe_routing_triton.route_and_sort``'s, for the same ids) is given
-    with the block size this step's tiles use."""
+) -> ExpertOutputs:
+    """Every token's ``k`` experts, not yet summed: two launches, after the sort's two unless
+    ``layout`` (``moe_routing_triton.route_and_sort``'s, for the same ids) is given with the
+    block size this step's tiles use."""
     T, H = x.shape
     k = topk_ids.shape[1]
     E, two_i, _ = w13.shape
     inter = two_i // 2
-    out = torch.empty((T, H), dtype=x.dtype, device=x.device)  # row-major, as the combine writes it
+    n = T * k
+    y = torch.empty((n, H), dtype=x.dtype, device=x.device)  # row i at i, as the combine reads it
     if T == 0:
-        return out
+        return ExpertOutputs(y, topk_weights)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    n = T * k
     cfg = config or block_config(n, E, x.dtype)
     if layout is None or layout.block_m != cfg.block_m:
         layout = ExpertLayout(*align_rows_by_expert(topk_ids, E, cfg.block_m), block_m=cfg.block_m)
@@ -235,7 +267,6 @@ def fused_experts_triton(
         TOP_K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    y = torch.empty((n, H), dtype=x.dtype, device=x.device)
     _down_kernel[(nb * _cdiv(H, cfg.block_n),)](
         act, w2, y, sorted_ids, block_expert, num_padded,
         n, inter, H,
@@ -243,7 +274,18 @@ def fused_experts_triton(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    weights = topk_weights.contiguous()
-    block = min(1024, _next_pow2(H))
-    _combine_kernel[(T, _cdiv(H, block))](y, weights, out, H, TOP_K=k, BLOCK=block)
-    return out
+    return ExpertOutputs(y, topk_weights.contiguous())
+
+
+def fused_experts_triton(
+    x: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2I, H]
+    w2: torch.Tensor,  # [E, H, I]
+    topk_weights: torch.Tensor,  # [T, k]
+    topk_ids: torch.Tensor,  # [T, k]
+    config: MoeBlockConfig | None = None,
+    layout: ExpertLayout | None = None,
+) -> torch.Tensor:  # [T, H]
+    """Every token's ``k`` experts, weighted and summed: :func:`expert_outputs_triton`, then the
+    combine (three launches after the sort)."""
+    return expert_outputs_triton(x, w13, w2, topk_weights, topk_ids, config, layout).combine()

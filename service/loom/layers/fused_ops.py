@@ -4,7 +4,9 @@ Unfused, a decode step spends more time launching tiny elementwise kernels than 
 (RMSNorm alone is eight: cast, pow, mean, add eps, rsqrt, mul, cast, weight multiply). Each
 kernel here does one such group in one launch:
 
-* ``fused_add_rms_norm``: ``h = residual + x`` (optional), then HF's RMSNorm of ``h``.
+* ``fused_add_rms_norm``: ``h = residual + x`` (optional), then HF's RMSNorm of ``h``;
+  ``fused_combine_add_rms_norm`` the same where ``x`` is an MoE layer's output still as its
+  tokens' expert rows, summed with their routing weights first (the MoE combine, folded in).
 * ``rotary``: rotate-half RoPE of q and k together, reading cos/sin at each token's position.
 * ``qk_norm_rotary``: Qwen3's (or Gemma 3's) per-head RMSNorm of q and k, then that RoPE: the
   two head norms and the rotation of a layer in one launch instead of three.
@@ -93,12 +95,13 @@ def norm_warps(block: int) -> int:
 
 @_jit
 def _add_rms_norm_kernel(
-    x_ptr, res_ptr,  # [T, R, H] views, unit stride along H (R = 1 for a 2-D input)
+    x_ptr, res_ptr,  # [T, R, H] views, unit stride along H (R = 1 for a 2-D input); TOP_K: x [T * k, H]
     w_ptr,  # [H]
     out_ptr, res_out_ptr,  # [T, R, H] contiguous: the normed rows, and h = residual + x
+    ew_ptr,  # TOP_K: [T, k] routing weights of x's expert rows (else unused)
     stride_xt, stride_xr, stride_rt, stride_rr,
     R, H, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, TOP_K: tl.constexpr,
 ):
     # One program normalises one row (t, r).
     t = tl.program_id(0).to(tl.int64)
@@ -106,7 +109,18 @@ def _add_rms_norm_kernel(
     dtype = out_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK)
     mask = cols < H
-    h = tl.load(x_ptr + t * stride_xt + r * stride_xr + cols, mask=mask, other=0.0).to(tl.float32)
+    if TOP_K > 0:
+        # x is an MoE layer's output as token t's k expert rows (t * k + j): their weighted sum,
+        # in float32, j in order, each term and the sum rounded, as fused_moe_triton's
+        # _combine_kernel computes it (R = 1).
+        h = tl.zeros([BLOCK], tl.float32)
+        for j in tl.static_range(TOP_K):
+            ew = tl.load(ew_ptr + t * TOP_K + j).to(tl.float32)
+            y = tl.load(x_ptr + (t * TOP_K + j) * stride_xt + cols, mask=mask, other=0.0).to(tl.float32)
+            h += _round(y * ew, dtype)
+        h = _round(h, dtype)
+    else:
+        h = tl.load(x_ptr + t * stride_xt + r * stride_xr + cols, mask=mask, other=0.0).to(tl.float32)
     out_row = (t * R + r) * H
     if HAS_RESIDUAL:
         res = tl.load(res_ptr + t * stride_rt + r * stride_rr + cols, mask=mask, other=0.0)
@@ -141,10 +155,43 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: t
         return out, res_out
     block = _next_pow2(H)
     _add_rms_norm_kernel[(T, R)](
-        x3, res3, weight, out, res_out,
+        x3, res3, weight, out, res_out, weight,
         x3.stride(0), x3.stride(1), res3.stride(0), res3.stride(1),
         R, H, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, TOP_K=0,
+        num_warps=norm_warps(block), enable_fp_fusion=False,
+    )
+    return out, res_out
+
+
+def combine_norm_supported(rows: torch.Tensor, expert_weights: torch.Tensor, weight: torch.Tensor,
+                           residual: torch.Tensor) -> bool:
+    """Whether ``fused_combine_add_rms_norm`` handles these operands (else combine, then norm)."""
+    return (enabled(rows) and rows.dim() == 2 and rows.stride(-1) == 1 and expert_weights.dim() == 2
+            and expert_weights.is_contiguous() and 0 < expert_weights.shape[1] <= 64
+            and rows.shape[0] == expert_weights.numel() and weight.dtype == rows.dtype
+            and residual.shape == (expert_weights.shape[0], rows.shape[1]) and residual.dtype == rows.dtype
+            and residual.stride(-1) == 1 and _next_pow2(rows.shape[1]) <= _MAX_NORM_BLOCK)
+
+
+def fused_combine_add_rms_norm(rows: torch.Tensor, expert_weights: torch.Tensor, residual: torch.Tensor,
+                               weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fused_add_rms_norm(x, residual, weight, eps)`` where ``x[t] = sum_j expert_weights[t, j] *
+    rows[t * k + j]`` is an MoE layer's output (``rows [T * k, H]``, ``expert_weights [T, k]``),
+    summed here exactly as ``fused_moe_triton.combine_rows`` sums it: one launch for the combine,
+    the residual add and the norm. Returns ``(normed [T, H], h [T, H])``."""
+    T, k = expert_weights.shape
+    H = rows.shape[1]
+    out = torch.empty((T, H), dtype=rows.dtype, device=rows.device)
+    res_out = torch.empty((T, H), dtype=rows.dtype, device=rows.device)
+    if out.numel() == 0:
+        return out, res_out
+    block = _next_pow2(H)
+    _add_rms_norm_kernel[(T, 1)](
+        rows, residual, weight, out, res_out, expert_weights,
+        rows.stride(0), 0, residual.stride(0), 0,
+        1, H, eps,
+        HAS_RESIDUAL=True, BLOCK=block, TOP_K=k,
         num_warps=norm_warps(block), enable_fp_fusion=False,
     )
     return out, res_out
