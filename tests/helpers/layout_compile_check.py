@@ -5,7 +5,9 @@ reproduce bit for bit:
 * ``routing``: the MoE decode path's ``_route_sort_kernel`` against ``_route_kernel``
   (``loom.layers.moe_routing_triton``);
 * ``qk_norm_rotary``: ``fused_ops._qk_norm_rotary_kernel`` against ``_add_rms_norm_kernel`` on
-  one head.
+  one head;
+* ``combine_norm``: ``_add_rms_norm_kernel`` summing an MoE layer's expert rows first (``TOP_K``)
+  against it adding a plain residual.
 
 Checks what the interpreter cannot: that each kernel compiles, without register spills, and that
 the fused kernel reduces every float32 value (softmax max and sum, argmax, renormalisation; the
@@ -60,6 +62,19 @@ def _spills(compiled: Any) -> tuple[int, int]:
     return regs, spills
 
 
+def _compare(label: str, name: str, reference: tuple[str, Any], fused: tuple[str, Any]) -> int:
+    """One line for ``fused`` against ``reference`` (each (kernel name, compiled)): 1 on a failure."""
+    want, got = float_reductions(reference[1].asm["ttgir"]), float_reductions(fused[1].asm["ttgir"])
+    usage = {kernel: _spills(c) for kernel, c in (reference, fused)}
+    problems = [f"{kernel} spills {spills} bytes" for kernel, (_, spills) in usage.items() if spills]
+    if not want or got != want:
+        problems.append(f"float reductions differ: {want} vs {got}")
+    regs = ", ".join(f"{kernel} {r} registers" for kernel, (r, _) in usage.items())
+    print(f"{'FAIL' if problems else 'ok  '} {label} {name}: {len(want)} float reductions alike; {regs}"
+          f"{': ' + '; '.join(problems) if problems else ''}")
+    return int(bool(problems))
+
+
 def check_routing() -> int:
     from loom.layers import moe_routing_triton as rt
 
@@ -83,15 +98,7 @@ def check_routing() -> int:
             failed += 1
             print(f"FAIL routing {name}: {type(exc).__name__}: {exc}")
             continue
-        want, got = float_reductions(route.asm["ttgir"]), float_reductions(fused.asm["ttgir"])
-        usage = {kernel: _spills(c) for kernel, c in (("route", route), ("route_sort", fused))}
-        problems = [f"{kernel} spills {spills} bytes" for kernel, (_, spills) in usage.items() if spills]
-        if not want or got != want:
-            problems.append(f"float reductions differ: {want} vs {got}")
-        failed += bool(problems)
-        regs = ", ".join(f"{kernel} {r} registers" for kernel, (r, _) in usage.items())
-        print(f"{'FAIL' if problems else 'ok  '} routing {name}: {len(want)} float reductions alike; {regs}"
-              f"{': ' + '; '.join(problems) if problems else ''}")
+        failed += _compare("routing", name, ("route", route), ("route_sort", fused))
     return failed
 
 
@@ -121,15 +128,30 @@ def check_qk_norm_rotary() -> int:
             failed += 1
             print(f"FAIL qk_norm_rotary {name}: {type(exc).__name__}: {exc}")
             continue
-        want, got = float_reductions(norm.asm["ttgir"]), float_reductions(fused.asm["ttgir"])
-        usage = {kernel: _spills(c) for kernel, c in (("add_rms_norm", norm), ("qk_norm_rotary", fused))}
-        problems = [f"{kernel} spills {spills} bytes" for kernel, (_, spills) in usage.items() if spills]
-        if not want or got != want:
-            problems.append(f"float reductions differ: {want} vs {got}")
-        failed += bool(problems)
-        regs = ", ".join(f"{kernel} {r} registers" for kernel, (r, _) in usage.items())
-        print(f"{'FAIL' if problems else 'ok  '} qk_norm_rotary {name}: {len(want)} float reductions alike; "
-              f"{regs}{': ' + '; '.join(problems) if problems else ''}")
+        failed += _compare("qk_norm_rotary", name, ("add_rms_norm", norm), ("qk_norm_rotary", fused))
+    return failed
+
+
+def check_combine_norm() -> int:
+    from loom.layers import fused_ops
+
+    failed = 0
+    for dtype, wdtype, hidden, k in (("bf16", "bf16", 2048, 8), ("bf16", "fp32", 4096, 2), ("fp32", "fp32", 2048, 8)):
+        act = f"*{dtype}"
+        sig = dict(x_ptr=act, res_ptr=act, w_ptr=act, out_ptr=act, res_out_ptr=act, ew_ptr=f"*{wdtype}",
+                   stride_xt="i32", stride_xr="i32", stride_rt="i32", stride_rr="i32", R="i32", H="i32", eps="fp32")
+        block = fused_ops._next_pow2(hidden)
+        name = f"{dtype} hidden={hidden} k={k} weights {wdtype}"
+        try:
+            plain = compile_for_hopper(fused_ops._add_rms_norm_kernel, sig,
+                                       dict(HAS_RESIDUAL=True, BLOCK=block, TOP_K=0), fused_ops.norm_warps(block))
+            fused = compile_for_hopper(fused_ops._add_rms_norm_kernel, sig,
+                                       dict(HAS_RESIDUAL=True, BLOCK=block, TOP_K=k), fused_ops.norm_warps(block))
+        except Exception as exc:  # reported: the script fails
+            failed += 1
+            print(f"FAIL combine_norm {name}: {type(exc).__name__}: {exc}")
+            continue
+        failed += _compare("combine_norm", name, ("add_rms_norm", plain), ("combine_add_rms_norm", fused))
     return failed
 
 
@@ -138,7 +160,7 @@ def main(group: str) -> int:
     from helpers.source_tree import make_importable
 
     make_importable()
-    checks = {"routing": check_routing, "qk_norm_rotary": check_qk_norm_rotary}
+    checks = {"routing": check_routing, "qk_norm_rotary": check_qk_norm_rotary, "combine_norm": check_combine_norm}
     if group not in checks:
         raise SystemExit(f"unknown group {group!r}: one of {', '.join(checks)}")
     return 1 if checks[group]() else 0

@@ -296,7 +296,7 @@ def qk_norm_rotary_supported(positions: torch.Tensor, q: torch.Tensor, k: torch.
     computes in float32 whatever they are)."""
     d = q.shape[-1] if q.dim() == 3 else 0
     return (rotary_supported(positions, q, k) and q_weight.shape == (d,) and k_weight.shape == (d,)
-            and (gemma or (q_weight.dtype == q.dtype and k_weight.dtype == q.dtype))
+            and q_weight.dtype == k_weight.dtype and (gemma or q_weight.dtype == q.dtype)
             and _next_pow2(d) <= _MAX_NORM_BLOCK)
 
 
