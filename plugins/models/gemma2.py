@@ -80,8 +80,9 @@ class GemmaAttentionBlock(nn.Module):
         q = q.reshape(T, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.reshape(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+            q, k = rotary.forward_with_qk_norm(positions, q, k, self.q_norm, self.k_norm)  # one kernel on CUDA
+        else:
+            q, k = rotary(positions, q, k)
         return self.o_proj(self.attn(q.reshape(T, self.q_size), k.reshape(T, self.kv_size), v))
 
 

@@ -17,6 +17,8 @@ from torch import nn
 from loom.layers.activation import SiluAndMul
 from loom.layers.attention import Attention
 from loom.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from loom.layers.fused_moe import SparseMoeBlock
+from loom.layers.fused_moe_triton import ExpertOutputs
 from loom.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from loom.layers.norm import RMSNorm
 from loom.layers.rotary import RotaryEmbedding, get_rope
@@ -78,8 +80,9 @@ class LlamaAttentionBlock(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+            q, k = rotary.forward_with_qk_norm(positions, q, k, self.q_norm, self.k_norm)  # one kernel on CUDA
+        else:
+            q, k = rotary(positions, q, k)
         out = self.attn(q.reshape(T, self.q_size), k.reshape(T, self.kv_size), v)  # [T, Hq*D]
         return self.o_proj(out)
 
@@ -119,23 +122,28 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor | ExpertOutputs, residual: torch.Tensor | None,
+                rotary: RotaryEmbedding) -> tuple[torch.Tensor | ExpertOutputs, torch.Tensor]:
         """``(hidden, residual) -> (mlp output, residual)``, all ``[T, H]``.
 
         The residual stream is carried alongside rather than added at the end of the layer: each
         add is done by the norm that follows it (``forward_with_residual``: one fused kernel on
         CUDA). The adds and norms are HF's, in HF's order and dtype, so the results are the same
         bits as ``h = h + attn(norm1(h)); h = h + mlp(norm2(h))``. ``residual`` is None for the
-        first layer, whose ``hidden`` is the embedding output.
+        first layer, whose ``hidden`` is the embedding output. A mixture of experts may hand its
+        output on as its experts' rows (``ExpertOutputs``), which that norm sums before its add.
         """
         if residual is None:
+            if not isinstance(hidden, torch.Tensor):
+                raise TypeError("the first layer takes the embedding output")
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm.forward_with_residual(hidden, residual)
         hidden = self.self_attn(positions, hidden, rotary)
         hidden, residual = self.post_attention_layernorm.forward_with_residual(hidden, residual)
         mlp: nn.Module = getattr(self, self.mlp_name)
+        if isinstance(mlp, SparseMoeBlock):  # the next norm sums the experts' rows: one launch fewer
+            return mlp.forward_uncombined(hidden), residual
         return mlp(hidden), residual
 
 
@@ -154,11 +162,12 @@ class LlamaModel(nn.Module):
         self.rotary_emb = get_rope(config, head_dim_of(config))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)  # [T, H]
+        hidden: torch.Tensor | ExpertOutputs = self.embed_tokens(input_ids)  # [T, H]
         residual: torch.Tensor | None = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, self.rotary_emb)
         if residual is None:  # no layers
+            assert isinstance(hidden, torch.Tensor)
             return self.norm(hidden)
         return self.norm.forward_with_residual(hidden, residual)[0]  # the last layer's add, fused
 

@@ -32,6 +32,13 @@ def test_norm(dtype: torch.dtype, tokens: int, hidden: int, with_residual: bool)
     fc.check_norm("cuda", dtype, tokens, hidden, with_residual)
 
 
+@pytest.mark.parametrize(("dtype", "tokens", "hidden", "top_k", "weights_dtype"), [
+    *fc.combine_norm_cases(), (torch.bfloat16, 1, 2048, 8, torch.bfloat16),  # Qwen3-30B-A3B's decode row
+    (torch.bfloat16, 300, 2048, 8, torch.bfloat16), (torch.bfloat16, 64, 4096, 2, torch.float32)])  # Mixtral-like
+def test_combine_norm(dtype: torch.dtype, tokens: int, hidden: int, top_k: int, weights_dtype: torch.dtype) -> None:
+    fc.check_combine_norm("cuda", dtype, tokens, hidden, top_k, weights_dtype)
+
+
 @pytest.mark.parametrize(("dtype", "tokens", "heads", "head_dim"), [*fc.head_norm_cases(), (torch.bfloat16, 64, 32, 128)])
 def test_head_norm(dtype: torch.dtype, tokens: int, heads: int, head_dim: int) -> None:
     fc.check_head_norm("cuda", dtype, tokens, heads, head_dim)
@@ -42,6 +49,13 @@ def test_head_norm(dtype: torch.dtype, tokens: int, heads: int, head_dim: int) -
     (torch.bfloat16, 9, 16, 4, 256)])
 def test_rotary(dtype: torch.dtype, tokens: int, hq: int, hkv: int, head_dim: int) -> None:
     fc.check_rotary("cuda", dtype, tokens, hq, hkv, head_dim)
+
+
+@pytest.mark.parametrize(("dtype", "tokens", "hq", "hkv", "head_dim", "gemma"), [
+    *fc.qk_norm_rotary_cases(full=True), (torch.bfloat16, 300, 32, 4, 128, False),  # Qwen3-30B-A3B's heads
+    (torch.bfloat16, 64, 8, 4, 256, True), (torch.float16, 9, 16, 8, 128, False)])
+def test_qk_norm_rotary(dtype: torch.dtype, tokens: int, hq: int, hkv: int, head_dim: int, gemma: bool) -> None:
+    fc.check_qk_norm_rotary("cuda", dtype, tokens, hq, hkv, head_dim, gemma)
 
 
 @pytest.mark.parametrize(("dtype", "shape"), [*fc.silu_cases(), (torch.bfloat16, (300, 2 * 14336))])
@@ -61,11 +75,13 @@ def test_layers_use_the_kernels_on_cuda_unless_switched_off() -> None:
         norm.forward_with_residual(flat, flat)
         head_norm(x)
         rope(positions, x, x[:, :2])
+        rope.forward_with_qk_norm(positions, x, x[:, :2], head_norm, head_norm)
         SiluAndMul()(flat)
 
     with fc.count_launches() as counts:
         run()
-    assert counts == {"fused_add_rms_norm": 3, "rotary": 1, "silu_and_mul": 1}
+    assert counts == {"fused_add_rms_norm": 3, "fused_combine_add_rms_norm": 0, "rotary": 1, "qk_norm_rotary": 1,
+                      "silu_and_mul": 1}
     with fc.torch_path(), fc.count_launches() as counts:
         run()
     assert sum(counts.values()) == 0
@@ -78,11 +94,13 @@ def test_tiny_model_matches_torch_path(variant: str, tiny_model_dir: Callable[[s
 
 
 def test_kernels_replay_in_a_cuda_graph() -> None:
-    """norm (+ residual), rotary on qkv views and silu_and_mul captured once, replayed on new
-    inputs written into the captured buffers: the same bits as running them eagerly."""
+    """norm (+ residual), rotary and q/k norm + rotary on qkv views and silu_and_mul captured
+    once, replayed on new inputs written into the captured buffers: the same bits as running
+    them eagerly."""
     T, H, hq, hkv, d, inter = 8, 512, 8, 2, 64, 1024
     dev, dt = "cuda", torch.bfloat16
     weight = torch.randn(H, device=dev, dtype=dt)
+    head_weight = torch.randn(d, device=dev, dtype=dt)
     rope = RotaryEmbedding(d, 4096, _default_inv_freq(10000.0, d)).to(dev)
     x, res = torch.empty(T, H, device=dev, dtype=dt), torch.empty(T, H, device=dev, dtype=dt)
     qkv = torch.empty(T, (hq + 2 * hkv) * d, device=dev, dtype=dt)
@@ -100,7 +118,9 @@ def test_kernels_replay_in_a_cuda_graph() -> None:
         k = qkv[:, hq * d : (hq + hkv) * d].view(T, hkv, d)
         out, h = fused_ops.fused_add_rms_norm(x, res, weight, 1e-6)
         rq, rk = fused_ops.rotary(positions, q, k, rope.cos_cached, rope.sin_cached)
-        return [out, h, rq, rk, fused_ops.silu_and_mul(gate_up)]
+        nq, nk = fused_ops.qk_norm_rotary(positions, q, k, head_weight, head_weight, 1e-6, 1e-6,
+                                          rope.cos_cached, rope.sin_cached)
+        return [out, h, rq, rk, nq, nk, fused_ops.silu_and_mul(gate_up)]
 
     fill(0)
     side = torch.cuda.Stream()

@@ -23,12 +23,13 @@ pytest.importorskip("triton")
 from helpers.moe_interpret_check import expected_layout
 
 from loom.layers.fused_moe import SparseMoeBlock, fused_experts_torch, select_experts
-from loom.layers.fused_moe_triton import (
-    MoeBlockConfig,
+from loom.layers.fused_moe_triton import MoeBlockConfig, block_config, fused_experts_triton
+from loom.layers.moe_routing_triton import (
     align_rows_by_expert,
-    block_config,
-    fused_experts_triton,
+    fused_route_supported,
     num_blocks_bound,
+    route,
+    route_and_sort,
 )
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -106,10 +107,36 @@ def test_routing_kernel_chooses_the_torch_paths_experts(t: int, e: int, k: int, 
     torch.testing.assert_close(got_w.cpu().float(), want_w.float(), atol=tol, rtol=tol)
 
 
-def test_no_host_sync_and_a_cuda_graph_replays_any_routing() -> None:
+@pytest.mark.parametrize(("e", "k", "dtype", "wdtype"), [(128, 8, torch.bfloat16, torch.bfloat16),
+                                                       (8, 2, torch.float32, None), (60, 4, torch.float16, torch.float16)])
+@pytest.mark.parametrize("logits", ["normal", "ties"])
+def test_routing_and_sort_in_one_launch_equal_the_three_launches(e: int, k: int, dtype: torch.dtype,
+                                                                  wdtype: torch.dtype | None, logits: str) -> None:
+    """``route_and_sort`` (decode sizes) against ``route`` + ``align_rows_by_expert`` on the GPU:
+    the same weights bit for bit (one routing tile, reduced in the same layouts), ids and layout."""
+    for t in range(1, 9):
+        gen = torch.Generator(device=CUDA).manual_seed(t * 31 + e)
+        if logits == "normal":
+            x = torch.randn(t, e, device=CUDA, generator=gen)
+        else:
+            x = torch.randint(0, 6, (t, e), device=CUDA, generator=gen).float() * 0.5
+        x = x.to(dtype)
+        assert fused_route_supported(x, k)
+        want_w, want_ids = route(x, k, True, wdtype)
+        want_sorted, want_blocks, want_total = align_rows_by_expert(want_ids, e, 16)
+        got_w, got_ids, layout = route_and_sort(x, k, True, 16, wdtype)
+        total = int(want_total.item())
+        assert torch.equal(got_w, want_w) and torch.equal(got_ids, want_ids), f"T={t}: routing differs"
+        assert int(layout.num_padded.item()) == total
+        assert torch.equal(layout.sorted_ids[:total], want_sorted[:total]), f"T={t}: sorted ids differ"
+        assert torch.equal(layout.block_expert[: total // 16], want_blocks[: total // 16]), f"T={t}: blocks differ"
+
+
+@pytest.mark.parametrize("t", [4, 16], ids=["decode-one-launch-routing", "three-launch-routing"])
+def test_no_host_sync_and_a_cuda_graph_replays_any_routing(t: int) -> None:
     """The layer (router, top-k, sort, GEMMs) never waits for the device, and a graph captured
     with one routing replays others exactly as eager runs compute them."""
-    h, inter, e, k, t = 512, 256, 32, 4, 16
+    h, inter, e, k = 512, 256, 32, 4
     torch.manual_seed(0)
     with torch.device(CUDA):
         block = SparseMoeBlock(e, k, h, inter, renormalize=True).to(torch.bfloat16)
@@ -141,6 +168,29 @@ def test_no_host_sync_and_a_cuda_graph_replays_any_routing() -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(static_out, block(static_x)), f"replay {seed} differs from eager"
+
+
+@pytest.mark.parametrize("t", [1, 5, 40])
+def test_combine_folded_into_the_next_norm_gives_the_same_bits(t: int) -> None:
+    """The layer's experts' rows summed by the next residual add + norm (one launch) against its
+    summed output through that norm (two): the same normed rows and residual, bf16 and float32."""
+    from loom.layers.fused_moe_triton import ExpertOutputs
+    from loom.layers.norm import RMSNorm
+
+    for dtype in (torch.bfloat16, torch.float32):
+        torch.manual_seed(t)
+        with torch.device(CUDA):
+            block = SparseMoeBlock(64, 8, 1024, 384, renormalize=True, weights_in_logits_dtype=True).to(dtype)
+            norm = RMSNorm(1024).to(dtype)
+        for p in block.parameters():
+            p.data.normal_(0, 0.05)
+        norm.weight.data.normal_(1, 0.3)
+        x, residual = torch.randn(t, 1024, device=CUDA).to(dtype), torch.randn(t, 1024, device=CUDA).to(dtype)
+        rows = block.forward_uncombined(x)
+        assert isinstance(rows, ExpertOutputs)
+        folded = norm.forward_with_residual(rows, residual)
+        separate = norm.forward_with_residual(block(x), residual)
+        assert all(torch.equal(a, b) for a, b in zip(folded, separate, strict=True)), dtype
 
 
 def test_block_configs_fit_the_shapes() -> None:

@@ -22,6 +22,17 @@ What is compared, and how closely (distances in units in the last place, ulps, o
 * silu_and_mul on the CPU: the interpreter's exp is numpy's and torch's CPU silu uses its own
   vectorised expf; they disagree in the last float32 bit now and then, which can move a rounded
   half-precision output by 1 ulp (rarely: share bounded as for the norm), float32 ones by a few.
+* fused_combine_add_rms_norm (an MoE layer's weighted sum folded into the next add + norm):
+  bit-identical to the combine kernel followed by fused_add_rms_norm (the same float32 sum in the
+  same order, each term rounded, no FMA), and its residual sum to torch's combine and add.
+* qk_norm_rotary (Qwen3's q/k norms and RoPE in one kernel) against the two kernels it replaces
+  (``fused_add_rms_norm`` per head, then ``rotary``): bit-identical, in the interpreter and on a
+  GPU (the same sum of squares in the same layout: ``helpers/layout_compile_check.py`` compares
+  them for sm_90). Against the torch path (and for Gemma's norm, which has no other kernel),
+  the norm's rare flips pass through the rotation: each output within a few ulps of its head's
+  largest value (one ulp of a normalised value moves a product by about an ulp of the head's
+  scale, and the difference of two products can cancel to far smaller values), at most 2% of
+  the elements differing in half precision (a rounding bug moves about half of them).
 """
 
 from __future__ import annotations
@@ -148,6 +159,91 @@ def check_rotary(device: str, dtype: torch.dtype, tokens: int, hq: int, hkv: int
     assert_ulps(got_k, ref_k.contiguous(), 0, 0.0, "rotated k")
 
 
+def _assert_head_scale_close(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    """``got`` within a few ulps of each head's largest ``ref`` value (see the module docstring)."""
+    assert got.shape == ref.shape and got.dtype == ref.dtype, f"{what}: {got.shape}/{got.dtype} vs {ref.shape}/{ref.dtype}"
+    assert torch.isfinite(got).all(), f"{what}: non-finite output"
+    g, r = got.detach().float().cpu(), ref.detach().float().cpu()
+    mantissa, ulps, max_share = {torch.float32: (23, 16, 1.0), torch.bfloat16: (7, 3, 0.02),
+                                 torch.float16: (10, 3, 0.02)}[got.dtype]
+    scale = r.abs().amax(-1, keepdim=True).clamp_min(2.0**-20)  # [T, H, 1]
+    ulp = torch.exp2(torch.floor(torch.log2(scale)) - mantissa)
+    diff = (g - r).abs()
+    worst, share = float((diff / ulp).max()), float((diff > 0).float().mean())
+    assert worst <= ulps and share <= max_share, (
+        f"{what}: max {worst:.1f} ulps of the head's scale (allowed {ulps}), {share:.2e} of elements differ "
+        f"(allowed {max_share})")
+
+
+def check_qk_norm_rotary(device: str, dtype: torch.dtype, tokens: int, hq: int, hkv: int, head_dim: int,
+                         gemma: bool) -> None:
+    """The per-head norms of q and k and RoPE in one launch, on views of one qkv row as the model
+    has them: equal to the norm and rotary kernels bit for bit (Llama's norm), and to the torch
+    path within the norm's flips (both norms)."""
+    from loom.layers.norm import GemmaRMSNorm
+
+    seed = tokens * 7919 + hq * 13 + hkv * 5 + head_dim + gemma
+    rope = RotaryEmbedding(head_dim, MAX_POSITIONS, _default_inv_freq(1000000.0, head_dim)).to(device)
+    q_size, kv_size = hq * head_dim, hkv * head_dim
+    qkv = _randn((tokens, q_size + 2 * kv_size), seed, dtype, device, scale=3.0)
+    q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q, k = q.view(tokens, hq, head_dim), k.view(tokens, hkv, head_dim)  # non-contiguous along T
+    positions = torch.randint(0, MAX_POSITIONS, (tokens,), generator=_gen(seed))
+    positions[0] = MAX_POSITIONS - 1
+    positions = positions.to(device)
+    norms = []
+    for i in range(2):
+        norm = (GemmaRMSNorm if gemma else RMSNorm)(head_dim, eps=1e-6 * (i + 1)).to(device=device, dtype=dtype)
+        norm.weight.data = (0.0 if gemma else 1.0) + _randn((head_dim,), seed + 1 + i, dtype, device, scale=0.5)
+        norms.append(norm)
+    q_norm, k_norm = norms
+    before = qkv.clone()
+    got_q, got_k = fused_ops.qk_norm_rotary(positions, q, k, q_norm.weight, k_norm.weight, q_norm.eps, k_norm.eps,
+                                            rope.cos_cached, rope.sin_cached, gemma)
+    assert torch.equal(qkv, before), "qk_norm_rotary wrote into its inputs"
+    if not gemma:  # the two kernels it replaces
+        nq = fused_ops.fused_add_rms_norm(q, None, q_norm.weight, q_norm.eps)[0]
+        nk = fused_ops.fused_add_rms_norm(k, None, k_norm.weight, k_norm.eps)[0]
+        want_q, want_k = fused_ops.rotary(positions, nq, nk, rope.cos_cached, rope.sin_cached)
+        assert_ulps(got_q, want_q, 0, 0.0, "q against the norm and rotary kernels")
+        assert_ulps(got_k, want_k, 0, 0.0, "k against the norm and rotary kernels")
+    with torch_path():
+        ref_q, ref_k = rope(positions, q_norm(q), k_norm(k))
+        layer_q, layer_k = rope.forward_with_qk_norm(positions, q, k, q_norm, k_norm)
+    assert torch.equal(layer_q, ref_q) and torch.equal(layer_k, ref_k), "the layer's unfused path changed"
+    _assert_head_scale_close(got_q, ref_q.contiguous(), "q against the torch path")
+    _assert_head_scale_close(got_k, ref_k.contiguous(), "k against the torch path")
+
+
+def check_combine_norm(device: str, dtype: torch.dtype, tokens: int, hidden: int, top_k: int,
+                       weights_dtype: torch.dtype) -> None:
+    """An MoE layer's expert rows summed with their routing weights inside the next residual add +
+    norm (``fused_combine_add_rms_norm``): the same bits as the MoE combine kernel followed by
+    ``fused_add_rms_norm``; the residual sum also the same bits as torch's combine and add."""
+    from loom.layers.fused_moe_triton import combine_rows
+
+    seed = tokens * 7 + hidden * 3 + top_k
+    rows = _randn((tokens * top_k, hidden), seed, dtype, device)
+    weights = torch.softmax(_randn((tokens, top_k), seed + 1, torch.float32, "cpu"), -1).to(weights_dtype).to(device)
+    residual = _randn((tokens, hidden), seed + 2, dtype, device, scale=4.0)
+    norm = RMSNorm(hidden, eps=1e-6).to(device=device, dtype=dtype)
+    norm.weight.data = 1 + _randn((hidden,), seed + 3, dtype, device, scale=0.5)
+    before = rows.clone()
+    out, h = fused_ops.fused_combine_add_rms_norm(rows, weights, residual, norm.weight, norm.eps)
+    assert torch.equal(rows, before), "the fused norm wrote into the expert rows"
+    want_out, want_h = fused_ops.fused_add_rms_norm(combine_rows(rows, weights), residual, norm.weight, norm.eps)
+    assert_ulps(h, want_h, 0, 0.0, "residual sum against combine + add")
+    assert_ulps(out, want_out, 0, 0.0, "norm against combine + norm")
+    with torch_path():  # torch's combine: each weighted row rounded, summed in float32 in j order
+        acc = torch.zeros(tokens, hidden, dtype=torch.float32, device=device)
+        for j in range(top_k):
+            acc += (rows[j::top_k].float() * weights[:, j:j + 1].float()).to(dtype).float()
+        ref_h = residual + acc.to(dtype)
+        ref = norm(ref_h)
+    assert_ulps(h, ref_h, 0, 0.0, "residual sum against torch")
+    assert_ulps(out, ref, *_norm_tolerance(dtype, unit_weight=False), "norm against torch")
+
+
 def check_silu_and_mul(device: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     """``silu(gate) * up`` of a ``[..., 2*I]`` input; gates spread wide enough for both tails."""
     seed = sum(shape) * 13 + len(shape)
@@ -185,6 +281,22 @@ def rotary_cases(full: bool) -> list[tuple[torch.dtype, int, int, int, int]]:
         (torch.bfloat16, 7, 4, 2, 96), (torch.float16, 7, 8, 2, 128), (torch.bfloat16, 5, 32, 8, 128)]
 
 
+def qk_norm_rotary_cases(full: bool) -> list[tuple[torch.dtype, int, int, int, int, bool]]:
+    """(dtype, T, Hq, Hkv, D, gemma): Llama's norm in both dtypes at T = 1 and 7 for two head
+    layouts and sizes, D = 96 (a half no power of two), fp16, Gemma's norm; ``full``: T = 64 too."""
+    tokens = TOKENS if full else TOKENS[:2]
+    return [(dtype, t, hq, hkv, d, False) for dtype in (torch.float32, torch.bfloat16) for t in tokens
+            for hq, hkv in ROPE_HEADS[:2] for d in (64, 128)] + [
+        (torch.bfloat16, 7, 4, 2, 96, False), (torch.float16, 7, 8, 2, 128, False),
+        (torch.bfloat16, 7, 8, 4, 256, True), (torch.float32, 5, 4, 1, 128, True), (torch.bfloat16, 3, 6, 2, 96, True)]
+
+
+def combine_norm_cases() -> list[tuple[torch.dtype, int, int, int, torch.dtype]]:
+    """(dtype, T, H, k, weights dtype): Qwen3-MoE's bf16 weights and Mixtral's float32 ones."""
+    return [(dtype, t, h, k, wd) for dtype in (torch.float32, torch.bfloat16) for t in (1, 7)
+            for h, k in ((64, 2), (576, 8)) for wd in dict.fromkeys((dtype, torch.float32))] + [(torch.float16, 3, 2048, 8, torch.float16)]
+
+
 def silu_cases() -> list[tuple[torch.dtype, tuple[int, ...]]]:
     return [(dtype, (t, 2 * i)) for dtype in (torch.float32, torch.bfloat16) for t in TOKENS
             for i in SILU_SIZES] + [(torch.float16, (7, 2 * 576)), (torch.bfloat16, (2, 3, 2 * 64))]
@@ -193,7 +305,8 @@ def silu_cases() -> list[tuple[torch.dtype, tuple[int, ...]]]:
 @contextlib.contextmanager
 def count_launches() -> Iterator[dict[str, int]]:
     """Counts the calls the layers make into each fused kernel's launcher while active."""
-    counts = {"fused_add_rms_norm": 0, "rotary": 0, "silu_and_mul": 0}
+    counts = {"fused_add_rms_norm": 0, "fused_combine_add_rms_norm": 0, "rotary": 0, "qk_norm_rotary": 0,
+              "silu_and_mul": 0}
     originals = {name: getattr(fused_ops, name) for name in counts}
 
     def counting(name: str) -> Any:
@@ -230,8 +343,9 @@ def check_model(device: str, model_dir: Path, registry: Any) -> None:
 
     with count_launches() as counts:
         got = logits()
-    qk_norm = 2 if getattr(loaded.model.model.layers[0].self_attn, "q_norm", None) is not None else 0
-    assert counts == {"fused_add_rms_norm": (2 + qk_norm) * layers + 1, "rotary": layers,
+    qk_norm = getattr(loaded.model.model.layers[0].self_attn, "q_norm", None) is not None
+    assert counts == {"fused_add_rms_norm": 2 * layers + 1, "fused_combine_add_rms_norm": 0,
+                      "rotary": 0 if qk_norm else layers, "qk_norm_rotary": layers if qk_norm else 0,
                       "silu_and_mul": layers}, counts
     with torch_path(), count_launches() as counts:
         ref = logits()

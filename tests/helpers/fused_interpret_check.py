@@ -2,7 +2,8 @@
 
 Run as a script in its own process (``TRITON_INTERPRET`` must be set before the kernels are
 defined, and must not leak into a process that compiles them for a GPU), with the group of
-checks to run: ``norm``, ``head_norm``, ``rotary``, ``silu`` or ``model``. Prints one line per
+checks to run: ``norm``, ``combine_norm``, ``head_norm``, ``rotary``, ``qk_norm_rotary``, ``silu`` or
+``model``. Prints one line per
 case and exits non-zero on a mismatch. ``tests/unit/test_fused_layers.py`` runs it; so can a
 developer: ``python tests/helpers/fused_interpret_check.py rotary``. The checks and their
 tolerances are in ``helpers/fused_cases.py``.
@@ -57,10 +58,14 @@ def cases(group: str) -> list[tuple[str, Callable[[], None]]]:
 
     if group == "norm":
         return named(fc.check_norm, fc.norm_cases(full=False))
+    if group == "combine_norm":
+        return named(fc.check_combine_norm, fc.combine_norm_cases())
     if group == "head_norm":
         return named(fc.check_head_norm, fc.head_norm_cases())
     if group == "rotary":
         return named(fc.check_rotary, fc.rotary_cases(full=False))
+    if group == "qk_norm_rotary":
+        return named(fc.check_qk_norm_rotary, fc.qk_norm_rotary_cases(full=False))
     if group == "silu":
         return named(fc.check_silu_and_mul, fc.silu_cases())
     if group == "model":

@@ -10,7 +10,10 @@ model (``expected_layout`` below: every expert's rows in increasing order from a
 offset, padded with the sentinel, each block's expert), for routings with idle experts, one
 expert taking every row, and more rows than a program's tile; and the grouped GEMMs
 (``fused_experts_triton``) equal the torch path within float32 rounding (fp16 within its own);
-the router's softmax and top-k in one kernel (``route``) choose the torch path's experts.
+the router's softmax and top-k in one kernel (``route``) choose the torch path's experts; and
+the decode path's routing and sort in one launch (``route_and_sort``) gives exactly what
+``route`` then ``align_rows_by_expert`` give (weights bit for bit, ids, the layout), over random
+logits with and without ties.
 bf16 is left to the GPU tests: the interpreter of triton 3.6 computes bf16 dots wrongly.
 """
 
@@ -46,7 +49,7 @@ def expected_layout(topk_ids: list[list[int]], num_experts: int, block_m: int) -
 def check_alignment() -> list[str]:
     import torch
 
-    from loom.layers.fused_moe_triton import align_rows_by_expert, num_blocks_bound
+    from loom.layers.moe_routing_triton import align_rows_by_expert, num_blocks_bound
 
     errors: list[str] = []
     gen = torch.Generator().manual_seed(0)
@@ -114,13 +117,14 @@ def check_routing() -> list[str]:
     import torch
 
     from loom.layers.fused_moe import select_experts
-    from loom.layers.fused_moe_triton import route
+    from loom.layers.moe_routing_triton import route
 
     errors: list[str] = []
     gen = torch.Generator().manual_seed(2)
     cases = [  # (T, E, k, renormalize, logits dtype, weights dtype)
         (1, 128, 8, True, torch.bfloat16, torch.bfloat16),  # Qwen3-30B-A3B's decode row
         (7, 8, 2, True, torch.float32, None),  # Mixtral: float32 weights
+        (13, 128, 8, True, torch.bfloat16, torch.bfloat16),  # two programs of 8 tokens, the second part full
         (5, 60, 4, False, torch.float16, torch.float16),  # E not a power of two, no renormalisation
         (3, 512, 10, True, torch.float32, None),  # k not a power of two, four warps
     ]
@@ -145,12 +149,177 @@ def check_routing() -> list[str]:
     return errors
 
 
+def check_fused_routing() -> list[str]:
+    """``route_and_sort`` (one launch) against ``route`` + ``align_rows_by_expert`` (three): the
+    same weights bit for bit, the same ids, and the same layout up to ``num_padded``, which is
+    also ``expected_layout``'s. Logits drawn from a coarse grid tie often (equal logits: lowest
+    expert first); a few cases draw every token's logits from two values only."""
+    import torch
+
+    from loom.layers.moe_routing_triton import (
+        align_rows_by_expert,
+        fused_route_supported,
+        num_blocks_bound,
+        route,
+        route_and_sort,
+        route_rows,
+    )
+
+    errors: list[str] = []
+    gen = torch.Generator().manual_seed(3)
+    cases = [  # (T, E, k, renormalize, logits dtype, weights dtype, block_m, logits)
+        (1, 128, 8, True, torch.bfloat16, torch.bfloat16, 16, "normal"),  # Qwen3-30B-A3B's decode step
+        (8, 128, 8, True, torch.bfloat16, torch.bfloat16, 16, "ties"),  # the largest fused batch
+        (4, 128, 8, False, torch.bfloat16, torch.bfloat16, 16, "two values"),  # ties everywhere
+        (5, 8, 2, True, torch.float32, None, 16, "ties"),  # Mixtral: float32 weights
+        (3, 60, 4, False, torch.float16, torch.float16, 16, "normal"),  # E not a multiple of the chunk
+        (7, 512, 10, True, torch.float32, None, 32, "ties"),  # k not a power of two, 16 chunks
+        (2, 1024, 4, True, torch.bfloat16, torch.bfloat16, 16, "normal"),  # a 4-token tile
+        (6, 16, 16, True, torch.float32, None, 16, "ties"),  # every expert chosen by every token
+    ]
+    for T, E, k, renorm, dtype, wdtype, bm, kind in cases:
+        name = f"T={T} E={E} k={k} renormalize={renorm} {dtype} -> {wdtype} block_m={bm} {kind}"
+        if kind == "normal":
+            logits = torch.randn(T, E, generator=gen)
+        elif kind == "ties":
+            logits = torch.randint(0, 6, (T, E), generator=gen).float() * 0.5
+        else:
+            logits = torch.randint(0, 2, (T, E), generator=gen).float()
+        logits = logits.to(dtype)
+        if not fused_route_supported(logits, k):
+            errors.append(f"{name}: not served (rows {route_rows(E)})")
+            continue
+        want_w, want_ids = route(logits, k, renorm, wdtype)
+        want_sorted, want_blocks, want_total = align_rows_by_expert(want_ids, E, bm)
+        got_w, got_ids, layout = route_and_sort(logits, k, renorm, bm, wdtype)
+        total = int(want_total.item())
+        py_ids, py_blocks = expected_layout(want_ids.tolist(), E, bm)
+        problems = [what for what, ok in (
+            ("weights", got_w.dtype == want_w.dtype and torch.equal(got_w, want_w)),
+            ("ids", torch.equal(got_ids, want_ids)),
+            ("num_padded", int(layout.num_padded.item()) == total == len(py_ids)),
+            ("sorted ids", torch.equal(layout.sorted_ids[:total], want_sorted[:total])
+             and layout.sorted_ids[:total].tolist() == py_ids),
+            ("block experts", torch.equal(layout.block_expert[: total // bm], want_blocks[: total // bm])
+             and layout.block_expert[: total // bm].tolist() == py_blocks),
+            ("buffers", layout.block_expert.shape[0] == num_blocks_bound(T * k, E, bm) and layout.block_m == bm),
+        ) if not ok]
+        print(f"{'FAIL' if problems else 'ok  '} fused routing {name}{': ' + ', '.join(problems) if problems else ''}")
+        if problems:
+            errors.append(f"{name}: {', '.join(problems)} differ")
+    return errors
+
+
+def check_block() -> list[str]:
+    """``SparseMoeBlock`` taking the Triton path on these CPU tensors (as it does on CUDA): a
+    decode-sized batch routes and sorts in one launch and hands the layout to the experts, a
+    larger one takes the three launches; both within float32 rounding of the torch path. Its
+    uncombined output (the experts' rows) through the next residual add + norm gives the same
+    bits as its output through that norm."""
+    import torch
+
+    from loom import kernel_switches
+    from loom.layers import fused_moe, fused_ops, moe_routing_triton
+    from loom.layers.fused_moe_triton import ExpertOutputs
+    from loom.layers.norm import RMSNorm
+
+    errors: list[str] = []
+    torch.manual_seed(4)
+    block = fused_moe.SparseMoeBlock(16, 4, 64, 32, renormalize=True)
+    for p in block.parameters():
+        p.data.normal_(0, 0.1)
+    norm = RMSNorm(64)
+    norm.weight.data = 1 + 0.3 * torch.randn(64)
+    calls = {"route_and_sort": 0}
+    original = moe_routing_triton.route_and_sort
+
+    def counting(*args: object, **kwargs: object) -> object:
+        calls["route_and_sort"] += 1
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    fused_moe.triton_experts_supported = lambda x: kernel_switches.fused_kernels  # type: ignore[assignment]
+    fused_ops.enabled = lambda x: kernel_switches.fused_kernels  # type: ignore[assignment]
+    moe_routing_triton.route_and_sort = counting  # type: ignore[assignment]
+    for T, fused in ((1, True), (8, True), (9, False)):
+        x, residual = torch.randn(T, 64), torch.randn(T, 64)
+        calls["route_and_sort"] = 0
+        with torch.no_grad():
+            got = block(x)
+            rows = block.forward_uncombined(x)
+            folded = norm.forward_with_residual(rows, residual)
+            separate = norm.forward_with_residual(got, residual)
+            with kernel_switches.fused_kernels_off():
+                want = block(x)
+        err = (got - want).abs().max().item()
+        same = isinstance(rows, ExpertOutputs) and all(torch.equal(a, b) for a, b in zip(folded, separate, strict=True))
+        ok = err <= 1e-5 and calls["route_and_sort"] == 2 * int(fused) and same
+        print(f"{'ok  ' if ok else 'FAIL'} block T={T} (routing and sort in one launch: {fused}): max err {err:.2e}, "
+              f"combine folded into the norm: {'same bits' if same else 'DIFFERENT'}")
+        if not ok:
+            errors.append(f"block T={T}: max err {err:.2e}, route_and_sort calls {calls['route_and_sort']}, "
+                          f"folded combine the same: {same}")
+    return errors
+
+
+def check_model() -> list[str]:
+    """A tiny Qwen3-MoE (float32: the interpreter's bf16 dots are wrong) on the Triton kernels:
+    every MoE layer's combine is folded into the norm after it (no combine launch; one folded
+    norm a sparse layer), and the logits are the torch path's within float32 rounding."""
+    import shutil
+    import tempfile
+
+    import torch
+
+    import loom_plugins.models
+    from helpers.reference_attention import ModelHarness
+    from helpers.tiny_models import save_tiny_model
+    from loom import kernel_switches
+    from loom.layers import fused_moe, fused_moe_triton, fused_ops
+    from loom.model_loader import load_model
+    from loom.plugin_api import PluginRegistry
+
+    registry = PluginRegistry()
+    registry.register(loom_plugins.models, "loom-models", "loom-server")
+    tmp = Path(tempfile.mkdtemp(prefix="loom-moe-"))
+    try:
+        loaded = load_model(save_tiny_model("qwen3-moe", tmp / "m"), torch.float32, torch.device("cpu"), registry)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    fused_moe.triton_experts_supported = lambda x: kernel_switches.fused_kernels  # type: ignore[assignment]
+    fused_ops.enabled = lambda x: kernel_switches.fused_kernels  # type: ignore[assignment]
+    calls = {"combine_rows": 0, "fused_combine_add_rms_norm": 0}
+    originals = {"combine_rows": fused_moe_triton.combine_rows,
+                 "fused_combine_add_rms_norm": fused_ops.fused_combine_add_rms_norm}
+
+    def counting(name: str) -> object:
+        def call(*args: object) -> object:
+            calls[name] += 1
+            return originals[name](*args)  # type: ignore[operator]
+        return call
+
+    fused_moe_triton.combine_rows = counting("combine_rows")  # type: ignore[assignment]
+    fused_ops.fused_combine_add_rms_norm = counting("fused_combine_add_rms_norm")  # type: ignore[assignment]
+    prompt = [1, 17, 42, 99, 3, 250, 7, 7, 128, 64, 5]
+
+    def logits() -> torch.Tensor:
+        return ModelHarness(loaded.model, loaded.hf_config, dtype=torch.float32, device="cpu").prefill(prompt)
+
+    got = logits()
+    with kernel_switches.fused_kernels_off():
+        want = logits()
+    err = (got - want).abs().max().item()
+    sparse = 2  # layers 0 and 2 (helpers/tiny_models.py)
+    ok = err <= 1e-4 and calls == {"combine_rows": 0, "fused_combine_add_rms_norm": sparse}
+    print(f"{'ok  ' if ok else 'FAIL'} model qwen3-moe float32: max logit err {err:.2e}, launches {calls}")
+    return [] if ok else [f"model: max logit err {err:.2e}, launches {calls}"]
+
+
 def main() -> int:
     _setup()
-    routing_errors = check_routing()
+    routing_errors = check_routing() + check_fused_routing()
     errors = check_alignment()
     print(f"{'FAIL' if errors else 'ok  '} sort by expert: {'; '.join(errors) or 'as expected'}")
-    expert_errors = check_experts()
+    expert_errors = check_experts() + check_block() + check_model()
     return 1 if errors or expert_errors or routing_errors else 0
 
 

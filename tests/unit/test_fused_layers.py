@@ -34,13 +34,26 @@ PROMPT = [1, 17, 42, 99, 3, 250, 7, 7, 128, 64, 5, 300, 12, 77, 31, 200, 9, 4, 1
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-@pytest.mark.parametrize("group", ["norm", "head_norm", "rotary", "silu", "model"])
+@pytest.mark.parametrize("group", ["norm", "combine_norm", "head_norm", "rotary", "qk_norm_rotary", "silu", "model"])
 def test_fused_kernels_match_torch_path_in_interpreter(group: str) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "fused_interpret_check.py"), group],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "FAIL" not in proc.stdout and "ok " in proc.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.parametrize(("group", "cases"), [("qk_norm_rotary", 4), ("combine_norm", 3)])
+def test_fused_norms_compile_for_hopper_and_reduce_as_the_norm(group: str, cases: int) -> None:
+    """The q/k norm + RoPE kernel and the norm that sums an MoE layer's rows, compiled for sm_90
+    (no GPU needed): no spills, and their sum of squares in the plain norm kernel's layout (so the
+    same bits on the GPU as the launches they replace)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "layout_compile_check.py"), group],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0 and "FAIL" not in proc.stdout, proc.stdout + proc.stderr
+    assert proc.stdout.count("ok  ") == cases, proc.stdout
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -22,7 +22,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
 from loom.distributed.parallel_state import tensor_parallel_as
 from loom.layers.fused_moe import FusedMoE, fused_experts_torch, select_experts, sort_rows_by_expert
-from loom.layers.fused_moe_triton import num_blocks_bound
+from loom.layers.moe_routing_triton import num_blocks_bound
 from loom.model_loader import ModelLoadError, iter_weights, load_model
 from loom.plugin_api import FusedMoEMethod, PluginRegistry, QuantizerSpec, hookimpl
 from loom.plugin_api.quantization import LinearMethod, QuantizationConfig, WeightLoader, set_weight_attrs
@@ -93,7 +93,19 @@ def test_triton_kernels_match_the_torch_path_in_the_interpreter() -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "moe_interpret_check.py")],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "FAIL" not in proc.stdout and proc.stdout.count("ok  ") == 10, proc.stdout  # 5 routing, 1 sort, 4 experts
+    # 6 routing, 8 fused routing and sort, 1 sort, 4 experts, 3 layers, 1 model
+    assert "FAIL" not in proc.stdout and proc.stdout.count("ok  ") == 23, proc.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_routing_kernels_compile_for_hopper_and_reduce_alike() -> None:
+    """Both routing paths compiled for sm_90 (no GPU needed): no spills, and the one-launch
+    decode kernel reduces its float32 values in ``_route_kernel``'s layouts (same weights bits)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "layout_compile_check.py"), "routing"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0 and "FAIL" not in proc.stdout, proc.stdout + proc.stderr
+    assert proc.stdout.count("ok  ") == 5, proc.stdout
 
 
 def test_the_layer_imports_and_runs_without_triton() -> None:

@@ -35,7 +35,7 @@ from loom.distributed.parallel_state import all_reduce, get_tp_rank, get_tp_size
 from loom.plugin_api.moe import FusedMoEMethod
 from loom.plugin_api.quantization import QuantizationConfig, WeightLoader, set_weight_attrs
 
-from . import fused_moe_triton
+from . import fused_moe_triton, moe_routing_triton
 from .activation import SiluAndMul
 from .linear import ReplicatedLinear, WeightShapeError, default_weight_loader, divide, load_slice
 
@@ -46,12 +46,12 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
 
     transformers' order: softmax in float32, top-k of the probabilities (ties as ``torch.topk``),
     divide by their sum when ``renormalize``; then cast to ``weights_dtype`` (None: float32).
-    On CUDA one Triton kernel does it all (:func:`fused_moe_triton.route`; the ids are then
+    On CUDA one Triton kernel does it all (:func:`moe_routing_triton.route`; the ids are then
     int32, what the expert kernels read).
     """
-    if (router_logits.is_cuda and fused_moe_triton.HAS_TRITON and kernel_switches.fused_kernels
-            and fused_moe_triton.route_supported(router_logits, top_k)):
-        return fused_moe_triton.route(router_logits, top_k, renormalize, weights_dtype)
+    if (router_logits.is_cuda and moe_routing_triton.HAS_TRITON and kernel_switches.fused_kernels
+            and moe_routing_triton.route_supported(router_logits, top_k)):
+        return moe_routing_triton.route(router_logits, top_k, renormalize, weights_dtype)
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
@@ -120,10 +120,22 @@ class UnquantizedFusedMoEMethod(FusedMoEMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
-        w13, w2 = layer.w13_weight, layer.w2_weight
+        return self.apply_sorted(layer, x, topk_weights, topk_ids, None)
+
+    def apply_sorted(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                     layout: moe_routing_triton.ExpertLayout | None) -> torch.Tensor:
+        """:meth:`apply`, reusing the rows' sort by expert when the routing already made it
+        (``layout``: the Triton kernels only; the torch path sorts its own)."""
         if triton_experts_supported(x):
-            return fused_moe_triton.fused_experts_triton(x, w13, w2, topk_weights, topk_ids)  # type: ignore[arg-type]
-        return fused_experts_torch(x, w13, w2, topk_weights, topk_ids)  # type: ignore[arg-type]
+            return self.expert_outputs(layer, x, topk_weights, topk_ids, layout).combine()
+        return fused_experts_torch(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)  # type: ignore[arg-type]
+
+    def expert_outputs(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                       layout: moe_routing_triton.ExpertLayout | None) -> fused_moe_triton.ExpertOutputs:
+        """The experts' rows before their weighted sum (Triton kernels only: where
+        :func:`triton_experts_supported`)."""
+        return fused_moe_triton.expert_outputs_triton(x, layer.w13_weight, layer.w2_weight,  # type: ignore[arg-type]
+                                                      topk_weights, topk_ids, layout=layout)
 
 
 def _stored(param: torch.Tensor, dim: int, n: int) -> int:
@@ -241,9 +253,25 @@ class FusedMoE(nn.Module):
 
     # -- forward ------------------------------------------------------------------------------------
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
-                topk_ids: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H], this rank's part
+    def sorts_in_routing(self, x: torch.Tensor) -> bool:
+        """Whether the routing should sort the rows for these experts (``forward``'s ``layout``):
+        the dense experts on the Triton kernels; a quantization method sorts its own."""
+        return isinstance(self.quant_method, UnquantizedFusedMoEMethod) and triton_experts_supported(x)
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                layout: moe_routing_triton.ExpertLayout | None = None) -> torch.Tensor:
+        """``[T, H] -> [T, H]``, this rank's part. ``layout``: the rows already sorted by expert
+        (only where :meth:`sorts_in_routing`)."""
+        if layout is not None and isinstance(self.quant_method, UnquantizedFusedMoEMethod):
+            return self.quant_method.apply_sorted(self, x, topk_weights, topk_ids, layout)
         return self.quant_method.apply(self, x, topk_weights, topk_ids)
+
+    def forward_uncombined(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                           layout: moe_routing_triton.ExpertLayout | None) -> fused_moe_triton.ExpertOutputs:
+        """:meth:`forward` before the weighted sum (only where :meth:`sorts_in_routing`)."""
+        if not isinstance(self.quant_method, UnquantizedFusedMoEMethod):
+            raise TypeError(f"{self.prefix}: {type(self.quant_method).__name__} sums its own experts")
+        return self.quant_method.expert_outputs(self, x, topk_weights, topk_ids, layout)
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, hidden={self.hidden_size}, "
@@ -273,8 +301,33 @@ class SparseMoeBlock(nn.Module):
                                 quant_config=quant_config, prefix=f"{prefix}.experts")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        out = self._forward(x, uncombined=False)
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    def forward_uncombined(self, x: torch.Tensor) -> torch.Tensor | fused_moe_triton.ExpertOutputs:
+        """:meth:`forward`, except that where the Triton experts serve one rank the experts' rows
+        come back before their weighted sum, for the residual add + norm that follows the layer
+        to sum them (``RMSNorm.forward_with_residual``: one launch fewer); otherwise the same
+        tensor as :meth:`forward`. The sum is the same either way, bit for bit."""
+        return self._forward(x, uncombined=True)
+
+    def _forward(self, x: torch.Tensor, uncombined: bool) -> torch.Tensor | fused_moe_triton.ExpertOutputs:
         router_logits = self.gate(x)  # [T, E], in the model's dtype
-        weights, ids = select_experts(router_logits, self.top_k, self.renormalize,
-                                      router_logits.dtype if self.weights_in_logits_dtype else None)
-        out = self.experts(x, weights, ids)
+        weights_dtype = router_logits.dtype if self.weights_in_logits_dtype else None
+        if not self.experts.sorts_in_routing(x):
+            weights, ids = select_experts(router_logits, self.top_k, self.renormalize, weights_dtype)
+            out = self.experts(x, weights, ids)
+            return out if self.experts.tp_size == 1 else all_reduce(out)
+        layout = None
+        if moe_routing_triton.fused_route_supported(router_logits, self.top_k):
+            # Decode sizes: route and sort the rows by expert in one launch (where three run).
+            block_m = fused_moe_triton.block_config(x.shape[0] * self.top_k, self.experts.num_experts, x.dtype).block_m
+            weights, ids, layout = moe_routing_triton.route_and_sort(router_logits, self.top_k, self.renormalize,
+                                                                     block_m, weights_dtype)
+        else:
+            weights, ids = select_experts(router_logits, self.top_k, self.renormalize, weights_dtype)
+        if uncombined and self.experts.tp_size == 1:  # the ranks' sum needs the combined output
+            return self.experts.forward_uncombined(x, weights, ids, layout)
+        out = self.experts(x, weights, ids, layout)
         return out if self.experts.tp_size == 1 else all_reduce(out)

@@ -1,23 +1,21 @@
-"""Triton kernels of the fused Mixture-of-Experts layer (CUDA), and their launchers.
+"""Triton kernels of the fused Mixture-of-Experts layer's experts (CUDA), and their launcher.
 
 A step's tokens each pick ``k`` experts: ``N = T * k`` (token, expert) rows, numbered
-``i = t * k + j``. The experts run as grouped GEMMs over those rows, four launches per layer
-whatever the number of experts (plus ``_route_kernel``, the router's softmax and top-k in one):
+``i = t * k + j``, routed and sorted by expert by ``moe_routing_triton`` (its module docstring
+describes the layout: ``sorted_ids``, ``block_expert``, ``num_padded``; one launch at decode
+sizes, three past them). The experts then run as grouped GEMMs over those rows, three launches
+per layer whatever the number of experts:
 
-1. ``_count_kernel`` (one program per expert) counts the rows routed to its expert.
-2. ``_place_kernel`` (one program per expert) lays the rows out expert by expert: each expert's
-   rows (in increasing ``i``) start at its offset, a multiple of ``BLOCK_M``, and are padded to a
-   whole number of ``BLOCK_M``-row blocks with the sentinel ``N``. It writes ``sorted_ids
-   [NB * BLOCK_M]`` (a row index or ``N``), ``block_expert [NB]`` (the expert of each block) and
-   ``num_padded [1]`` (rows in use, padding included). Blocks past ``num_padded`` are not
-   written: every later kernel stops there.
-3. ``_gate_up_kernel``: one launch for all experts; a program multiplies one block of rows by
+1. ``_gate_up_kernel``: one launch for all experts; a program multiplies one block of rows by
    one column tile of its expert's gate and up matrices (``w13 [E, 2I, H]``) and writes
    ``silu(gate) * up`` (``act [N, I]``, row ``i`` at ``i``): the activation is its epilogue.
-4. ``_down_kernel``: the same grouping over ``w2 [E, H, I]``: ``y [N, H]``.
-5. ``_combine_kernel``: ``out[t] = sum_j w[t, j] * y[t * k + j]`` in float32, in ``j`` order.
+2. ``_down_kernel``: the same grouping over ``w2 [E, H, I]``: ``y [N, H]``.
+3. ``_combine_kernel``: ``out[t] = sum_j w[t, j] * y[t * k + j]`` in float32, in ``j`` order.
+   Where the layer's output goes straight into a residual add and RMSNorm (Llama-family decoders
+   on one rank), the layer hands back the rows unsummed (:class:`ExpertOutputs`) and the norm
+   kernel does this sum, rounded the same way, before its add: one launch fewer.
 
-Shapes depend only on ``T`` (and the model): ``NB`` blocks (:func:`num_blocks_bound`) hold any
+Shapes depend only on ``T`` (and the model): ``NB`` blocks (``num_blocks_bound``) hold any
 routing, the grids are fixed, and the device-side ``num_padded`` tells programs
 past the real blocks to return. No host sync, no data-dependent allocation: the layer can be
 captured in a CUDA graph per batch size.
@@ -39,6 +37,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from .moe_routing_triton import ExpertLayout, align_rows_by_expert
 
 try:
     import triton
@@ -66,14 +66,6 @@ def _cdiv(a: int, b: int) -> int:
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
-
-
-def num_blocks_bound(num_rows: int, num_experts: int, block_m: int) -> int:
-    """Blocks of ``block_m`` rows enough for any routing of ``num_rows`` rows over the experts:
-    each active expert (at most ``a = min(num_rows, num_experts)``) pads at most ``block_m - 1``
-    rows, and takes at most one block more than its whole blocks (``a + num_rows // block_m``)."""
-    active = min(num_rows, num_experts)
-    return min(_cdiv(num_rows + active * (block_m - 1), block_m), active + num_rows // block_m)
 
 
 @dataclass(frozen=True)
@@ -105,130 +97,6 @@ def block_config(num_rows: int, num_experts: int, dtype: torch.dtype) -> MoeBloc
     if dtype == torch.float32:
         cfg = MoeBlockConfig(cfg.block_m, min(cfg.block_n, 64), 32, cfg.num_warps, 2)
     return cfg
-
-
-# ------------------------------------------------------------------------------------------------
-# Routing
-# ------------------------------------------------------------------------------------------------
-
-
-@_jit()
-def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_l,
-                  K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr):
-    # Program t routes token t: softmax of its E logits in float32, its K largest (chosen on the
-    # logits, whose order the softmax keeps; equal ones lowest expert first), renormalised.
-    t = tl.program_id(0).to(tl.int64)
-    e = tl.arange(0, BLOCK_E)
-    ok = e < E
-    logits = tl.load(logits_ptr + t * stride_l + e, mask=ok, other=float("-inf")).to(tl.float32)
-    ex = tl.where(ok, tl.exp(logits - tl.max(logits, axis=0)), 0.0)
-    probs = ex / tl.sum(ex, axis=0)  # [BLOCK_E], as torch.softmax(dtype=float32)
-    slots = tl.arange(0, BLOCK_K)
-    chosen_p = tl.zeros([BLOCK_K], tl.float32)
-    chosen_e = tl.zeros([BLOCK_K], tl.int32)
-    rest = logits
-    for j in tl.static_range(K):
-        best = tl.argmax(rest, axis=0, tie_break_left=True)
-        chosen_p = tl.where(slots == j, tl.sum(tl.where(e == best, probs, 0.0), axis=0), chosen_p)
-        chosen_e = tl.where(slots == j, best.to(tl.int32), chosen_e)
-        rest = tl.where(e == best, float("-inf"), rest)
-    if RENORMALIZE:
-        chosen_p = chosen_p / tl.sum(tl.where(slots < K, chosen_p, 0.0), axis=0)
-    tl.store(weights_ptr + t * K + slots, chosen_p.to(weights_ptr.dtype.element_ty), mask=slots < K)
-    tl.store(ids_ptr + t * K + slots, chosen_e, mask=slots < K)
-
-
-def route_supported(router_logits: torch.Tensor, top_k: int) -> bool:
-    """Whether :func:`route` serves these logits (the kernel holds a token's experts in one tile)."""
-    return router_logits.dim() == 2 and router_logits.shape[1] <= 4096 and 0 < top_k <= 64
-
-
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
-          weights_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`loom.layers.fused_moe.select_experts` in one launch (where torch takes five:
-    softmax, top-k, sum, divide, cast): ``(weights [T, k] in weights_dtype or float32, expert
-    ids [T, k] int32)``. The experts are chosen on the logits, so the choice is exact; equal
-    logits go to the lowest expert first (``torch.topk`` leaves that order unspecified). The
-    weights are the float32 softmax's, computed with the device's exp."""
-    T, E = router_logits.shape
-    if router_logits.stride(-1) != 1:
-        router_logits = router_logits.contiguous()
-    dev = router_logits.device
-    weights = torch.empty(T, top_k, dtype=weights_dtype or torch.float32, device=dev)
-    ids = torch.empty(T, top_k, dtype=torch.int32, device=dev)
-    if T:
-        _route_kernel[(T,)](router_logits, weights, ids, E, router_logits.stride(0), K=top_k,
-                            BLOCK_K=_next_pow2(top_k), BLOCK_E=max(16, _next_pow2(E)), RENORMALIZE=renormalize,
-                            num_warps=4 if E > 256 else 1)
-    return weights, ids
-
-
-# ------------------------------------------------------------------------------------------------
-# Sorting rows by expert
-# ------------------------------------------------------------------------------------------------
-
-
-@_jit("N")
-def _count_kernel(ids_ptr, counts_ptr, N, BLOCK: tl.constexpr):
-    # Program e counts the rows routed to expert e (ids: [N] flat expert ids).
-    e = tl.program_id(0)
-    total = tl.zeros([BLOCK], tl.int32)
-    for start in range(0, N, BLOCK):
-        i = start + tl.arange(0, BLOCK)
-        ids = tl.load(ids_ptr + i, mask=i < N, other=-1)
-        total += (ids == e).to(tl.int32)
-    tl.store(counts_ptr + e, tl.sum(total, axis=0))
-
-
-@_jit("N")
-def _place_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, N, E,
-                  BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr):
-    # Program e writes its expert's rows and padding into sorted_ids and its blocks' expert id.
-    e = tl.program_id(0)
-    experts = tl.arange(0, BLOCK_E)
-    counts = tl.load(counts_ptr + experts, mask=experts < E, other=0)  # [BLOCK_E]
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # each expert's rows, padded
-    offset = tl.sum(tl.where(experts < e, padded, 0), axis=0)  # where expert e's rows start
-    mine = tl.sum(tl.where(experts == e, counts, 0), axis=0)
-    mine_padded = tl.sum(tl.where(experts == e, padded, 0), axis=0)
-    if e == 0:
-        tl.store(num_padded_ptr, tl.sum(padded, axis=0))
-    running = offset
-    for start in range(0, N, BLOCK):
-        i = start + tl.arange(0, BLOCK)
-        ids = tl.load(ids_ptr + i, mask=i < N, other=-1)
-        hit = (ids == e).to(tl.int32)
-        pos = running + tl.cumsum(hit, axis=0) - 1  # each hit's place, in increasing i
-        tl.store(sorted_ptr + pos, i, mask=hit > 0)
-        running += tl.sum(hit, axis=0)
-    pad = tl.arange(0, BLOCK_M)
-    tl.store(sorted_ptr + offset + mine + pad, N, mask=pad < mine_padded - mine)
-    first_block = offset // BLOCK_M
-    for b in range(0, mine_padded // BLOCK_M, BLOCK):
-        j = b + tl.arange(0, BLOCK)
-        tl.store(block_expert_ptr + first_block + j, e, mask=j < mine_padded // BLOCK_M)
-
-
-def align_rows_by_expert(topk_ids: torch.Tensor, num_experts: int,
-                         block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``topk_ids [T, k]`` -> ``(sorted_ids [NB * block_m] int32, block_expert [NB] int32,
-    num_padded [1] int32)`` as described in the module docstring (entries past ``num_padded``
-    are unwritten)."""
-    ids = topk_ids.reshape(-1)
-    if ids.dtype != torch.int32:
-        ids = ids.to(torch.int32)
-    n = ids.shape[0]
-    nb = num_blocks_bound(n, num_experts, block_m)
-    dev = ids.device
-    sorted_ids = torch.empty(nb * block_m, dtype=torch.int32, device=dev)
-    block_expert = torch.empty(nb, dtype=torch.int32, device=dev)
-    num_padded = torch.empty(1, dtype=torch.int32, device=dev)
-    counts = torch.empty(num_experts, dtype=torch.int32, device=dev)
-    block = 1024  # one compiled variant for every batch (a decode step's few rows leave it mostly masked)
-    _count_kernel[(num_experts,)](ids, counts, n, BLOCK=block)
-    _place_kernel[(num_experts,)](ids, counts, sorted_ids, block_expert, num_padded, n, num_experts,
-                                  BLOCK=block, BLOCK_E=max(16, _next_pow2(num_experts)), BLOCK_M=block_m)
-    return sorted_ids, block_expert, num_padded
 
 
 # ------------------------------------------------------------------------------------------------
@@ -321,7 +189,8 @@ def _down_kernel(
 
 @_jit()
 def _combine_kernel(y_ptr, w_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
-    # out[t, cols] = sum_j w[t, j] * y[t * k + j, cols]; in float32, j in order.
+    # out[t, cols] = sum_j w[t, j] * y[t * k + j, cols]; in float32, j in order. (The residual
+    # add + norm kernel of fused_ops sums the same way when it folds this in.)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < H
@@ -334,27 +203,60 @@ def _combine_kernel(y_ptr, w_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.con
     tl.store(out_ptr + t * H + cols, acc.to(dtype), mask=mask)
 
 
-def fused_experts_triton(
+def combine_rows(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``rows [T * k, H]`` (contiguous), ``weights [T, k]`` -> ``[T, H]``: each token's expert
+    rows weighted and summed. Compiled without FMA contraction: in float32 each product is
+    rounded before the add, as torch's separate ops (and the fused norm) do."""
+    T, k = weights.shape
+    H = rows.shape[1]
+    out = torch.empty((T, H), dtype=rows.dtype, device=rows.device)
+    if T:
+        block = min(1024, _next_pow2(H))
+        _combine_kernel[(T, _cdiv(H, block))](rows, weights.contiguous(), out, H, TOP_K=k, BLOCK=block,
+                                              enable_fp_fusion=False)
+    return out
+
+
+@dataclass(frozen=True)
+class ExpertOutputs:
+    """An MoE layer's output before its weighted sum: row ``t * k + j`` of ``rows [T * k, H]``
+    (contiguous) is token ``t``'s ``j``-th expert's output, ``weights [T, k]`` the routing
+    weights. :meth:`combine` sums them; a norm that follows the layer can sum them itself
+    (``RMSNorm.forward_with_residual``)."""
+
+    rows: torch.Tensor
+    weights: torch.Tensor
+
+    def combine(self) -> torch.Tensor:  # [T, H]
+        return combine_rows(self.rows, self.weights)
+
+
+def expert_outputs_triton(
     x: torch.Tensor,  # [T, H]
     w13: torch.Tensor,  # [E, 2I, H]
     w2: torch.Tensor,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, k]
     topk_ids: torch.Tensor,  # [T, k]
     config: MoeBlockConfig | None = None,
-) -> torch.Tensor:  # [T, H]
-    """Every token's ``k`` experts, weighted and summed: four launches plus the sort's two."""
+    layout: ExpertLayout | None = None,
+) -> ExpertOutputs:
+    """Every token's ``k`` experts, not yet summed: two launches, after the sort's two unless
+    ``layout`` (``moe_routing_triton.route_and_sort``'s, for the same ids) is given with the
+    block size this step's tiles use."""
     T, H = x.shape
     k = topk_ids.shape[1]
     E, two_i, _ = w13.shape
     inter = two_i // 2
-    out = torch.empty((T, H), dtype=x.dtype, device=x.device)  # row-major, as the combine writes it
+    n = T * k
+    y = torch.empty((n, H), dtype=x.dtype, device=x.device)  # row i at i, as the combine reads it
     if T == 0:
-        return out
+        return ExpertOutputs(y, topk_weights)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    n = T * k
     cfg = config or block_config(n, E, x.dtype)
-    sorted_ids, block_expert, num_padded = align_rows_by_expert(topk_ids, E, cfg.block_m)
+    if layout is None or layout.block_m != cfg.block_m:
+        layout = ExpertLayout(*align_rows_by_expert(topk_ids, E, cfg.block_m), block_m=cfg.block_m)
+    sorted_ids, block_expert, num_padded = layout.sorted_ids, layout.block_expert, layout.num_padded
     nb = block_expert.shape[0]
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # ignored for half-precision inputs
     act = torch.empty((n, inter), dtype=x.dtype, device=x.device)
@@ -365,7 +267,6 @@ def fused_experts_triton(
         TOP_K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    y = torch.empty((n, H), dtype=x.dtype, device=x.device)
     _down_kernel[(nb * _cdiv(H, cfg.block_n),)](
         act, w2, y, sorted_ids, block_expert, num_padded,
         n, inter, H,
@@ -373,7 +274,18 @@ def fused_experts_triton(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    weights = topk_weights.contiguous()
-    block = min(1024, _next_pow2(H))
-    _combine_kernel[(T, _cdiv(H, block))](y, weights, out, H, TOP_K=k, BLOCK=block)
-    return out
+    return ExpertOutputs(y, topk_weights.contiguous())
+
+
+def fused_experts_triton(
+    x: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2I, H]
+    w2: torch.Tensor,  # [E, H, I]
+    topk_weights: torch.Tensor,  # [T, k]
+    topk_ids: torch.Tensor,  # [T, k]
+    config: MoeBlockConfig | None = None,
+    layout: ExpertLayout | None = None,
+) -> torch.Tensor:  # [T, H]
+    """Every token's ``k`` experts, weighted and summed: :func:`expert_outputs_triton`, then the
+    combine (three launches after the sort)."""
+    return expert_outputs_triton(x, w13, w2, topk_weights, topk_ids, config, layout).combine()

@@ -4,8 +4,12 @@ Unfused, a decode step spends more time launching tiny elementwise kernels than 
 (RMSNorm alone is eight: cast, pow, mean, add eps, rsqrt, mul, cast, weight multiply). Each
 kernel here does one such group in one launch:
 
-* ``fused_add_rms_norm``: ``h = residual + x`` (optional), then HF's RMSNorm of ``h``.
+* ``fused_add_rms_norm``: ``h = residual + x`` (optional), then HF's RMSNorm of ``h``;
+  ``fused_combine_add_rms_norm`` the same where ``x`` is an MoE layer's output still as its
+  tokens' expert rows, summed with their routing weights first (the MoE combine, folded in).
 * ``rotary``: rotate-half RoPE of q and k together, reading cos/sin at each token's position.
+* ``qk_norm_rotary``: Qwen3's (or Gemma 3's) per-head RMSNorm of q and k, then that RoPE: the
+  two head norms and the rotation of a layer in one launch instead of three.
 * ``silu_and_mul``: ``silu(gate) * up`` of a fused ``[gate | up]`` projection.
 
 They reproduce the torch path's roundings, not just its math: every intermediate that torch
@@ -83,14 +87,21 @@ def norm_supported(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor
     return ok
 
 
+def norm_warps(block: int) -> int:
+    """Warps of a norm program over a ``block``-wide row (``_add_rms_norm_kernel``'s choice, which
+    ``qk_norm_rotary`` shares so that both reduce a head in the same order)."""
+    return min(16, max(1, block // 256))
+
+
 @_jit
 def _add_rms_norm_kernel(
-    x_ptr, res_ptr,  # [T, R, H] views, unit stride along H (R = 1 for a 2-D input)
+    x_ptr, res_ptr,  # [T, R, H] views, unit stride along H (R = 1 for a 2-D input); TOP_K: x [T * k, H]
     w_ptr,  # [H]
     out_ptr, res_out_ptr,  # [T, R, H] contiguous: the normed rows, and h = residual + x
+    ew_ptr,  # TOP_K: [T, k] routing weights of x's expert rows (else unused)
     stride_xt, stride_xr, stride_rt, stride_rr,
     R, H, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, TOP_K: tl.constexpr,
 ):
     # One program normalises one row (t, r).
     t = tl.program_id(0).to(tl.int64)
@@ -98,7 +109,18 @@ def _add_rms_norm_kernel(
     dtype = out_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK)
     mask = cols < H
-    h = tl.load(x_ptr + t * stride_xt + r * stride_xr + cols, mask=mask, other=0.0).to(tl.float32)
+    if TOP_K > 0:
+        # x is an MoE layer's output as token t's k expert rows (t * k + j): their weighted sum,
+        # in float32, j in order, each term and the sum rounded, as fused_moe_triton's
+        # _combine_kernel computes it (R = 1).
+        h = tl.zeros([BLOCK], tl.float32)
+        for j in tl.static_range(TOP_K):
+            ew = tl.load(ew_ptr + t * TOP_K + j).to(tl.float32)
+            y = tl.load(x_ptr + (t * TOP_K + j) * stride_xt + cols, mask=mask, other=0.0).to(tl.float32)
+            h += _round(y * ew, dtype)
+        h = _round(h, dtype)
+    else:
+        h = tl.load(x_ptr + t * stride_xt + r * stride_xr + cols, mask=mask, other=0.0).to(tl.float32)
     out_row = (t * R + r) * H
     if HAS_RESIDUAL:
         res = tl.load(res_ptr + t * stride_rt + r * stride_rr + cols, mask=mask, other=0.0)
@@ -133,11 +155,44 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: t
         return out, res_out
     block = _next_pow2(H)
     _add_rms_norm_kernel[(T, R)](
-        x3, res3, weight, out, res_out,
+        x3, res3, weight, out, res_out, weight,
         x3.stride(0), x3.stride(1), res3.stride(0), res3.stride(1),
         R, H, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block,
-        num_warps=min(16, max(1, block // 256)), enable_fp_fusion=False,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, TOP_K=0,
+        num_warps=norm_warps(block), enable_fp_fusion=False,
+    )
+    return out, res_out
+
+
+def combine_norm_supported(rows: torch.Tensor, expert_weights: torch.Tensor, weight: torch.Tensor,
+                           residual: torch.Tensor) -> bool:
+    """Whether ``fused_combine_add_rms_norm`` handles these operands (else combine, then norm)."""
+    return (enabled(rows) and rows.dim() == 2 and rows.stride(-1) == 1 and expert_weights.dim() == 2
+            and expert_weights.is_contiguous() and 0 < expert_weights.shape[1] <= 64
+            and rows.shape[0] == expert_weights.numel() and weight.dtype == rows.dtype
+            and residual.shape == (expert_weights.shape[0], rows.shape[1]) and residual.dtype == rows.dtype
+            and residual.stride(-1) == 1 and _next_pow2(rows.shape[1]) <= _MAX_NORM_BLOCK)
+
+
+def fused_combine_add_rms_norm(rows: torch.Tensor, expert_weights: torch.Tensor, residual: torch.Tensor,
+                               weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fused_add_rms_norm(x, residual, weight, eps)`` where ``x[t] = sum_j expert_weights[t, j] *
+    rows[t * k + j]`` is an MoE layer's output (``rows [T * k, H]``, ``expert_weights [T, k]``),
+    summed here exactly as ``fused_moe_triton.combine_rows`` sums it: one launch for the combine,
+    the residual add and the norm. Returns ``(normed [T, H], h [T, H])``."""
+    T, k = expert_weights.shape
+    H = rows.shape[1]
+    out = torch.empty((T, H), dtype=rows.dtype, device=rows.device)
+    res_out = torch.empty((T, H), dtype=rows.dtype, device=rows.device)
+    if out.numel() == 0:
+        return out, res_out
+    block = _next_pow2(H)
+    _add_rms_norm_kernel[(T, 1)](
+        rows, residual, weight, out, res_out, expert_weights,
+        rows.stride(0), 0, residual.stride(0), 0,
+        1, H, eps,
+        HAS_RESIDUAL=True, BLOCK=block, TOP_K=k,
+        num_warps=norm_warps(block), enable_fp_fusion=False,
     )
     return out, res_out
 
@@ -224,6 +279,103 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_cache:
         hq, hkv,
         HALF=half, BLOCK_HQ=block_hq, BLOCK_HKV=_next_pow2(hkv), BLOCK=block,
         num_warps=min(8, max(1, block_hq * block // 256)), enable_fp_fusion=False,
+    )
+    return q_out, k_out
+
+
+# ------------------------------------------------------------------------------------------------
+# Per-head RMSNorm of q and k, then RoPE
+# ------------------------------------------------------------------------------------------------
+
+
+def qk_norm_rotary_supported(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+                             k_weight: torch.Tensor, gemma: bool = False) -> bool:
+    """Whether ``qk_norm_rotary`` handles these operands (else norm and rotate separately).
+
+    As for ``fused_add_rms_norm``, Llama's norm needs weights in the activation dtype (Gemma's
+    computes in float32 whatever they are)."""
+    d = q.shape[-1] if q.dim() == 3 else 0
+    return (rotary_supported(positions, q, k) and q_weight.shape == (d,) and k_weight.shape == (d,)
+            and q_weight.dtype == k_weight.dtype and (gemma or q_weight.dtype == q.dtype)
+            and _next_pow2(d) <= _MAX_NORM_BLOCK)
+
+
+@_jit
+def _qk_norm_rotary_kernel(
+    q_ptr, k_ptr,  # [T, Hq, D] and [T, Hkv, D] views, unit stride along D
+    q_out_ptr, k_out_ptr,  # the same shapes, contiguous
+    qw_ptr, kw_ptr,  # [D] norm weights
+    pos_ptr,  # [T] integer positions
+    cos_ptr, sin_ptr,  # [P, D/2] float32 tables
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cos,
+    HQ, HKV, D, q_eps, k_eps,
+    HALF: tl.constexpr, BLOCK: tl.constexpr, BLOCK_HALF: tl.constexpr, GEMMA: tl.constexpr,
+):
+    # Program (t, h) normalises and rotates head h of token t: q heads first, then k heads.
+    # The norm is _add_rms_norm_kernel's for one head (the same row load and float32 sum of
+    # squares, in the same layout when launched with the same warps: the same bits), then the
+    # two halves are normalised again elementwise from the same rstd and rotated as
+    # _rotate_heads does. GEMMA: Gemma's norm, normalise(x) * (1 + w) in float32, rounded once.
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    if h < HQ:
+        src = q_ptr + t * stride_qt + h * stride_qh
+        dst = q_out_ptr + (t * HQ + h) * D
+        w_ptr = qw_ptr
+        eps = q_eps
+    else:
+        src = k_ptr + t * stride_kt + (h - HQ) * stride_kh
+        dst = k_out_ptr + (t * HKV + (h - HQ)) * D
+        w_ptr = kw_ptr
+        eps = k_eps
+    dtype = q_out_ptr.dtype.element_ty
+    cols = tl.arange(0, BLOCK)
+    row = tl.load(src + cols, mask=cols < D, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(row * row, axis=0) / D + eps)
+    d = tl.arange(0, BLOCK_HALF)
+    mask = d < HALF
+    x1 = tl.load(src + d, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + d, mask=mask, other=0.0).to(tl.float32)
+    w1 = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + HALF + d, mask=mask, other=0.0).to(tl.float32)
+    if GEMMA:
+        n1 = _round(x1 * rstd * (1.0 + w1), dtype)
+        n2 = _round(x2 * rstd * (1.0 + w2), dtype)
+    else:  # HF: the normalised value rounded, then the weight's product rounded
+        n1 = _round(w1 * _round(x1 * rstd, dtype), dtype)
+        n2 = _round(w2 * _round(x2 * rstd, dtype), dtype)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    cos = _round(tl.load(cos_ptr + pos * stride_cos + d, mask=mask, other=0.0), dtype)
+    sin = _round(tl.load(sin_ptr + pos * stride_cos + d, mask=mask, other=0.0), dtype)
+    out1 = _round(n1 * cos, dtype) - _round(n2 * sin, dtype)
+    out2 = _round(n2 * cos, dtype) + _round(n1 * sin, dtype)
+    tl.store(dst + d, out1.to(dtype), mask=mask)
+    tl.store(dst + HALF + d, out2.to(dtype), mask=mask)
+
+
+def qk_norm_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+                   k_weight: torch.Tensor, q_eps: float, k_eps: float, cos_cache: torch.Tensor,
+                   sin_cache: torch.Tensor, gemma: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of every head of ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` (weights ``[D]``), then
+    RoPE at ``positions [T]``, in one launch: ``rotary(positions, q_norm(q), k_norm(k))``.
+
+    ``gemma``: Gemma's norm (``(1 + w)``, float32 throughout). ``q``/``k`` may be strided views
+    of the qkv projection's output; they are not written. Returns new contiguous ``q``, ``k``.
+    """
+    T, hq, d = q.shape
+    hkv = k.shape[1]
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if T == 0:
+        return q_out, k_out
+    half = d // 2
+    block = _next_pow2(d)
+    _qk_norm_rotary_kernel[(T, hq + hkv)](
+        q, k, q_out, k_out, q_weight, k_weight, positions, cos_cache, sin_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_cache.stride(0),
+        hq, hkv, d, q_eps, k_eps,
+        HALF=half, BLOCK=block, BLOCK_HALF=_next_pow2(half), GEMMA=gemma,
+        num_warps=norm_warps(block), enable_fp_fusion=False,
     )
     return q_out, k_out
 

@@ -1,7 +1,8 @@
 """RMSNorm, numerically identical to Hugging Face's Llama/Qwen implementation.
 
 On CUDA (with triton, unless ``LOOM_FUSED_KERNELS=0``) one fused kernel does the whole norm, and
-``forward_with_residual`` also folds in the residual add that precedes it; on the CPU in float32
+``forward_with_residual`` also folds in the residual add that precedes it (and, after an MoE layer
+that returned its experts' rows unsummed, that layer's weighted sum); on the CPU in float32
 one C++ operator does the same (``cpu_fused``); elsewhere the torch code below runs, which is the
 reference the kernels reproduce.
 """
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from loom.layers import cpu_fused, fused_ops
+from loom.layers.fused_moe_triton import ExpertOutputs
 
 
 class RMSNorm(nn.Module):
@@ -33,10 +35,17 @@ class RMSNorm(nn.Module):
             return cpu_fused.add_rms_norm(x, None, self.weight, self.eps)[0]
         return self._forward_torch(x)
 
-    def forward_with_residual(self, x: torch.Tensor,
+    def forward_with_residual(self, x: torch.Tensor | ExpertOutputs,
                               residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``h = residual + x``, then ``(norm(h), h)``: the residual stream's add, fused into the
-        norm that follows it (x, residual: ``[T, H]``; ``h`` is the next residual)."""
+        norm that follows it (x, residual: ``[T, H]``; ``h`` is the next residual).
+
+        ``x`` may be an MoE layer's expert rows not yet summed (``SparseMoeBlock.forward_uncombined``):
+        one kernel then sums them too, with the same roundings as the layer's own combine."""
+        if isinstance(x, ExpertOutputs):
+            if fused_ops.combine_norm_supported(x.rows, x.weights, self.weight, residual):
+                return fused_ops.fused_combine_add_rms_norm(x.rows, x.weights, residual, self.weight, self.eps)
+            x = x.combine()
         if fused_ops.norm_supported(x, self.weight, residual):
             return fused_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
         if cpu_fused.norm_supported(x, self.weight, residual):

@@ -6,7 +6,9 @@ dicts (Gemma 3: ``{"sliding_attention": {...}, "full_attention": {...}}``, one t
 by ``layer_type``). Supported types: default, linear, dynamic, llama3, yarn, longrope (``su``).
 cos/sin are cached in float32 for every position up to the model's maximum, so applying RoPE is a
 gather plus elementwise math (no per-step trig). On CUDA that math is one fused kernel for q and k
-(``fused_ops.rotary``), rounding as the torch code here does.
+(``fused_ops.rotary``), rounding as the torch code here does; a model that normalises each head of
+q and k first (Qwen3, Gemma 3) calls ``forward_with_qk_norm``, one kernel for both norms and the
+rotation (``fused_ops.qk_norm_rotary``).
 
 ``partial_rotary_factor`` < 1 (Phi-4-mini) rotates only the first ``head_dim * factor`` dimensions
 of each head (the torch path; the fused kernels rotate whole heads).
@@ -30,6 +32,7 @@ import torch
 from torch import nn
 
 from loom.layers import cpu_fused, fused_ops
+from loom.layers.norm import GemmaRMSNorm, RMSNorm
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
@@ -220,6 +223,23 @@ class RotaryEmbedding(nn.Module):
         # Cast to the activation dtype first, as HF does, so half precision rounds the same way.
         cos_q, sin_q = cos.to(q.dtype), sin.to(q.dtype)
         return self._rotate(q, cos_q, sin_q), self._rotate(k, cos_q.to(k.dtype), sin_q.to(k.dtype))
+
+    def forward_with_qk_norm(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                             q_norm: RMSNorm | GemmaRMSNorm,
+                             k_norm: RMSNorm | GemmaRMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """``self(positions, q_norm(q), k_norm(k))``: the per-head norms of q and k, then RoPE.
+
+        On CUDA, for heads rotated whole, one kernel does all three (``fused_ops.qk_norm_rotary``,
+        with the norm kernel's roundings); otherwise the norms and the rotation run as they do
+        alone. A subclass of either norm (its own forward) is never fused.
+        """
+        gemma = type(q_norm) is GemmaRMSNorm
+        if (type(q_norm) in (RMSNorm, GemmaRMSNorm) and type(k_norm) is type(q_norm)
+                and self.rotary_dim == self.head_dim
+                and fused_ops.qk_norm_rotary_supported(positions, q, k, q_norm.weight, k_norm.weight, gemma)):
+            return fused_ops.qk_norm_rotary(positions, q, k, q_norm.weight, k_norm.weight, q_norm.eps, k_norm.eps,
+                                            self.cos_cached, self.sin_cached, gemma)
+        return self(positions, q_norm(q), k_norm(k))
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, max_positions={self.max_positions}"

@@ -1,0 +1,170 @@
+"""Fused kernels compiled for Hopper (sm_90) on a machine without a GPU (Triton's front end, its
+GPU passes and the ptxas it bundles; no launch), each next to the kernel(s) whose results it must
+reproduce bit for bit:
+
+* ``routing``: the MoE decode path's ``_route_sort_kernel`` against ``_route_kernel``
+  (``loom.layers.moe_routing_triton``);
+* ``qk_norm_rotary``: ``fused_ops._qk_norm_rotary_kernel`` against ``_add_rms_norm_kernel`` on
+  one head;
+* ``combine_norm``: ``_add_rms_norm_kernel`` summing an MoE layer's expert rows first (``TOP_K``)
+  against it adding a plain residual.
+
+Checks what the interpreter cannot: that each kernel compiles, without register spills, and that
+the fused kernel reduces every float32 value (softmax max and sum, argmax, renormalisation; the
+sum of squares) over the same tile shapes in the same register layouts as the other: the
+reduction order is fixed by the layout, so the two give the same bits on the GPU too (the
+interpreter only shows it for numpy's order). Run as a script in its own process, without
+``TRITON_INTERPRET``, with the group to check (``tests/unit/test_fused_moe.py`` and
+``tests/unit/test_fused_layers.py`` run it). Prints one line per case; exits non-zero on a failure.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def compile_for_hopper(fn: Any, sig: dict[str, str], consts: dict[str, Any], num_warps: int) -> Any:
+    """``fn`` compiled for sm_90 with pointers and strides 16-aligned (as Triton's launcher
+    specializes the usual tensors; the token count T never is)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(sig)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr") or n.startswith("stride")}
+    full = {**sig, **{c: "constexpr" for c in consts}}
+    return triton.compile(ASTSource(fn, full, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps})
+
+
+def float_reductions(ttgir: str) -> list[str]:
+    """Each float32 ``tt.reduce`` of a kernel's TTGIR as ``shape @ layout`` (the layout spelled
+    out, not by its local alias), in program order."""
+    aliases = dict(re.findall(r"^(#\w+) = (#ttg\.[^\n]+)$", ttgir, flags=re.M))
+    out = []
+    for operands in re.findall(r"^\s+\}\) : \((tensor<[^)]*?)\) ->", ttgir, flags=re.M):
+        first = re.match(r"tensor<([\dx]+xf32), (#\w+)>", operands)  # a reduction's first operand
+        if first:
+            out.append(f"{first.group(1)} @ {aliases.get(first.group(2), first.group(2))}")
+    return out
+
+
+def _spills(compiled: Any) -> tuple[int, int]:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from w4a16_sass import disassemble
+
+    _, regs, spills = disassemble(compiled)
+    return regs, spills
+
+
+def _compare(label: str, name: str, reference: tuple[str, Any], fused: tuple[str, Any]) -> int:
+    """One line for ``fused`` against ``reference`` (each (kernel name, compiled)): 1 on a failure."""
+    want, got = float_reductions(reference[1].asm["ttgir"]), float_reductions(fused[1].asm["ttgir"])
+    usage = {kernel: _spills(c) for kernel, c in (reference, fused)}
+    problems = [f"{kernel} spills {spills} bytes" for kernel, (_, spills) in usage.items() if spills]
+    if not want or got != want:
+        problems.append(f"float reductions differ: {want} vs {got}")
+    regs = ", ".join(f"{kernel} {r} registers" for kernel, (r, _) in usage.items())
+    print(f"{'FAIL' if problems else 'ok  '} {label} {name}: {len(want)} float reductions alike; {regs}"
+          f"{': ' + '; '.join(problems) if problems else ''}")
+    return int(bool(problems))
+
+
+def check_routing() -> int:
+    from loom.layers import moe_routing_triton as rt
+
+    failed = 0
+    route_sig = dict(logits_ptr="*bf16", weights_ptr="*bf16", ids_ptr="*i32", T="i32", E="i32", stride_l="i32")
+    fused_sig = dict(logits_ptr="*bf16", weights_ptr="*bf16", ids_ptr="*i32", sorted_ptr="*i32",
+                     block_expert_ptr="*i32", num_padded_ptr="*i32", T="i32", E="i32", stride_l="i32")
+    for experts, k, dtype, wdtype, block_m in ((128, 8, "bf16", "bf16", 16), (8, 2, "fp32", "fp32", 16),
+                                               (60, 4, "fp16", "fp16", 16), (512, 10, "fp32", "fp32", 32),
+                                               (1024, 4, "bf16", "bf16", 16)):
+        rows, block_k, block_e = rt.route_rows(experts), rt._next_pow2(k), rt._block_e(experts)
+        consts: dict[str, Any] = dict(K=k, BLOCK_T=rows, BLOCK_K=block_k, BLOCK_E=block_e, RENORMALIZE=True)
+        types = dict(logits_ptr=f"*{dtype}", weights_ptr=f"*{wdtype}")
+        fused_consts = {**consts, "BLOCK_M": block_m, "CHUNK": min(rt._SORT_CHUNK, block_e),
+                        "MAX_BLOCKS": rt._next_pow2(rt._cdiv(rows * block_k, block_m))}
+        name = f"E={experts} k={k} {dtype} block_m={block_m}"
+        try:
+            route = compile_for_hopper(rt._route_kernel, {**route_sig, **types}, consts, rt.ROUTE_WARPS)
+            fused = compile_for_hopper(rt._route_sort_kernel, {**fused_sig, **types}, fused_consts, rt.ROUTE_WARPS)
+        except Exception as exc:  # reported: the script fails
+            failed += 1
+            print(f"FAIL routing {name}: {type(exc).__name__}: {exc}")
+            continue
+        failed += _compare("routing", name, ("route", route), ("route_sort", fused))
+    return failed
+
+
+def check_qk_norm_rotary() -> int:
+    from loom.layers import fused_ops
+
+    failed = 0
+    for dtype, head_dim in (("bf16", 128), ("bf16", 64), ("fp16", 256), ("fp32", 128)):
+        block = fused_ops._next_pow2(head_dim)
+        warps = fused_ops.norm_warps(block)
+        act = f"*{dtype}"
+        norm_sig = dict(x_ptr=act, res_ptr=act, w_ptr=act, out_ptr=act, res_out_ptr=act, ew_ptr=act,
+                        stride_xt="i32", stride_xr="i32", stride_rt="i32", stride_rr="i32", R="i32", H="i32",
+                        eps="fp32")
+        fused_sig = dict(q_ptr=act, k_ptr=act, q_out_ptr=act, k_out_ptr=act, qw_ptr=act, kw_ptr=act,
+                         pos_ptr="*i64", cos_ptr="*fp32", sin_ptr="*fp32", stride_qt="i32", stride_qh="i32",
+                         stride_kt="i32", stride_kh="i32", stride_cos="i32", HQ="i32", HKV="i32", D="i32",
+                         q_eps="fp32", k_eps="fp32")
+        name = f"{dtype} head_dim={head_dim}"
+        try:
+            norm = compile_for_hopper(fused_ops._add_rms_norm_kernel, norm_sig,
+                                      dict(HAS_RESIDUAL=False, BLOCK=block, TOP_K=0), warps)
+            fused = compile_for_hopper(fused_ops._qk_norm_rotary_kernel, fused_sig,
+                                       dict(HALF=head_dim // 2, BLOCK=block, BLOCK_HALF=block // 2, GEMMA=False),
+                                       warps)
+        except Exception as exc:  # reported: the script fails
+            failed += 1
+            print(f"FAIL qk_norm_rotary {name}: {type(exc).__name__}: {exc}")
+            continue
+        failed += _compare("qk_norm_rotary", name, ("add_rms_norm", norm), ("qk_norm_rotary", fused))
+    return failed
+
+
+def check_combine_norm() -> int:
+    from loom.layers import fused_ops
+
+    failed = 0
+    for dtype, wdtype, hidden, k in (("bf16", "bf16", 2048, 8), ("bf16", "fp32", 4096, 2), ("fp32", "fp32", 2048, 8)):
+        act = f"*{dtype}"
+        sig = dict(x_ptr=act, res_ptr=act, w_ptr=act, out_ptr=act, res_out_ptr=act, ew_ptr=f"*{wdtype}",
+                   stride_xt="i32", stride_xr="i32", stride_rt="i32", stride_rr="i32", R="i32", H="i32", eps="fp32")
+        block = fused_ops._next_pow2(hidden)
+        name = f"{dtype} hidden={hidden} k={k} weights {wdtype}"
+        try:
+            plain = compile_for_hopper(fused_ops._add_rms_norm_kernel, sig,
+                                       dict(HAS_RESIDUAL=True, BLOCK=block, TOP_K=0), fused_ops.norm_warps(block))
+            fused = compile_for_hopper(fused_ops._add_rms_norm_kernel, sig,
+                                       dict(HAS_RESIDUAL=True, BLOCK=block, TOP_K=k), fused_ops.norm_warps(block))
+        except Exception as exc:  # reported: the script fails
+            failed += 1
+            print(f"FAIL combine_norm {name}: {type(exc).__name__}: {exc}")
+            continue
+        failed += _compare("combine_norm", name, ("add_rms_norm", plain), ("combine_add_rms_norm", fused))
+    return failed
+
+
+def main(group: str) -> int:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from helpers.source_tree import make_importable
+
+    make_importable()
+    checks = {"routing": check_routing, "qk_norm_rotary": check_qk_norm_rotary, "combine_norm": check_combine_norm}
+    if group not in checks:
+        raise SystemExit(f"unknown group {group!r}: one of {', '.join(checks)}")
+    return 1 if checks[group]() else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1] if len(sys.argv) > 1 else "routing"))
