@@ -215,15 +215,16 @@ def _paged_attn_fp8_kernel(
             tl.store(part_lse_ptr + part, lse, mask=row_ok)
 
 
-def fp8_launch_config(group: int, head_dim: int, max_query_len: int) -> dict[str, int]:
+def fp8_launch_config(group: int, head_dim: int, max_query_len: int, f32_dots: bool = False) -> dict[str, int]:
     """Tile sizes and warps of a launch: decode tiles hold one token's ``G`` heads (at least 8
     rows, the tensor core's smallest width) in one warp; longer queries take 64-row tiles in
-    four warps. Heads above 128 halve the key tile (shared memory)."""
+    four warps. Heads above 128 halve the key tile (shared memory). Float32 dots (no tensor
+    cores) spread a decode tile over four warps: one would spill."""
     block_d = _next_pow2(head_dim)
     block_n = 64 if block_d <= 128 else 32
     if max_query_len == 1:
         block_m = max(8, _next_pow2(group))
-        return {"block_m": block_m, "block_n": block_n, "num_warps": 1 if block_m <= 16 else 4}
+        return {"block_m": block_m, "block_n": block_n, "num_warps": 1 if block_m <= 16 and not f32_dots else 4}
     return {"block_m": max(64, _next_pow2(group)), "block_n": block_n, "num_warps": 4 if block_d <= 128 else 8}
 
 
@@ -255,7 +256,7 @@ def paged_attention_fp8(
     group = hq // hkv
     if num_splits > 1 and max_query_len != 1:
         raise ValueError("split-K is only for decode (one query token per sequence)")
-    cfg = fp8_launch_config(group, d, max_query_len)
+    cfg = fp8_launch_config(group, d, max_query_len, q.dtype == torch.float32)
     block_m = block_m or cfg["block_m"]
     block_n = block_n or cfg["block_n"]
     block_d = _next_pow2(d)
