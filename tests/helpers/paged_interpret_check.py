@@ -6,8 +6,9 @@ with the float32 test reference on small random steps and exits non-zero on a mi
 ``tests/unit/test_paged_triton_interpreter.py`` runs it; so can a developer:
 ``python tests/helpers/paged_interpret_check.py``.
 
-bf16 is not covered here: the interpreter of triton 3.6 computes bf16 dots wrongly (numpy has
-no bf16), so fp16 and fp32 stand in; the GPU tests cover bf16.
+bf16 dots are not covered here: the interpreter of triton 3.6 computes them wrongly (numpy has
+no bf16), so fp16 and fp32 stand in; the GPU tests cover bf16. The FP8 kernel runs its dots in
+fp16 whatever the activations, so its bf16 path is checked here too.
 """
 
 from __future__ import annotations
