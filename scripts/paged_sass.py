@@ -1,12 +1,18 @@
-"""Instructions a key/value element in the paged attention kernel's decode loop, bf16 against FP8 KV,
+"""Instructions a key/value element in the paged attention kernels' decode loop, bf16 against FP8 KV,
 compiled for Hopper without a GPU (as ``scripts/w4a16_sass.py`` does for the W4A16 GEMV).
 
 The decode step of a large batch reads every cached key and value once; with an FP8 pool it reads
 half the bytes, which pays only if converting the codes costs less than the bytes saved. This
-compiles ``_paged_attn_kernel`` (``plugins/attention/triton_kernels.py``) for sm_90 through
-Triton and its bundled ptxas with the decode plan (16 query rows of one KV head, 64 keys a tile,
-head size 128) for bf16 and fp16 activations, over a dense and an FP8 pool, and counts the
-instructions of the key loop against the K and V elements a thread handles an iteration.
+compiles, for sm_90 through Triton and its bundled ptxas, the decode plan of
+
+* the generic kernel (``plugins/attention/triton_kernels.py``: 16 query rows of one KV head, 64
+  keys a tile, 4 warps) over a dense pool and over the FP8 pool (its ``FP8_KV`` path, the
+  fallback under ``LOOM_FP8_KV_KERNEL=0``), for bf16 and fp16 activations;
+* the FP8 kernel (``plugins/attention/triton_fp8_attention.py``: 8 query rows, 64 keys, 1 warp);
+
+all at head size 128 and 4 query heads per KV head (Llama 3 8B), and counts the instructions of
+the key loop against the K and V elements a thread handles an iteration, and against the bytes
+it reads (2 an element in bf16; 1 in FP8, plus a 4-byte scale a key and head for each of K and V).
 
     PYTHONPATH=service:plugins/.. python scripts/paged_sass.py [--out FILE]
 """
@@ -25,8 +31,24 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from w4a16_sass import _OP, _k_loop, disassemble  # noqa: E402 (the same loop finder and disassembly)
 
+HEAD_DIM, GROUP, PAGE = 128, 4, 16
+_COMMON = dict(q_ptr="", kc_ptr="", vc_ptr="", ks_ptr="*fp32", vs_ptr="*fp32", out_ptr="", part_o_ptr="*fp32",
+               part_lse_ptr="*fp32", qsl_ptr="*i32", seq_lens_ptr="*i32", bt_ptr="*i32", seq_ids_ptr="*i32",
+               qk_scale="fp32", window="i32", soft_cap="fp32", num_q_heads="i32", stride_qt="i32",
+               stride_qh="i32", stride_ot="i32", stride_oh="i32", stride_kcb="i32", stride_kcs="i32",
+               stride_kch="i32")
 
-def count(dtype: str, fp8: bool, num_stages: int | None = None, block_n: int = 64, num_warps: int = 4) -> dict[str, Any]:
+
+def _signature(dtype: str, code: str, v_strides: tuple[str, ...]) -> dict[str, str]:
+    sig = {**_COMMON, "q_ptr": f"*{dtype}", "kc_ptr": code, "vc_ptr": code, "out_ptr": f"*{dtype}"}
+    sig.update({s: "i32" for s in v_strides})
+    sig.update(stride_sb="i32", stride_ss="i32", stride_sh="i32", stride_bt="i32")
+    return sig
+
+
+def count(dtype: str, pool: str, num_stages: int | None = None) -> dict[str, Any]:
+    """``pool``: "dense" (the generic kernel over a pool of ``dtype``), "fp8_generic" (its FP8
+    path) or "fp8_kernel" (the FP8 kernel)."""
     sys.path.insert(0, str(ROOT / "tests"))
     from helpers.source_tree import make_importable
 
@@ -35,43 +57,62 @@ def count(dtype: str, fp8: bool, num_stages: int | None = None, block_n: int = 6
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from loom_plugins.attention import triton_fp8_attention as f8
     from loom_plugins.attention import triton_kernels as tk
 
-    code = "*fp8e4nv" if fp8 else f"*{dtype}"
-    sig = dict(q_ptr=f"*{dtype}", kc_ptr=code, vc_ptr=code, ks_ptr="*fp32", vs_ptr="*fp32", out_ptr=f"*{dtype}",
-               part_o_ptr="*fp32", part_lse_ptr="*fp32", qsl_ptr="*i32", seq_lens_ptr="*i32", bt_ptr="*i32",
-               seq_ids_ptr="*i32", qk_scale="fp32", window="i32", soft_cap="fp32", num_q_heads="i32",
-               stride_qt="i32", stride_qh="i32", stride_ot="i32", stride_oh="i32", stride_kcb="i32",
-               stride_kcs="i32", stride_kch="i32", stride_vcb="i32", stride_vcs="i32", stride_vch="i32",
-               stride_sb="i32", stride_ss="i32", stride_sh="i32", stride_bt="i32")
-    consts = dict(HEAD_DIM=128, BLOCK_D=128, GROUP=4, BLOCK_M=16, BLOCK_N=block_n, PAGE=16, NUM_SPLITS=1,
-                  HAS_SEQ_IDS=False, HAS_WINDOW=False, HAS_SOFT_CAP=False, PRECISION="tf32", FP8_KV=fp8)
-    names = list(sig)
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr") or n.startswith("stride")}
+    if pool == "fp8_kernel":
+        cfg = f8.fp8_launch_config(GROUP, HEAD_DIM, 1)
+        block_m, block_n, num_warps = cfg["block_m"], cfg["block_n"], cfg["num_warps"]
+        kernel = f8._paged_attn_fp8_kernel
+        sig = _signature(dtype, "*fp8e4nv", ("stride_vcb", "stride_vch", "stride_vcd"))
+        consts: dict[str, Any] = dict(TILE_PAGES=max(1, block_n // PAGE), TILE_W=min(block_n, PAGE),
+                                      F32_DOTS=False)
+    else:
+        block_m, block_n, num_warps = 16, 64, 4
+        kernel = tk._paged_attn_kernel
+        sig = _signature(dtype, "*fp8e4nv" if pool == "fp8_generic" else f"*{dtype}",
+                         ("stride_vcb", "stride_vcs", "stride_vch", "stride_vcd"))
+        consts = dict(PRECISION="tf32", FP8_KV=pool == "fp8_generic")
+    consts.update(HEAD_DIM=HEAD_DIM, BLOCK_D=HEAD_DIM, GROUP=GROUP, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=PAGE,
+                  NUM_SPLITS=1, HAS_SEQ_IDS=False, HAS_WINDOW=False, HAS_SOFT_CAP=False)
+    if pool == "dense":  # a dense pool's d stride is 1: Triton specializes it away at launch
+        consts["stride_vcd"] = 1
+    sig.update({c: "constexpr" for c in consts})
+    # pointers and strides 16-divisible, as Triton's own specialization of such arguments finds them
+    names = list(kernel.arg_names)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
+             if t != "constexpr" and (n.endswith("_ptr") or n.startswith("stride"))}
     options: dict[str, Any] = {"num_warps": num_warps}
     if num_stages is not None:
         options["num_stages"] = num_stages
-    compiled = triton.compile(ASTSource(tk._paged_attn_kernel, {**sig, **{c: "constexpr" for c in consts}}, consts,
-                                        attrs), target=GPUTarget("cuda", 90, 32), options=options)
-    sass, regs, _ = disassemble(compiled)
+    compiled = triton.compile(ASTSource(kernel, {n: sig[n] for n in names}, consts, attrs),
+                              target=GPUTarget("cuda", 90, 32), options=options)
+    sass, regs, spills = disassemble(compiled)
     ops = collections.Counter(_OP.findall(_k_loop(sass)))
-    elements = 2 * block_n * 128 // (32 * num_warps)  # K and V elements a thread handles an iteration
-    return {"activations": dtype, "pool": "fp8_e4m3" if fp8 else dtype, "num_stages": num_stages or "default",
-            "loop_instructions": sum(ops.values()), "kv_elements_per_thread": elements,
-            "instructions_per_kv_element": round(sum(ops.values()) / elements, 2),
-            "registers": regs, "by_opcode": dict(ops.most_common())}
+    elements = 2 * block_n * HEAD_DIM // (32 * num_warps)  # K and V elements a thread handles an iteration
+    kv_bytes = elements * (2 if pool == "dense" else 1 + 4 / HEAD_DIM)
+    total = sum(ops.values())
+    return {"kernel": "fp8" if pool == "fp8_kernel" else "generic", "activations": dtype,
+            "pool": dtype if pool == "dense" else "fp8_e4m3", "block_m": block_m, "block_n": block_n,
+            "num_warps": num_warps, "num_stages": num_stages or "default", "loop_instructions": total,
+            "kv_elements_per_thread": elements, "instructions_per_kv_element": round(total / elements, 2),
+            "instructions_per_kv_byte": round(total / kv_bytes, 2), "registers": regs, "spill_bytes": spills,
+            "shared_bytes": compiled.metadata.shared, "by_opcode": dict(ops.most_common())}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", help="write the counts as JSON here")
     args = parser.parse_args()
-    results = [count(d, fp8, st) for d in ("bf16", "fp16") for fp8 in (False, True) for st in (None, 1)]
+    results = [count(d, pool, st) for d in ("bf16", "fp16") for pool in ("dense", "fp8_generic")
+               for st in (None, 1)]
+    results += [count(d, "fp8_kernel") for d in ("bf16", "fp16")]
     for r in results:
         top = ", ".join(f"{k} {v}" for k, v in list(r["by_opcode"].items())[:5])
-        print(f"{r['activations']} activations, {r['pool']} pool, stages {r['num_stages']}: "
-              f"{r['instructions_per_kv_element']:.2f} instructions a K/V element ({r['loop_instructions']}), "
-              f"{r['registers']} registers; {top}", flush=True)
+        print(f"{r['kernel']} kernel, {r['activations']} activations, {r['pool']} pool, stages {r['num_stages']}: "
+              f"{r['instructions_per_kv_element']:.2f} instructions a K/V element, "
+              f"{r['instructions_per_kv_byte']:.2f} a byte ({r['loop_instructions']}), {r['registers']} registers, "
+              f"{r['spill_bytes']} bytes spilled; {top}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"target": "sm_90 (triton 3.6, bundled ptxas)", "results": results},
                                              indent=1) + "\n")

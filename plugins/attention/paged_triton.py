@@ -30,8 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
-from loom.plugin_api import AttentionBackend, AttentionMetadata
+from loom import kernel_switches
+from loom.plugin_api import AttentionBackend, AttentionMetadata, kv_fp8
 
+from .triton_fp8_attention import paged_attention_fp8
 from .triton_kernels import paged_attention, store_kv
 
 # Split-K only pays when each split keeps at least this many keys to read.
@@ -142,14 +144,17 @@ class PagedAttentionBackend(AttentionBackend[PagedPlan]):
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = torch.empty((q.shape[0], self.num_heads, self.head_dim), dtype=q.dtype, device=q.device)
+        # An FP8 pool has a kernel of its own (triton_fp8_attention.py); LOOM_FP8_KV_KERNEL=0
+        # sends it to the generic kernel's FP8 path instead.
+        attend = paged_attention_fp8 if kv_fp8.is_packed(kv_cache) and kernel_switches.fp8_kv_kernel else paged_attention
         if plan.num_decode:
-            paged_attention(q, kv_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                            num_seqs=plan.num_decode, seq_ids=plan.decode_ids, max_query_len=1,
-                            num_splits=plan.num_splits, scale=scale, sliding_window=sliding_window,
-                            logits_soft_cap=logits_soft_cap)
+            attend(q, kv_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                   num_seqs=plan.num_decode, seq_ids=plan.decode_ids, max_query_len=1,
+                   num_splits=plan.num_splits, scale=scale, sliding_window=sliding_window,
+                   logits_soft_cap=logits_soft_cap)
         if plan.num_prefill:
-            paged_attention(q, kv_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                            num_seqs=plan.num_prefill, seq_ids=plan.prefill_ids,
-                            max_query_len=plan.max_prefill_query_len, scale=scale,
-                            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+            attend(q, kv_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                   num_seqs=plan.num_prefill, seq_ids=plan.prefill_ids,
+                   max_query_len=plan.max_prefill_query_len, scale=scale,
+                   sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
         return out

@@ -31,10 +31,12 @@ keys ``p <= L - q + i`` (and ``p > L - q + i - window`` with a sliding window). 
 ones included, are read from the pool, so ``store_kv`` must run first.
 
 An FP8 pool (``--kv-cache-dtype fp8``, ``loom.plugin_api.kv_fp8``): ``store_kv`` quantizes each
-(token, head) row to e4m3 codes and a float32 scale exactly as ``kv_fp8.quantize`` does;
-attention converts the codes to the query's dtype (exact), runs the dots on them, and applies
-the scales per key: to the scores' columns (K) and to the probabilities' columns before the
-P.V dot (V). The running sums of the softmax keep the unscaled probabilities.
+(token, head) row to e4m3 codes and a float32 scale exactly as ``kv_fp8.quantize`` does (the
+value codes token-contiguous, by their d stride). Attention over it normally runs the kernel of
+``triton_fp8_attention.py``; the ``FP8_KV`` path here is its fallback (``LOOM_FP8_KV_KERNEL=0``):
+it converts the codes to the query's dtype (exact), runs the dots on them, and applies the
+scales per key: to the scores' columns (K) and to the probabilities' columns before the P.V dot
+(V). The running sums of the softmax keep the unscaled probabilities.
 
 Positions and slots are computed per key token (``block_tables[b, p // page] * page + p % page``),
 so the key tile ``BLOCK_N`` is independent of the page size. Block offsets are widened to int64:
@@ -67,12 +69,12 @@ def _next_pow2(x: int) -> int:
 @triton.jit
 def _store_kv_kernel(
     k_ptr, v_ptr,  # [T, Hkv, D] (last dim contiguous)
-    kc_ptr, vc_ptr,  # [num_blocks, page, Hkv, D] each (FP8: the codes' view of the packed pool)
+    kc_ptr, vc_ptr,  # [num_blocks, page, Hkv, D] each (FP8: the codes' views of the packed pool)
     ks_ptr, vs_ptr,  # FP8 only: [num_blocks, page, Hkv] float32 scales (views of the same pool)
     slot_ptr,  # [T] int64; < 0 means "do not write"
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcb, stride_kcs, stride_kch,
-    stride_vcb, stride_vcs, stride_vch,
+    stride_vcb, stride_vcs, stride_vch, stride_vcd,  # V's d stride: 1, or the page for FP8 codes
     stride_sb, stride_ss, stride_sh,  # of ks / vs (the same layout for both)
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, FP8_KV: tl.constexpr,
@@ -90,7 +92,7 @@ def _store_kv_kernel(
         k = tl.load(k_ptr + t64 * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
         v = tl.load(v_ptr + t64 * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
         k_dst = kc_ptr + blk * stride_kcb + off * stride_kcs + h[:, None] * stride_kch + d[None, :]
-        v_dst = vc_ptr + blk * stride_vcb + off * stride_vcs + h[:, None] * stride_vch + d[None, :]
+        v_dst = vc_ptr + blk * stride_vcb + off * stride_vcs + h[:, None] * stride_vch + d[None, :] * stride_vcd
         if FP8_KV:
             # kv_fp8.quantize per (token, head) row: scale = max|x| / 448, codes = x * (448 / max|x|)
             # rounded to nearest even; divisions correctly rounded (div_rn) to match torch's bytes.
@@ -116,10 +118,10 @@ def _store_kv_kernel(
 
 def _pool_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
     """(K, V, K scales, V scales, is FP8) of a layer's pool: the packed FP8 pool's codes and
-    scales (``kv_fp8.views``), or a dense pool's halves (the scales then unused stand-ins)."""
+    scales (``kv_fp8.views``; V's codes token-contiguous, so their d stride is not 1), or a dense
+    pool's halves (the scales then unused stand-ins)."""
     if kv_fp8.is_packed(kv_cache):
-        codes, scales = kv_fp8.views(kv_cache)
-        return codes[0], codes[1], scales[0], scales[1], True
+        return (*kv_fp8.views(kv_cache), True)
     return kv_cache[0], kv_cache[1], kv_cache[0], kv_cache[1], False
 
 
@@ -141,7 +143,7 @@ def store_kv(
         k, v, kc, vc, ks, vs, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2),
-        vc.stride(0), vc.stride(1), vc.stride(2),
+        vc.stride(0), vc.stride(1), vc.stride(2), vc.stride(3),
         ks.stride(0), ks.stride(1), ks.stride(2),
         NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_H=_next_pow2(hkv), BLOCK_D=_next_pow2(d),
         PAGE=kv_cache.shape[2], FP8_KV=fp8,
@@ -156,7 +158,7 @@ def store_kv(
 @triton.jit
 def _paged_attn_kernel(
     q_ptr,  # [T, Hq, D]
-    kc_ptr, vc_ptr,  # [num_blocks, page, Hkv, D] each (FP8: e4m3 codes)
+    kc_ptr, vc_ptr,  # [num_blocks, page, Hkv, D] each (FP8: e4m3 codes, V's token-contiguous)
     ks_ptr, vs_ptr,  # FP8 only: [num_blocks, page, Hkv] float32 scale of each key's / value's row
     out_ptr,  # [T, Hq, D] (written when NUM_SPLITS == 1)
     part_o_ptr,  # [n, Hq, NUM_SPLITS, BLOCK_D] fp32 (written when NUM_SPLITS > 1)
@@ -171,7 +173,7 @@ def _paged_attn_kernel(
     num_q_heads,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kcb, stride_kcs, stride_kch,
-    stride_vcb, stride_vcs, stride_vch,
+    stride_vcb, stride_vcs, stride_vch, stride_vcd,  # V's d stride: 1, or the page for FP8 codes
     stride_sb, stride_ss, stride_sh,
     stride_bt,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
@@ -250,7 +252,7 @@ def _paged_attn_kernel(
             alpha = tl.exp2(m_i - m_safe)  # [BLOCK_M]
             l_i = l_i * alpha + tl.sum(p, 1)
             v_addr = blk * stride_vcb + off * stride_vcs + kvh * stride_vch
-            vt = tl.load(vc_ptr + v_addr[:, None] + d[None, :],
+            vt = tl.load(vc_ptr + v_addr[:, None] + d[None, :] * stride_vcd,
                          mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
             if FP8_KV:
                 # each value row's scale folds into its column of probabilities (l_i keeps p)
@@ -363,7 +365,7 @@ def paged_attention(
         scale if logits_soft_cap is not None else scale * _LOG2E, sliding_window or 0, logits_soft_cap or 0.0, hq,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2),
-        vc.stride(0), vc.stride(1), vc.stride(2),
+        vc.stride(0), vc.stride(1), vc.stride(2), vc.stride(3),
         ks.stride(0), ks.stride(1), ks.stride(2),
         block_tables.stride(0),
         HEAD_DIM=d, BLOCK_D=block_d, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n,

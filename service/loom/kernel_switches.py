@@ -15,6 +15,11 @@ from collections.abc import Iterator
 
 fused_kernels: bool = os.environ.get("LOOM_FUSED_KERNELS", "1") != "0"
 
+# ``LOOM_FP8_KV_KERNEL=0``: attention over an FP8 KV pool (``--kv-cache-dtype fp8``) runs the
+# generic paged kernel's FP8 path (codes converted to the query's dtype through float32) instead
+# of the fp16-dot kernel of ``plugins/attention/triton_fp8_attention.py``. Both read the same pool.
+fp8_kv_kernel: bool = os.environ.get("LOOM_FP8_KV_KERNEL", "1") != "0"
+
 
 @contextlib.contextmanager
 def fused_kernels_off() -> Iterator[None]:

@@ -176,20 +176,23 @@ def _meta(tables: list[list[int]], ctx: list[int], new: list[int], page: int) ->
         max_query_len=max(new), max_seq_len=max(lens), block_size=page)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("query_len", [1, 3], ids=["decode", "q3"])
 @pytest.mark.parametrize("n", [1, 3, 8])
-def test_cuda_graph_step_equals_eager(n: int, query_len: int) -> None:
+def test_cuda_graph_step_equals_eager(n: int, query_len: int, kv_cache_dtype: str) -> None:
     with torch.inference_mode():
-        _graph_vs_eager(n, query_len)
+        _graph_vs_eager(n, query_len, fp8=kv_cache_dtype == "fp8")
 
 
-def _graph_vs_eager(n: int, q: int) -> None:
+def _graph_vs_eager(n: int, q: int, fp8: bool = False) -> None:
     from loom.worker.cuda_graphs import CudaGraphRunner
     from loom.worker.model_runner import StepInputs
 
     page, max_blocks = 16, 24
     model = _tiny_llama()
     backend = PagedAttentionBackend(8, 2, 64, torch.bfloat16, CUDA)
+    if fp8:
+        backend.use_fp8_kv_cache()
     caches = backend.allocate_kv_cache(2, 200, page)
     graphs = CudaGraphRunner([1, 2, 4, 8], page, CUDA, query_lens=(1, 3))
     graphs.capture(model, backend, caches, max_blocks)
@@ -243,26 +246,89 @@ def _graph_vs_eager(n: int, q: int) -> None:
     assert graphs.num_replays == 1
 
 
-@pytest.mark.parametrize("mode", ["decode", "prefill", "cached", "verify", "mixed"])
-@pytest.mark.parametrize(("hq", "hkv", "d"), [(32, 8, 128), (9, 3, 64)])
-def test_fp8_kv_cache_matches_the_reference_over_what_the_pool_holds(mode: str, hq: int, hkv: int, d: int) -> None:
-    """--kv-cache-dtype fp8 on the GPU: the pool's bytes after the write are kv_fp8.write's (both
-    divide correctly rounded and convert to nearest even), and the bf16 output is within bf16
-    rounding of the float32 reference over the dequantized pool: a relative error norm under 1%,
-    and no element off by more than 0.04 + 2% (a bf16 kernel against float32, where the other
-    tests compare two bf16 backends)."""
+# ------------------------------------------------------------------------------------------------
+# FP8 KV cache: the FP8 kernel (triton_fp8_attention.py) and the generic kernel's FP8 path
+# (LOOM_FP8_KV_KERNEL=0) over the same pool
+# ------------------------------------------------------------------------------------------------
+
+FP8_KERNELS = ["fp8_kernel", "generic"]
+
+
+def _check_fp8(step: PagedStep, hq: int, hkv: int, d: int, kernel: str, window: int | None = None,
+               splits: int | None = None, soft_cap: float | None = None) -> None:
+    """The pool's bytes after the write are kv_fp8.write's (both divide correctly rounded and
+    convert to nearest even), and the output is within half-precision rounding of the float32
+    reference over the dequantized pool: a relative error norm under REL_NORM, and no element
+    off by more than 0.04 + 2% (a half-precision kernel against float32, where the other tests
+    compare two half-precision backends)."""
     from helpers.fp8_kv_cases import pack, reference
 
-    rng = random.Random(hash((mode, hq)) & 0xFFFF)
-    step = make_step(_seqs(mode, rng), num_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=torch.bfloat16,
-                     device=CUDA, seed=rng.randint(0, 1000))
-    expected, expected_pool = reference(step, d**-0.5, None)
-    backend = PagedAttentionBackend(hq, hkv, d, torch.bfloat16, CUDA)
+    from loom import kernel_switches
+
+    dtype = step.q.dtype
+    extra = {} if soft_cap is None else {"logits_soft_cap": soft_cap}
+    expected, expected_pool = reference(step, d**-0.5, window, **extra)
+    backend = PagedAttentionBackend(hq, hkv, d, dtype, CUDA)
     backend.use_fp8_kv_cache()
     pool = pack(step.kv_cache.float())
-    out = backend.forward(step.q, step.k, step.v, pool, step.meta, backend.prepare(step.meta), d**-0.5, None)
+    plan = backend.prepare(step.meta)
+    if splits is not None:
+        plan = dataclasses.replace(plan, num_splits=splits)
+    before, kernel_switches.fp8_kv_kernel = kernel_switches.fp8_kv_kernel, kernel == "fp8_kernel"
+    try:
+        out = backend.forward(step.q, step.k, step.v, pool, step.meta, plan, d**-0.5, window, **extra)
+    finally:
+        kernel_switches.fp8_kv_kernel = before
     mismatched = (pool != expected_pool).float().mean().item()
     assert mismatched == 0, f"{mismatched:.3%} of the pool's bytes differ from kv_fp8.write's"
     rel = ((out.float() - expected).norm() / expected.norm()).item()
-    assert rel < REL_NORM[torch.bfloat16], f"relative error {rel:.2e} against the float32 reference"
+    assert rel < REL_NORM[dtype], f"relative error {rel:.2e} against the float32 reference"
     torch.testing.assert_close(out.float(), expected, atol=4e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("kernel", FP8_KERNELS)
+@pytest.mark.parametrize("mode", ["decode", "prefill", "cached", "verify", "mixed"])
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(32, 8, 128), (9, 3, 64)])
+def test_fp8_kv_cache_matches_the_reference_over_what_the_pool_holds(mode: str, hq: int, hkv: int, d: int,
+                                                                    kernel: str) -> None:
+    """--kv-cache-dtype fp8 on the GPU, bf16 activations: Llama-8B's and SmolLM2's head shapes."""
+    rng = random.Random(f"fp8{mode}{hq}")
+    step = make_step(_seqs(mode, rng), num_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=torch.bfloat16,
+                     device=CUDA, seed=rng.randint(0, 1000))
+    _check_fp8(step, hq, hkv, d, kernel)
+
+
+@pytest.mark.parametrize("kernel", FP8_KERNELS)
+@pytest.mark.parametrize("mode", ["decode", "cached", "mixed"])
+def test_fp8_kv_cache_fp16_and_windows(mode: str, kernel: str) -> None:
+    rng = random.Random(f"fp8w{mode}")
+    step = make_step(_seqs(mode, rng), num_heads=16, num_kv_heads=1, head_dim=128, dtype=torch.float16,
+                     device=CUDA, seed=rng.randint(0, 1000))
+    _check_fp8(step, 16, 1, 128, kernel, window=100)
+
+
+@pytest.mark.parametrize("kernel", FP8_KERNELS)
+@pytest.mark.parametrize("mode", ["decode", "prefill", "mixed"])
+def test_fp8_kv_cache_soft_capped_scores(mode: str, kernel: str) -> None:
+    """Gemma 2's shape (8 query heads on 4 KV heads of 256), capped scores and a window."""
+    rng = random.Random(f"fp8cap{mode}")
+    step = make_step(_seqs(mode, rng), num_heads=8, num_kv_heads=4, head_dim=256, dtype=torch.bfloat16,
+                     device=CUDA, seed=rng.randint(0, 1000))
+    step.q.mul_(8.0)
+    _check_fp8(step, 8, 4, 256, kernel, window=100, soft_cap=50.0)
+
+
+@pytest.mark.parametrize("kernel", FP8_KERNELS)
+@pytest.mark.parametrize(("splits", "window"), [(None, None), (4, 1000), (16, None)])
+def test_fp8_kv_cache_split_k_long_context(splits: int | None, window: int | None, kernel: str) -> None:
+    step = make_step([(4100, 1), (2999, 1), (17, 1)], num_heads=32, num_kv_heads=8, head_dim=128,
+                     dtype=torch.bfloat16, device=CUDA, seed=6)
+    _check_fp8(step, 32, 8, 128, kernel, window=window, splits=splits)
+
+
+def test_fp8_kv_cache_llama8b_decode_batch() -> None:
+    """W2's shape: sequences of 128 to 1,280 tokens, Llama-8B's heads."""
+    rng = random.Random(256)
+    seqs = [(rng.randint(127, 1279), 1) for _ in range(128)]
+    step = make_step(seqs, num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, device=CUDA, seed=9)
+    _check_fp8(step, 32, 8, 128, "fp8_kernel")

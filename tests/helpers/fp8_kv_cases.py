@@ -20,19 +20,23 @@ def pack(dense: torch.Tensor) -> torch.Tensor:
     """A dense pool ``[2, nb, bs, Hkv, D]`` as the packed FP8 pool ``[2, nb, bs, Hkv, D + 4]`` uint8."""
     _, nb, bs, hkv, d = dense.shape
     packed = kv_fp8.allocate(nb, bs, hkv, d, dense.device)
-    codes, scales = kv_fp8.views(packed)
+    pool = kv_fp8.views(packed)
     c, s = kv_fp8.quantize(dense)
-    codes.copy_(c)
-    scales.copy_(s)
+    pool.k_codes.copy_(c[0])
+    pool.v_codes.copy_(c[1])
+    pool.k_scales.copy_(s[0])
+    pool.v_scales.copy_(s[1])
     return packed
 
 
 def unpack(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    codes, scales = kv_fp8.views(packed)
-    return kv_fp8.dequantize(codes, scales, dtype)
+    pool = kv_fp8.views(packed)
+    return torch.stack([kv_fp8.dequantize(pool.k_codes, pool.k_scales, dtype),
+                        kv_fp8.dequantize(pool.v_codes, pool.v_scales, dtype)])
 
 
-def reference(step: PagedStep, scale: float, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def reference(step: PagedStep, scale: float, window: int | None,
+              logits_soft_cap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(output [T, Hq, D], the packed pool after the step's write) a backend must produce."""
     hq, hkv, d = step.q.shape[1], step.k.shape[1], step.q.shape[2]
     packed = pack(step.kv_cache.float())
@@ -41,5 +45,5 @@ def reference(step: PagedStep, scale: float, window: int | None) -> tuple[torch.
     dense = unpack(packed)
     backend = ReferenceAttentionBackend(hq, hkv, d, torch.float32, step.q.device)
     out = backend.forward(step.q.float(), kv_fp8.round_trip(step.k.float()), kv_fp8.round_trip(step.v.float()),
-                          dense, step.meta, None, scale, window)
+                          dense, step.meta, None, scale, window, logits_soft_cap)
     return out, expected_pool

@@ -6,8 +6,9 @@ with the float32 test reference on small random steps and exits non-zero on a mi
 ``tests/unit/test_paged_triton_interpreter.py`` runs it; so can a developer:
 ``python tests/helpers/paged_interpret_check.py``.
 
-bf16 is not covered here: the interpreter of triton 3.6 computes bf16 dots wrongly (numpy has
-no bf16), so fp16 and fp32 stand in; the GPU tests cover bf16.
+bf16 dots are not covered here: the interpreter of triton 3.6 computes them wrongly (numpy has
+no bf16), so fp16 and fp32 stand in; the GPU tests cover bf16. The FP8 kernel runs its dots in
+fp16 whatever the activations, so its bf16 path is checked here too.
 """
 
 from __future__ import annotations
@@ -77,37 +78,98 @@ def run_case(seqs: list[tuple[int, int]], hq: int, hkv: int, d: int, dtype_name:
     return (out.float() - ref.float()).abs().max().item(), (cache.float() - ref_cache.float()).abs().max().item()
 
 
-# FP8 KV cache: (sequences, Hq, Hkv, D, dtype, window, forced splits, page)
-FP8_CASES: list[tuple[list[tuple[int, int]], int, int, int, str, int | None, int | None, int]] = [
-    ([(0, 1), (5, 1), (20, 1)], 4, 1, 16, "float32", None, None, 16),  # decode, GQA 4
-    ([(3, 1), (0, 9), (17, 1), (30, 20)], 8, 2, 32, "float32", 7, None, 16),  # mixed, window
-    ([(40, 1), (70, 1), (0, 1)], 4, 2, 32, "float32", None, 4, 16),  # split-K, empty splits
-    ([(10, 3), (0, 3), (37, 3)], 6, 2, 24, "float16", None, None, 4),  # uniform q = 3, fp16, G=3
+# FP8 KV cache: (sequences, Hq, Hkv, D, dtype, window, forced splits, page, soft cap). Each runs through
+# the FP8 kernel (triton_fp8_attention.py) and, but for bf16 (the interpreter's bf16 dots are
+# wrong), through the generic kernel's FP8 path (LOOM_FP8_KV_KERNEL=0).
+FP8_CASES: list[tuple[list[tuple[int, int]], int, int, int, str, int | None, int | None, int, float | None]] = [
+    ([(0, 1), (5, 1), (20, 1)], 4, 1, 16, "float32", None, None, 16, None),  # decode, GQA 4
+    ([(3, 1), (0, 9), (17, 1), (30, 20)], 8, 2, 32, "float32", 7, None, 16, None),  # mixed, window
+    ([(40, 1), (70, 1), (0, 1)], 4, 2, 32, "float32", None, 4, 16, None),  # split-K, empty splits
+    ([(10, 3), (0, 3), (37, 3)], 6, 2, 24, "float16", None, None, 4, None),  # uniform q = 3, fp16, G=3
+    ([(150, 1), (70, 1), (0, 1)], 8, 2, 64, "bfloat16", None, None, 16, None),  # bf16 decode, tiles of 4 pages
+    ([(90, 1), (0, 40), (130, 6)], 8, 2, 32, "bfloat16", 50, None, 16, None),  # bf16 mixed, window mid-tile
+    ([(200, 1), (90, 1)], 16, 1, 32, "float16", 70, 2, 128, None),  # pages longer than a tile, G=16
+    ([(3, 1), (0, 30), (17, 1), (30, 20)], 4, 2, 32, "float32", 7, None, 16, 2.0),  # soft cap and window
+    ([(70, 1), (0, 40), (33, 9)], 4, 2, 256, "float32", 6, None, 16, 5.0),  # Gemma 2's heads of 256
+]
+
+
+# Values spread over seven decades, some blocks zero: several key tiles per sequence.
+FP8_SPREAD_CASES: list[tuple[list[tuple[int, int]], int, int, int, str, int | None, int | None, int, float | None]] = [
+    ([(300, 1), (0, 1), (130, 6)], 8, 2, 32, "float32", None, None, 16, None),
+    ([(250, 1), (170, 9)], 4, 2, 32, "float16", 150, 2, 8, None),
 ]
 
 
 def run_fp8_case(seqs: list[tuple[int, int]], hq: int, hkv: int, d: int, dtype_name: str,
-                 window: int | None, splits: int | None, page: int) -> tuple[float, bool]:
+                 window: int | None, splits: int | None, page: int, cap: float | None,
+                 generic: bool = False, spread: bool = False) -> tuple[float, bool]:
     """The packed FP8 pool: (output error against the float32 reference over what the pool
-    holds, whether the pool's bytes after the write equal ``kv_fp8.write``'s)."""
+    holds, whether the pool's bytes after the write equal ``kv_fp8.write``'s). ``spread``
+    scales the values of each block by its own power of ten (10**-4 .. 10**3, some blocks
+    zero), so that the kernel's value unit changes from tile to tile and some tiles have none."""
     import torch
 
     from helpers.fp8_kv_cases import pack, reference
     from helpers.paged_cases import make_step
+    from loom import kernel_switches
     from loom_plugins.attention.paged_triton import PagedAttentionBackend
 
     dtype = getattr(torch, dtype_name)
     step = make_step(seqs, num_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=page, dtype=dtype,
                      seed=len(seqs) * 17 + d)
-    expected, expected_pool = reference(step, d**-0.5, window)
+    if cap is not None:
+        step.q.mul_(3.0)  # scores of several units, where the cap bites
+    if spread:
+        gen = torch.Generator().manual_seed(d)
+        nb = step.kv_cache.shape[1]
+        factor = 10.0 ** torch.randint(-4, 4, (nb,), generator=gen).float()
+        factor[torch.randperm(nb, generator=gen)[: nb // 4]] = 0.0
+        step.kv_cache[1].mul_(factor.to(dtype)[:, None, None, None])
+    extra = {} if cap is None else {"logits_soft_cap": cap}
+    expected, expected_pool = reference(step, d**-0.5, window, **extra)
     backend = PagedAttentionBackend(hq, hkv, d, dtype, torch.device("cpu"))
     backend.use_fp8_kv_cache()
     pool = pack(step.kv_cache.float())
     plan = backend.prepare(step.meta)
     if splits is not None:
         plan = dataclasses.replace(plan, num_splits=splits)
-    out = backend.forward(step.q, step.k, step.v, pool, step.meta, plan, d**-0.5, window)
-    return (out.float() - expected).abs().max().item(), torch.equal(pool, expected_pool)
+    before, kernel_switches.fp8_kv_kernel = kernel_switches.fp8_kv_kernel, not generic
+    try:
+        out = backend.forward(step.q, step.k, step.v, pool, step.meta, plan, d**-0.5, window, **extra)
+    finally:
+        kernel_switches.fp8_kv_kernel = before
+    err = (out.float() - expected).abs()
+    if spread:  # relative to each row's largest expected magnitude
+        err = err / expected.abs().amax(-1, keepdim=True).clamp_min(1e-30)
+    return err.max().item(), torch.equal(pool, expected_pool)
+
+
+def run_fp8_unrounded_case() -> float:
+    """The FP8 kernel's fp16 arithmetic under bf16 queries, before the output's rounding: the
+    launcher writes a float32 output. Its error against the float32 reference is the fp16
+    rounding of the probabilities (the query and the codes convert exactly)."""
+    import torch
+
+    from helpers.fp8_kv_cases import pack, reference
+    from helpers.paged_cases import make_step
+    from loom_plugins.attention.paged_triton import PagedAttentionBackend
+    from loom_plugins.attention.triton_fp8_attention import paged_attention_fp8
+    from loom_plugins.attention.triton_kernels import store_kv
+
+    step = make_step([(150, 1), (0, 1), (40, 30), (77, 1)], num_heads=8, num_kv_heads=2, head_dim=64,
+                     dtype=torch.bfloat16, seed=5)
+    expected, _ = reference(step, 0.125, 20)
+    pool = pack(step.kv_cache.float())
+    store_kv(step.k, step.v, pool, step.meta.slot_mapping)
+    plan = PagedAttentionBackend(8, 2, 64, torch.bfloat16, torch.device("cpu")).prepare(step.meta)
+    out = torch.zeros(step.q.shape, dtype=torch.float32)
+    m = step.meta
+    for n, ids, qlen in ((plan.num_decode, plan.decode_ids, 1), (plan.num_prefill, plan.prefill_ids,
+                                                                 plan.max_prefill_query_len)):
+        paged_attention_fp8(step.q, pool, out, m.query_start_loc, m.seq_lens, m.block_tables, num_seqs=n,
+                            seq_ids=ids, max_query_len=qlen, scale=0.125, sliding_window=20)
+    return (out - expected).abs().max().item()
 
 
 def run_padding_case() -> float:
@@ -183,12 +245,23 @@ def main() -> int:
         failures += not ok
         print(f"{'ok  ' if ok else 'FAIL'} {case}: out err {out_err:.2e}, cache err {cache_err:.2e}")
     for fp8_case in FP8_CASES:
-        out_err, same_bytes = run_fp8_case(*fp8_case)
-        tol = 5e-3 if fp8_case[4] == "float16" else 1e-5
-        ok = out_err <= tol and same_bytes
+        dtype_name = fp8_case[4]
+        tol = {"float32": 1e-5, "float16": 5e-3, "bfloat16": 2e-2}[dtype_name]  # a few ulps of outputs ~1
+        for generic in (False, True) if dtype_name != "bfloat16" else (False,):
+            out_err, same_bytes = run_fp8_case(*fp8_case, generic=generic)
+            ok = out_err <= tol and same_bytes
+            failures += not ok
+            print(f"{'ok  ' if ok else 'FAIL'} fp8 kv ({'generic kernel' if generic else 'fp8 kernel'}) {fp8_case}: "
+                  f"out err {out_err:.2e}, pool bytes {'equal' if same_bytes else 'DIFFER'} to kv_fp8.write's")
+    for spread_case in FP8_SPREAD_CASES:
+        out_err, same_bytes = run_fp8_case(*spread_case, spread=True)
+        ok = out_err <= {"float32": 1e-5, "float16": 5e-3}[spread_case[4]] and same_bytes
         failures += not ok
-        print(f"{'ok  ' if ok else 'FAIL'} fp8 kv {fp8_case}: out err {out_err:.2e}, pool bytes "
-              f"{'equal' if same_bytes else 'DIFFER'} to kv_fp8.write's")
+        print(f"{'ok  ' if ok else 'FAIL'} fp8 kv, values spread over 7 decades and zero blocks {spread_case}: "
+              f"relative err {out_err:.2e}")
+    unrounded = run_fp8_unrounded_case()
+    failures += unrounded > 2e-3
+    print(f"{'ok  ' if unrounded <= 2e-3 else 'FAIL'} fp8 kernel, bf16 queries, float32 output: err {unrounded:.2e}")
     pad = run_padding_case()
     failures += pad != 0.0
     print(f"{'ok  ' if pad == 0.0 else 'FAIL'} padding rows: output max {pad}")

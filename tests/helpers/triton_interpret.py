@@ -13,7 +13,8 @@ Two more differences from a GPU are patched so that kernels can be checked bit f
 * it does not implement ``triton.language.extra.libdevice``: its ``exp`` (the accurate expf of
   CUDA) stands for ``tl.exp``, which the interpreter computes with numpy in float32;
 * its float32 <-> float8_e4m3fn casts mishandle subnormals (0.4946 becomes 0.25); the patched
-  casts go through torch's (round to nearest even, as the GPU's ``cvt.rn.satfinite``).
+  casts, and float8_e4m3fn -> float16, go through torch's (round to nearest even, as the GPU's
+  ``cvt.rn.satfinite``; e4m3 -> fp16 is exact).
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ def _patch_bf16_rounding(interp: Any) -> None:
             return _to_e4m3(np.asarray(data, dtype=np.float32))
         if src == tl.float8e4nv and dst == tl.float32:
             return _from_e4m3(np.asarray(data, dtype=np.uint8))
+        if src == tl.float8e4nv and dst == tl.float16:
+            return _from_e4m3_to_f16(np.asarray(data, dtype=np.uint8))
         if src != tl.float32 or dst != tl.bfloat16:
             return original(data, src, dst, rounding_mode)
         values = np.asarray(data, dtype=np.float32)
@@ -89,6 +92,12 @@ def _from_e4m3(codes: Any) -> Any:
     import torch
 
     return torch.from_numpy(codes.copy()).view(torch.float8_e4m3fn).float().numpy().view(np.uint32)
+
+
+def _from_e4m3_to_f16(codes: Any) -> Any:
+    import torch
+
+    return torch.from_numpy(codes.copy()).view(torch.float8_e4m3fn).half().numpy().view(np.uint16)
 
 
 def _patch_libdevice() -> None:

@@ -40,21 +40,25 @@ def test_zero_rows_and_views_share_the_pool() -> None:
     k[1, 0] = torch.arange(8.0)
     v = -k
     kv_fp8.write(k, v, pool, torch.tensor([5, 11]))
-    codes, scales = kv_fp8.views(pool)
-    assert codes.shape == (2, 3, 4, 2, 8) and scales.shape == (2, 3, 4, 2)
-    assert scales[0, 1, 1, 0].item() == 0.0  # slot 5 = block 1, offset 1: an all-zero row
-    assert scales[0, 2, 3, 0].item() == pytest.approx(7 / 448)  # slot 11 = block 2, offset 3
+    views = kv_fp8.views(pool)
+    assert views.k_codes.shape == views.v_codes.shape == (3, 4, 2, 8)
+    assert views.k_scales.shape == views.v_scales.shape == (3, 4, 2)
+    assert views.k_scales[1, 1, 0].item() == 0.0  # slot 5 = block 1, offset 1: an all-zero row
+    assert views.k_scales[2, 3, 0].item() == pytest.approx(7 / 448)  # slot 11 = block 2, offset 3
     torch.testing.assert_close(unpack(pool)[1, 2, 3, 0], -torch.arange(8.0), rtol=2**-4, atol=0)
     assert kv_fp8.packed_row_bytes(64) == 68
-    # The block's codes first, then its scales: every row of codes 16-byte aligned for D % 16 == 0.
+    # The block's codes first, then its scales; keys token-major [bs, Hkv, D], values [Hkv, D, bs].
     flat = pool.view(2, 3, -1)  # [2, nb, block bytes]
-    assert torch.equal(flat[1, 2, : 4 * 2 * 8].view(4, 2, 8), codes[1, 2].view(torch.uint8))
-    assert torch.equal(flat[1, 2, 4 * 2 * 8 :].view(torch.float32).view(4, 2), scales[1, 2])
-    big = kv_fp8.allocate(2, 16, 8, 128, torch.device("cpu"))
-    big_codes, big_scales = kv_fp8.views(big)
-    assert big_scales.stride() == (2 * 16 * 8 * 33, 16 * 8 * 33, 8, 1)  # float32 words
-    assert big_codes.stride() == (2 * 16 * 8 * 132, 16 * 8 * 132, 8 * 128, 128, 1)
-    assert all(st % 16 == 0 for st in big_codes.stride()[:-1])
+    assert torch.equal(flat[0, 2, : 4 * 2 * 8].view(4, 2, 8), views.k_codes[2].view(torch.uint8))
+    assert torch.equal(flat[1, 2, : 4 * 2 * 8].view(2, 8, 4), views.v_codes[2].view(torch.uint8).permute(1, 2, 0))
+    assert torch.equal(flat[1, 2, 4 * 2 * 8 :].view(torch.float32).view(4, 2), views.v_scales[2])
+    big = kv_fp8.views(kv_fp8.allocate(2, 16, 8, 128, torch.device("cpu")))
+    assert big.k_scales.stride() == big.v_scales.stride() == (16 * 8 * 33, 8, 1)  # float32 words
+    assert big.k_codes.stride() == (16 * 8 * 132, 8 * 128, 128, 1)  # a key's row contiguous
+    assert big.v_codes.stride() == (16 * 8 * 132, 1, 128 * 16, 16)  # a value element's tokens contiguous
+    # rows of key codes and runs of 16 tokens of value codes start on 16 bytes
+    assert all(st % 16 == 0 for st in (*big.k_codes.stride()[:-1], big.v_codes.stride(0), big.v_codes.stride(2),
+                                       big.v_codes.stride(3), big.v_codes.storage_offset()))
     # a selection of blocks (what read_blocks and swapping take) keeps the layout
     some = pool.index_select(1, torch.tensor([2]))
     torch.testing.assert_close(unpack(some)[1, 0], unpack(pool)[1, 2])

@@ -3,11 +3,17 @@
 A layer's pool stays one tensor, of bytes, allocated as ``[2, num_blocks, block_size, Hkv, D + 4]``
 uint8 (so that whole-block operations, the block size and the head count read as for a dense
 pool). Within a block the bytes are not rows of ``D + 4``: the block's ``block_size x Hkv x D``
-float8_e4m3fn codes come first, ``[block_size, Hkv, D]`` contiguous, then its ``block_size x Hkv``
-float32 scales, ``[block_size, Hkv]``. Every row of codes then starts 16-byte aligned (``D`` a
-multiple of 16), so kernels load K/V with wide vector loads; rows of ``D + 4`` bytes were only
-4-byte aligned, and on the H200 that made attention over the FP8 pool slower than over bf16
-(2026-12-02). :func:`views` is the one place that knows this layout.
+float8_e4m3fn codes come first, then its ``block_size x Hkv`` float32 scales ``[block_size, Hkv]``.
+The codes of keys are ``[block_size, Hkv, D]`` (a key's row contiguous); the codes of values are
+``[Hkv, D, block_size]`` (a value element's tokens contiguous). Why the two orders differ: the
+attention kernel runs ``P.V`` with the tokens as the dot's reduction dimension, and the tensor
+cores want that dimension contiguous. bf16 tiles are transposed on the way by ``ldmatrix``;
+nothing transposes bytes cheaply, and reading values stored token-major cost one narrow
+shared-memory load a byte. Rows of key codes start 16-byte aligned (``D`` a multiple of 16), and
+so do runs of 16 tokens of value codes (``block_size`` >= 16), so kernels load both with wide
+vector loads; rows of ``D + 4`` bytes were only 4-byte aligned, and on the H200 that made
+attention over the FP8 pool slower than over bf16 (2026-12-02). :func:`views` is the one place
+that knows this layout.
 
 A (token, KV head) row is ``x ~= codes * scale`` with ``scale = max|x| / 448`` (448: e4m3's
 largest finite value). The K/V of one token cost ``D + 4`` bytes a head instead of ``2 D`` in
@@ -15,7 +21,7 @@ bf16: 1.88x the tokens at ``D = 64``, 1.94x at ``D = 128``.
 
 Why a scale per token and head rather than per layer: it needs no calibration (a static scale must
 be known before the first K/V is written and clips whatever a later prompt exceeds it by), every
-row uses e4m3's whole range, and the scale rides in the row the kernels already read. Its cost is
+row uses e4m3's whole range, and the scale sits in the block the kernels already read. Its cost is
 4 bytes a row and one multiply per key (the scores by the K scales, the probabilities by the V
 scales), not per element.
 
@@ -26,11 +32,13 @@ prefilled in one chunk, several, or found in the prefix cache.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from loom.config import KV_CACHE_DTYPES
 
-__all__ = ["KV_CACHE_DTYPES", "allocate", "dequantize", "is_fp8_kv_cache_dtype", "packed_row_bytes", "quantize",
+__all__ = ["KV_CACHE_DTYPES", "PoolViews", "allocate", "dequantize", "is_fp8_kv_cache_dtype", "packed_row_bytes", "quantize",
            "read_blocks", "round_trip", "views", "write"]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -60,12 +68,21 @@ def is_packed(kv_cache: torch.Tensor) -> bool:
     return kv_cache.dtype == torch.uint8
 
 
-def views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pool as codes ``[2, nb, bs, Hkv, D]`` float8_e4m3fn and scales ``[2, nb, bs, Hkv]``
-    float32, both views of the same bytes (writes through them land in the pool).
+class PoolViews(NamedTuple):
+    """A packed pool's codes and scales, each a view of the pool's bytes (writes land in it)."""
+
+    k_codes: torch.Tensor  # [nb, bs, Hkv, D] float8_e4m3fn, strides (block, Hkv D, D, 1)
+    v_codes: torch.Tensor  # [nb, bs, Hkv, D] float8_e4m3fn, strides (block, 1, D bs, bs): token-contiguous
+    k_scales: torch.Tensor  # [nb, bs, Hkv] float32
+    v_scales: torch.Tensor  # [nb, bs, Hkv] float32
+
+
+def views(kv_cache: torch.Tensor) -> PoolViews:
+    """The pool's key and value codes (``[nb, bs, Hkv, D]`` float8_e4m3fn each, indexed alike but
+    laid out differently: see the module's docstring) and scales (``[nb, bs, Hkv]`` float32).
 
     Any pool whose blocks are each contiguous works (a slice or selection of blocks too)."""
-    two, nb, bs, hkv, row = kv_cache.shape
+    _, nb, bs, hkv, row = kv_cache.shape
     d = row - SCALE_BYTES
     s_kv, s_blk = kv_cache.stride(0), kv_cache.stride(1)
     if kv_cache.stride()[2:] != (hkv * row, row, 1) or (nb > 1 and s_blk < bs * hkv * row):
@@ -73,12 +90,14 @@ def views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if s_kv % SCALE_BYTES or s_blk % SCALE_BYTES or kv_cache.storage_offset() % SCALE_BYTES:
         raise ValueError("an FP8 KV pool must be 4-byte aligned")
     base = kv_cache.storage_offset()
-    codes = kv_cache.as_strided((two, nb, bs, hkv, d), (s_kv, s_blk, hkv * d, d, 1), base).view(FP8_DTYPE)
+    k_codes = kv_cache.as_strided((nb, bs, hkv, d), (s_blk, hkv * d, d, 1), base).view(FP8_DTYPE)
+    v_codes = kv_cache.as_strided((nb, bs, hkv, d), (s_blk, 1, d * bs, bs), base + s_kv).view(FP8_DTYPE)
     # float32 over the same storage (views of a uint8 tensor as float32 need 4-aligned strides)
     words = kv_cache.view(torch.float32)  # [2, nb, bs, Hkv, row / 4]
-    scales = words.as_strided((two, nb, bs, hkv), (s_kv // SCALE_BYTES, s_blk // SCALE_BYTES, hkv, 1),
-                              (base + bs * hkv * d) // SCALE_BYTES)
-    return codes, scales
+    s_base = (base + bs * hkv * d) // SCALE_BYTES
+    k_scales = words.as_strided((nb, bs, hkv), (s_blk // SCALE_BYTES, hkv, 1), s_base)
+    v_scales = words.as_strided((nb, bs, hkv), (s_blk // SCALE_BYTES, hkv, 1), s_base + s_kv // SCALE_BYTES)
+    return PoolViews(k_codes, v_codes, k_scales, v_scales)
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,15 +132,15 @@ def round_trip(x: torch.Tensor) -> torch.Tensor:
 def write(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
     """Quantize new ``k``/``v`` ``[T, Hkv, D]`` and write them at flat ``slots`` of a packed pool."""
     bs = kv_cache.shape[2]
-    codes_pool, scales_pool = views(kv_cache)
+    pool = views(kv_cache)
     blocks, offsets = slots // bs, slots % bs  # [T] each
-    for i, x in enumerate((k, v)):
+    for x, codes_pool, scales_pool in ((k, pool.k_codes, pool.k_scales), (v, pool.v_codes, pool.v_scales)):
         codes, scales = quantize(x)  # [T, Hkv, D], [T, Hkv]
-        codes_pool[i].view(torch.uint8).index_put_((blocks, offsets), codes.view(torch.uint8))
-        scales_pool[i].index_put_((blocks, offsets), scales)
+        codes_pool.view(torch.uint8).index_put_((blocks, offsets), codes.view(torch.uint8))
+        scales_pool.index_put_((blocks, offsets), scales)
 
 
 def read_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Blocks ``block_ids [n]`` of a packed pool, dequantized: ``[2, n, bs, Hkv, D]`` in ``dtype``."""
-    codes, scales = views(kv_cache.index_select(1, block_ids))
-    return dequantize(codes, scales, dtype)
+    pool = views(kv_cache.index_select(1, block_ids))
+    return torch.stack([dequantize(pool.k_codes, pool.k_scales, dtype), dequantize(pool.v_codes, pool.v_scales, dtype)])
