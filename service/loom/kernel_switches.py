@@ -5,6 +5,12 @@ the fused CPU operators alike): for an operator who suspects a kernel, and as th
 kernels are tested against. The layers read :data:`fused_kernels`, a plain module attribute, on
 each call: no environment lookup in the hot path. Tests and benchmarks switch it with
 :func:`fused_kernels_off` (or by setting the attribute).
+
+A narrower switch, read the same way:
+
+- ``LOOM_PAGED_DECODE_TABLE=0`` (:data:`paged_decode_table`): the paged attention's decode
+  launches keep the split rule written before measurement instead of the measured table
+  (``loom_plugins.attention.decode_plan_table``).
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ import os
 from collections.abc import Iterator
 
 fused_kernels: bool = os.environ.get("LOOM_FUSED_KERNELS", "1") != "0"
+
+paged_decode_table: bool = os.environ.get("LOOM_PAGED_DECODE_TABLE", "1") != "0"
 
 
 @contextlib.contextmanager
