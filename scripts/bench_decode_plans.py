@@ -83,19 +83,19 @@ class Case:
 
     def __init__(self, layout: Layout, batch: int, ctx: int, bound: int, device: torch.device, dtype: torch.dtype,
                  seed: int = 0) -> None:
-        gen = torch.Generator().manual_seed(seed)
+        gen = torch.Generator(device=device).manual_seed(seed)  # drawn on the device: pools of 100s of MB
         self.layout, self.batch, self.ctx = layout, batch, ctx
         hq = layout.hkv * layout.group
         per_seq = -(-ctx // PAGE)
         blocks = batch * per_seq + 1
-        self.kv = torch.randn(2, blocks, PAGE, layout.hkv, layout.head_dim, generator=gen).to(device, dtype)
+        self.kv = torch.randn(2, blocks, PAGE, layout.hkv, layout.head_dim, generator=gen, device=device).to(dtype)
         table = torch.zeros(batch, bound // PAGE, dtype=torch.int32)
-        perm = torch.randperm(blocks, generator=gen)[: batch * per_seq].to(torch.int32).view(batch, per_seq)
-        table[:, :per_seq] = perm
+        perm = torch.randperm(blocks, generator=torch.Generator().manual_seed(seed))[: batch * per_seq]
+        table[:, :per_seq] = perm.to(torch.int32).view(batch, per_seq)
         self.block_tables = table.to(device)
         self.seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
         self.qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
-        self.q = torch.randn(batch, hq, layout.head_dim, generator=gen).to(device, dtype)
+        self.q = torch.randn(batch, hq, layout.head_dim, generator=gen, device=device).to(dtype)
         self.out = torch.empty_like(self.q)
 
 
