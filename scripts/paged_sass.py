@@ -15,6 +15,10 @@ the key loop against the K and V elements a thread handles an iteration, and aga
 it reads (2 an element in bf16; 1 in FP8, plus a 4-byte scale a key and head for each of K and V).
 
     PYTHONPATH=service:plugins/.. python scripts/paged_sass.py [--out FILE]
+
+``--decode-plans`` counts the generic kernel's decode plans instead (the tiles, warps, stages and
+split merges that ``scripts/bench_decode_plans.py`` times): the loop, and the instructions outside
+it that a program of one or two key tiles spends most of its time in.
 """
 
 from __future__ import annotations
@@ -39,16 +43,20 @@ _COMMON = dict(q_ptr="", kc_ptr="", vc_ptr="", ks_ptr="*fp32", vs_ptr="*fp32", o
                stride_kch="i32")
 
 
-def _signature(dtype: str, code: str, v_strides: tuple[str, ...]) -> dict[str, str]:
+def _signature(dtype: str, code: str, v_strides: tuple[str, ...], generic: bool) -> dict[str, str]:
     sig = {**_COMMON, "q_ptr": f"*{dtype}", "kc_ptr": code, "vc_ptr": code, "out_ptr": f"*{dtype}"}
     sig.update({s: "i32" for s in v_strides})
     sig.update(stride_sb="i32", stride_ss="i32", stride_sh="i32", stride_bt="i32")
+    if generic:  # the split merge's arrivals and the fewest keys a split takes
+        sig.update(counter_ptr="*i32", min_keys="i32")
     return sig
 
 
-def count(dtype: str, pool: str, num_stages: int | None = None) -> dict[str, Any]:
+def count(dtype: str, pool: str, num_stages: int | None = None, block_n: int = 64, num_warps: int = 4,
+          group: int = GROUP, head_dim: int = HEAD_DIM, num_splits: int = 1, fused: bool = False) -> dict[str, Any]:
     """``pool``: "dense" (the generic kernel over a pool of ``dtype``), "fp8_generic" (its FP8
-    path) or "fp8_kernel" (the FP8 kernel)."""
+    path) or "fp8_kernel" (the FP8 kernel, at its own launch configuration). ``block_n``,
+    ``num_warps``, ``num_splits`` and ``fused`` (the last split merges) shape the generic kernel."""
     sys.path.insert(0, str(ROOT / "tests"))
     from helpers.source_tree import make_importable
 
@@ -61,20 +69,22 @@ def count(dtype: str, pool: str, num_stages: int | None = None) -> dict[str, Any
     from loom_plugins.attention import triton_kernels as tk
 
     if pool == "fp8_kernel":
-        cfg = f8.fp8_launch_config(GROUP, HEAD_DIM, 1)
+        cfg = f8.fp8_launch_config(group, head_dim, 1)
         block_m, block_n, num_warps = cfg["block_m"], cfg["block_n"], cfg["num_warps"]
         kernel = f8._paged_attn_fp8_kernel
-        sig = _signature(dtype, "*fp8e4nv", ("stride_vcb", "stride_vch", "stride_vcd"))
+        sig = _signature(dtype, "*fp8e4nv", ("stride_vcb", "stride_vch", "stride_vcd"), generic=False)
         consts: dict[str, Any] = dict(TILE_PAGES=max(1, block_n // PAGE), TILE_W=min(block_n, PAGE),
                                       F32_DOTS=False)
+        num_splits, fused = 1, False
     else:
-        block_m, block_n, num_warps = 16, 64, 4
+        block_m = max(16, 1 << (group - 1).bit_length())
         kernel = tk._paged_attn_kernel
         sig = _signature(dtype, "*fp8e4nv" if pool == "fp8_generic" else f"*{dtype}",
-                         ("stride_vcb", "stride_vcs", "stride_vch", "stride_vcd"))
-        consts = dict(PRECISION="tf32", FP8_KV=pool == "fp8_generic")
-    consts.update(HEAD_DIM=HEAD_DIM, BLOCK_D=HEAD_DIM, GROUP=GROUP, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=PAGE,
-                  NUM_SPLITS=1, HAS_SEQ_IDS=False, HAS_WINDOW=False, HAS_SOFT_CAP=False)
+                         ("stride_vcb", "stride_vcs", "stride_vch", "stride_vcd"), generic=True)
+        consts = dict(PRECISION="tf32", FP8_KV=pool == "fp8_generic", FUSED_COMBINE=fused and num_splits > 1,
+                      BLOCK_S=num_splits)
+    consts.update(HEAD_DIM=head_dim, BLOCK_D=head_dim, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=PAGE,
+                  NUM_SPLITS=num_splits, HAS_SEQ_IDS=False, HAS_WINDOW=False, HAS_SOFT_CAP=False)
     if pool == "dense":  # a dense pool's d stride is 1: Triton specializes it away at launch
         consts["stride_vcd"] = 1
     sig.update({c: "constexpr" for c in consts})
@@ -89,21 +99,28 @@ def count(dtype: str, pool: str, num_stages: int | None = None) -> dict[str, Any
                               target=GPUTarget("cuda", 90, 32), options=options)
     sass, regs, spills = disassemble(compiled)
     ops = collections.Counter(_OP.findall(_k_loop(sass)))
-    elements = 2 * block_n * HEAD_DIM // (32 * num_warps)  # K and V elements a thread handles an iteration
-    kv_bytes = elements * (2 if pool == "dense" else 1 + 4 / HEAD_DIM)
+    elements = 2 * block_n * head_dim // (32 * num_warps)  # K and V elements a thread handles an iteration
+    kv_bytes = elements * (2 if pool == "dense" else 1 + 4 / head_dim)
     total = sum(ops.values())
     return {"kernel": "fp8" if pool == "fp8_kernel" else "generic", "activations": dtype,
             "pool": dtype if pool == "dense" else "fp8_e4m3", "block_m": block_m, "block_n": block_n,
-            "num_warps": num_warps, "num_stages": num_stages or "default", "loop_instructions": total,
+            "num_warps": num_warps, "num_stages": num_stages or "default", "group": group, "head_dim": head_dim,
+            "num_splits": num_splits, "fused_combine": fused and num_splits > 1, "loop_instructions": total,
             "kv_elements_per_thread": elements, "instructions_per_kv_element": round(total / elements, 2),
-            "instructions_per_kv_byte": round(total / kv_bytes, 2), "registers": regs, "spill_bytes": spills,
+            "instructions_per_kv_byte": round(total / kv_bytes, 2),
+            "instructions_outside_loop": len(_OP.findall(sass)) - total, "registers": regs, "spill_bytes": spills,
             "shared_bytes": compiled.metadata.shared, "by_opcode": dict(ops.most_common())}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", help="write the counts as JSON here")
+    parser.add_argument("--decode-plans", action="store_true",
+                        help="count the decode plans scripts/bench_decode_plans.py sweeps (bf16 pool) instead")
     args = parser.parse_args()
+    if args.decode_plans:
+        decode_plans(args.out)
+        return
     results = [count(d, pool, st) for d in ("bf16", "fp16") for pool in ("dense", "fp8_generic")
                for st in (None, 1)]
     results += [count(d, "fp8_kernel") for d in ("bf16", "fp16")]
@@ -116,6 +133,30 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(json.dumps({"target": "sm_90 (triton 3.6, bundled ptxas)", "results": results},
                                              indent=1) + "\n")
+
+
+def decode_plans(out: str | None) -> None:
+    """The decode kernel's tiles, warps and stages at Qwen3-30B-A3B's (G 8) and llama-8b's (G 4)
+    layouts, unsplit and with 16 splits merged by the last split: the loop's instructions a K/V
+    element, and the instructions outside it (the prologue's loads and the epilogues), which a
+    program of one or two key tiles, as a batch-1 decode runs them, spends most of its time in."""
+    plans = [(64, 4, None), (64, 4, 1), (64, 4, 2), (32, 4, 2), (32, 2, 2), (16, 2, 2), (16, 1, 2), (128, 8, 2)]
+    results = []
+    for group in (8, 4):
+        for block_n, warps, stages in plans:
+            results.append(count("bf16", "dense", stages, block_n, warps, group=group))
+        results.append(count("bf16", "dense", None, 64, 4, group=group, num_splits=16))
+        results.append(count("bf16", "dense", None, 64, 4, group=group, num_splits=16, fused=True))
+        results.append(count("bf16", "dense", 2, 32, 2, group=group, num_splits=16, fused=True))
+    for r in results:
+        split = f"{r['num_splits']} splits{' fused' if r['fused_combine'] else ''}"
+        print(f"G {r['group']} d {r['head_dim']} BLOCK_N {r['block_n']:3d} warps {r['num_warps']} stages "
+              f"{r['num_stages']!s:7s} {split:17s}: {r['instructions_per_kv_element']:5.2f} a K/V element "
+              f"({r['loop_instructions']} in the loop), {r['instructions_outside_loop']} outside it, "
+              f"{r['registers']} registers, {r['spill_bytes']} spill bytes", flush=True)
+    if out:
+        Path(out).write_text(json.dumps({"target": "sm_90 (triton 3.6, bundled ptxas)", "results": results},
+                                        indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -31,19 +31,21 @@ from dataclasses import dataclass
 import torch
 
 from loom import kernel_switches
+from loom.layers.split_k import counters
 from loom.plugin_api import AttentionBackend, AttentionMetadata, kv_fp8
 
+from .decode_plans import choose_num_splits, plan_decode
 from .triton_fp8_attention import paged_attention_fp8
 from .triton_kernels import paged_attention, store_kv
 
-# Split-K only pays when each split keeps at least this many keys to read.
-_MIN_KEYS_PER_SPLIT = 256
-_MAX_SPLITS = 16
+__all__ = ["PagedAttentionBackend", "PagedPlan", "choose_num_splits"]
 
 
 @dataclass(frozen=True)
 class PagedPlan:
-    """Which launches serve a step: decode rows (one token) and the others, and how."""
+    """Which launches serve a step: decode rows (one token) and the others, and how. The fields
+    after ``num_splits`` shape the decode launch (``decode_plans.DecodePlan``); their defaults
+    are the launcher's own."""
 
     decode_ids: torch.Tensor | None  # [nd] int32, None when every sequence decodes
     num_decode: int
@@ -51,21 +53,16 @@ class PagedPlan:
     num_prefill: int
     max_prefill_query_len: int
     num_splits: int
+    min_keys: int = 0
+    block_n: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    fused_combine: bool = False
 
 
 @functools.lru_cache(maxsize=8)
 def _num_sms(device_index: int) -> int:
     return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
-
-
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """Splits per decode sequence: enough programs for about two waves over the SMs, but each
-    split keeping ``_MIN_KEYS_PER_SPLIT`` keys; a power of two (each value is a compiled variant)."""
-    programs = num_seqs * num_kv_heads
-    want = -(-2 * num_sms // max(1, programs))
-    cap = max(1, max_seq_len // _MIN_KEYS_PER_SPLIT)
-    splits = max(1, min(want, cap, _MAX_SPLITS))
-    return 1 << (splits.bit_length() - 1)  # round down to a power of two
 
 
 def _ids_on(ids: list[int], device: torch.device) -> torch.Tensor:
@@ -109,8 +106,10 @@ class PagedAttentionBackend(AttentionBackend[PagedPlan]):
         a CUDA graph needs); a mixed step indexes its two kinds of sequences from the host list."""
         n = meta.num_seqs
         if meta.is_pure_decode:
-            return PagedPlan(None, n, None, 0, 0,
-                             choose_num_splits(n, self.num_kv_heads, meta.max_seq_len, self._sms))
+            d = plan_decode(n, self.num_kv_heads, self.group_size, self.head_dim, meta.max_seq_len, self._sms,
+                            self.fp8_kv_cache)
+            return PagedPlan(None, n, None, 0, 0, d.num_splits, d.min_keys, d.block_n, d.num_warps, d.num_stages,
+                             d.fused_combine)
         if meta.slot_mapping.shape[0] == n * meta.max_query_len:  # every sequence has max_query_len tokens
             return PagedPlan(None, 0, None, n, meta.max_query_len, 1)
         dec = [i for i, ql in enumerate(meta.query_lens_cpu) if ql == 1]
@@ -148,10 +147,19 @@ class PagedAttentionBackend(AttentionBackend[PagedPlan]):
         # sends it to the generic kernel's FP8 path instead.
         attend = paged_attention_fp8 if kv_fp8.is_packed(kv_cache) and kernel_switches.fp8_kv_kernel else paged_attention
         if plan.num_decode:
-            attend(q, kv_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                   num_seqs=plan.num_decode, seq_ids=plan.decode_ids, max_query_len=1,
-                   num_splits=plan.num_splits, scale=scale, sliding_window=sliding_window,
-                   logits_soft_cap=logits_soft_cap)
+            if attend is paged_attention_fp8:  # its own tiles and split cut (the plan's split count)
+                attend(q, kv_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                       num_seqs=plan.num_decode, seq_ids=plan.decode_ids, max_query_len=1,
+                       num_splits=plan.num_splits, scale=scale, sliding_window=sliding_window,
+                       logits_soft_cap=logits_soft_cap)
+            else:
+                fused = plan.fused_combine and plan.num_splits > 1
+                paged_attention(q, kv_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                num_seqs=plan.num_decode, seq_ids=plan.decode_ids, max_query_len=1,
+                                num_splits=plan.num_splits, scale=scale, sliding_window=sliding_window,
+                                logits_soft_cap=logits_soft_cap, block_n=plan.block_n, num_warps=plan.num_warps,
+                                num_stages=plan.num_stages, min_keys=plan.min_keys,
+                                counters=counters(q.device) if fused else None)
         if plan.num_prefill:
             attend(q, kv_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                    num_seqs=plan.num_prefill, seq_ids=plan.prefill_ids,

@@ -58,7 +58,7 @@ import triton.language as tl
 
 from loom.plugin_api import kv_fp8
 
-from .triton_kernels import _LOG2E, _combine_kernel, _next_pow2
+from .triton_kernels import _LOG2E, _merge_splits, _next_pow2
 
 
 @triton.jit
@@ -215,6 +215,28 @@ def _paged_attn_fp8_kernel(
             tl.store(part_lse_ptr + part, lse, mask=row_ok)
 
 
+@triton.jit
+def _combine_fp8_kernel(
+    out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, seq_ids_ptr, num_q_heads,
+    stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr, HAS_SEQ_IDS: tl.constexpr,
+):
+    # One program: one (sequence, query head). Every one of the kernel's NUM_SPLITS splits wrote
+    # a partial (an empty one with log-sum-exp -inf, weighing 0), so all are merged: this kernel
+    # cuts its key range its own way (the window's start rounded down to a tile), not by the
+    # generic kernel's ``_split_share``.
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    if HAS_SEQ_IDS:  # noqa: SIM108 (a constexpr branch, kept as a plain if for Triton)
+        seq = tl.load(seq_ids_ptr + i)
+    else:
+        seq = i
+    row = tl.load(qsl_ptr + seq).to(tl.int64)
+    _merge_splits(out_ptr, part_o_ptr, part_lse_ptr, row, h, (i.to(tl.int64) * num_q_heads + h) * NUM_SPLITS,
+                  NUM_SPLITS, stride_ot, stride_oh, HEAD_DIM, BLOCK_D, BLOCK_S, "")
+
+
 def fp8_launch_config(group: int, head_dim: int, max_query_len: int, f32_dots: bool = False) -> dict[str, int]:
     """Tile sizes and warps of a launch: decode tiles hold one token's ``G`` heads (at least 8
     rows, the tensor core's smallest width) in one warp; longer queries take 64-row tiles in
@@ -288,7 +310,7 @@ def paged_attention_fp8(
         **extra,
     )
     if num_splits > 1:
-        _combine_kernel[(num_seqs, hq)](
+        _combine_fp8_kernel[(num_seqs, hq)](
             out, part_o, part_lse, query_start_loc, ids, hq,
             out.stride(0), out.stride(1),
             HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=num_splits, BLOCK_S=_next_pow2(num_splits),

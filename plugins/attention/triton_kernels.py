@@ -11,10 +11,14 @@ Two kernels and a reduction:
   token ``r // G``, head ``r % G``), so every K/V tile is loaded once for all of them. Decode is
   the case of one token: the tile is ``G`` rows (padded to 16 for the tensor cores).
 * split-K (flash-decoding): for decode with few sequences, each sequence's key range is cut
-  into ``NUM_SPLITS`` pieces handled by separate programs, each writing a partial output and
-  its log-sum-exp; ``_combine_kernel`` merges them. The cut is made inside the kernel from the
-  device-side ``seq_lens``, so the grid depends only on host values fixed at launch (batch size,
-  head count, split count) and the launch is CUDA-graph capturable.
+  into at most ``NUM_SPLITS`` pieces of at least ``min_keys`` keys, handled by separate
+  programs, each writing a partial output and its log-sum-exp; ``_combine_kernel`` merges them,
+  or (``FUSED_COMBINE``) the last piece of each (sequence, KV head) to finish does, counted on an
+  integer counter (``loom.layers.split_k.last_to_arrive``). A key range that fits one piece is
+  written straight to the output. The cut is made inside the kernel from the device-side
+  ``seq_lens``, so the grid depends only on host values fixed at launch (batch size, head
+  count, split count) and the launch is CUDA-graph capturable; the merge reads the pieces in one
+  fixed order whichever finished last (``decode_plans.py`` says which plan serves a step).
 * the same holds for queries longer than one token: each program reads its sequence's query range
   and context length from the device-side ``query_start_loc`` and ``seq_lens``; the grid needs only
   ``num_seqs`` and an upper bound of the query lengths. A graph of sequences that all have ``q``
@@ -51,6 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loom.layers.split_k import last_to_arrive
 from loom.plugin_api import kv_fp8
 
 # exp2/log2 are the fast hardware paths; scores are pre-multiplied by log2(e).
@@ -167,10 +172,12 @@ def _paged_attn_kernel(
     seq_lens_ptr,  # [B] int32
     bt_ptr,  # [B, max_blocks] int32 block tables
     seq_ids_ptr,  # [n] int32: which sequences this launch serves (when HAS_SEQ_IDS)
+    counter_ptr,  # [>= n * Hkv] int32 zeros: arrivals of each (sequence, KV head)'s splits (FUSED_COMBINE)
     qk_scale,  # softmax scale * log2(e); the softmax scale alone with HAS_SOFT_CAP
     window,  # sliding window (keys p > q_pos - window), used when HAS_WINDOW
     soft_cap,  # score soft cap, used when HAS_SOFT_CAP
     num_q_heads,
+    min_keys,  # split-K: the fewest keys a split takes (fewer splits for short contexts)
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kcb, stride_kcs, stride_kch,
     stride_vcb, stride_vcs, stride_vch, stride_vcd,  # V's d stride: 1, or the page for FP8 codes
@@ -180,6 +187,7 @@ def _paged_attn_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, HAS_SEQ_IDS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SOFT_CAP: tl.constexpr, PRECISION: tl.constexpr, FP8_KV: tl.constexpr,
+    FUSED_COMBINE: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     i = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -214,9 +222,7 @@ def _paged_attn_kernel(
         if HAS_WINDOW:
             lo = tl.maximum(ctx_len + tok0 - window + 1, 0)
         # This program's share of [lo, hi), in whole key tiles; later splits may get nothing.
-        per_split = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), NUM_SPLITS), BLOCK_N) * BLOCK_N
-        s_lo = lo + split * per_split
-        s_hi = tl.minimum(hi, s_lo + per_split)
+        s_lo, s_hi, n_active = _split_share(lo, hi, split, min_keys, NUM_SPLITS, BLOCK_N)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -269,21 +275,65 @@ def _paged_attn_kernel(
         if NUM_SPLITS == 1:
             tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                      o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-        else:
+        elif n_active == 1:  # one split holds every key: it writes the output, nothing to merge
+            if split == 0:
+                tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                         o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        elif split < n_active:
             # Decode only (one token): row r is head kvh * GROUP + r.
             part = (i.to(tl.int64) * num_q_heads + head) * NUM_SPLITS + split  # [BLOCK_M]
             tl.store(part_o_ptr + part[:, None] * BLOCK_D + d[None, :], o, mask=row_ok[:, None])
             lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
             tl.store(part_lse_ptr + part, lse, mask=row_ok)
+            if FUSED_COMBINE:  # noqa: SIM102 (a constexpr branch): the last split merges the G heads' partials
+                if last_to_arrive(counter_ptr + i * (num_q_heads // GROUP) + kvh, n_active):
+                    for g in tl.static_range(GROUP):
+                        _merge_splits(out_ptr, part_o_ptr, part_lse_ptr, q_start.to(tl.int64), kvh * GROUP + g,
+                                      (i.to(tl.int64) * num_q_heads + kvh * GROUP + g) * NUM_SPLITS, n_active,
+                                      stride_ot, stride_oh, HEAD_DIM, BLOCK_D, BLOCK_S, ".cg")
+
+
+@triton.jit
+def _split_share(lo, hi, split, min_keys, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Split ``split``'s keys ``[s_lo, s_hi)`` of a key range ``[lo, hi)`` cut into at most
+    NUM_SPLITS pieces of at least ``min_keys`` keys, in whole key tiles, and how many pieces hold
+    keys (``n_active``, at least 1). With ``min_keys <= BLOCK_N`` the cut is the balanced one of
+    NUM_SPLITS pieces; the later splits may get nothing."""
+    n_keys = tl.maximum(hi - lo, 0)
+    per_split = tl.maximum(tl.cdiv(tl.maximum(tl.cdiv(n_keys, NUM_SPLITS), min_keys), BLOCK_N) * BLOCK_N, BLOCK_N)
+    n_active = tl.maximum(tl.cdiv(n_keys, per_split), 1)
+    s_lo = lo + split * per_split
+    return s_lo, tl.minimum(hi, s_lo + per_split), n_active
+
+
+@triton.jit
+def _merge_splits(out_ptr, part_o_ptr, part_lse_ptr, row, h, base, n_active, stride_ot, stride_oh,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, CACHE: tl.constexpr):
+    """Output row ``row``, head ``h``: the ``n_active`` partial outputs at ``base`` merged by their
+    log-sum-exp (empty splits weigh 0), every split read at once, summed in one fixed order."""
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    ok = s < n_active
+    lse = tl.load(part_lse_ptr + base + s, mask=ok, other=float("-inf"), cache_modifier=CACHE)  # [BLOCK_S]
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m_safe)  # [BLOCK_S]
+    o = tl.load(part_o_ptr + (base + s)[:, None] * BLOCK_D + d[None, :], mask=ok[:, None], other=0.0,
+                cache_modifier=CACHE)  # [BLOCK_S, BLOCK_D]
+    total = tl.sum(w, 0)
+    res = tl.sum(o * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)  # [BLOCK_D]
+    tl.store(out_ptr + row * stride_ot + h * stride_oh + d, res.to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)
 
 
 @triton.jit
 def _combine_kernel(
-    out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, seq_ids_ptr, num_q_heads,
+    out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, seq_lens_ptr, seq_ids_ptr, num_q_heads, window, min_keys,
     stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr, HAS_SEQ_IDS: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SEQ_IDS: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
+    # One program: one (sequence, query head) of a decode launch whose keys took several splits.
     i = tl.program_id(0)
     h = tl.program_id(1)
     if HAS_SEQ_IDS:  # noqa: SIM108 (a constexpr branch, kept as a plain if for Triton)
@@ -291,19 +341,15 @@ def _combine_kernel(
     else:
         seq = i
     row = tl.load(qsl_ptr + seq).to(tl.int64)
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    base = (i.to(tl.int64) * num_q_heads + h) * NUM_SPLITS
-    lse = tl.load(part_lse_ptr + base + s, mask=s < NUM_SPLITS, other=float("-inf"))  # [BLOCK_S]
-    m = tl.max(lse, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m_safe)  # [BLOCK_S]; empty splits weigh 0
-    o = tl.load(part_o_ptr + (base + s)[:, None] * BLOCK_D + d[None, :],
-                mask=(s < NUM_SPLITS)[:, None], other=0.0)  # [BLOCK_S, BLOCK_D]
-    total = tl.sum(w, 0)
-    res = tl.sum(o * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)  # [BLOCK_D]
-    tl.store(out_ptr + row * stride_ot + h * stride_oh + d, res.to(out_ptr.dtype.element_ty),
-             mask=d < HEAD_DIM)
+    # The decode key range the attention kernel cut: [lo, seq_len), the window's start or 0.
+    hi = tl.load(seq_lens_ptr + seq)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(hi - window, 0)
+    _, _, n_active = _split_share(lo, hi, 0, min_keys, NUM_SPLITS, BLOCK_N)
+    if n_active > 1:  # else the one split wrote the output itself
+        _merge_splits(out_ptr, part_o_ptr, part_lse_ptr, row, h, (i.to(tl.int64) * num_q_heads + h) * NUM_SPLITS,
+                      n_active, stride_ot, stride_oh, HEAD_DIM, BLOCK_D, BLOCK_S, "")
 
 
 def paged_attention(
@@ -325,7 +371,16 @@ def paged_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    min_keys: int = 0,  # split-K: the fewest keys a split takes (at most num_splits splits hold keys)
+    counters: torch.Tensor | None = None,  # int32 zeros, >= num_seqs * Hkv: the last split merges
 ) -> None:
+    """Attention of the served sequences' queries over their keys in the pool, into ``out``.
+
+    Split-K (``num_splits > 1``, decode only): each (sequence, KV head)'s keys are cut into at most
+    ``num_splits`` pieces of at least ``min_keys`` keys (counted on the device from its length,
+    so a CUDA graph captured for a long bound still cuts a short context into few pieces); a key
+    range that fits one piece is written straight to ``out``. The pieces are merged by a second
+    launch, or, given ``counters``, by the last piece of each (sequence, KV head) to finish."""
     if num_seqs == 0:
         return
     _, hq, d = q.shape
@@ -354,6 +409,9 @@ def paged_attention(
     else:
         part_o = part_lse = out  # unused
     ids = seq_ids if seq_ids is not None else query_start_loc  # unused when HAS_SEQ_IDS is False
+    fused = num_splits > 1 and counters is not None and counters.numel() >= num_seqs * hkv
+    if min_keys % 16:  # keep the argument's specialisation the same for every value (no recompile)
+        raise ValueError(f"min_keys must be a multiple of 16, got {min_keys}")
     extra: dict[str, int] = {}
     if num_warps is not None:
         extra["num_warps"] = num_warps
@@ -361,8 +419,9 @@ def paged_attention(
         extra["num_stages"] = num_stages
     _paged_attn_kernel[(num_seqs, hkv, m_tiles * num_splits)](
         q, kc, vc, ks, vs, out, part_o, part_lse,
-        query_start_loc, seq_lens, block_tables, ids,
+        query_start_loc, seq_lens, block_tables, ids, counters if fused else seq_lens,
         scale if logits_soft_cap is not None else scale * _LOG2E, sliding_window or 0, logits_soft_cap or 0.0, hq,
+        min_keys,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2),
         vc.stride(0), vc.stride(1), vc.stride(2), vc.stride(3),
@@ -374,12 +433,13 @@ def paged_attention(
         # float32 caches (tests, reference runs) get IEEE dots, not TF32: their results then match
         # the CPU's to float32 rounding; half precision ignores the setting.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8_KV=fp8,
+        FUSED_COMBINE=fused, BLOCK_S=_next_pow2(num_splits),
         **extra,
     )
-    if num_splits > 1:
+    if num_splits > 1 and not fused:
         _combine_kernel[(num_seqs, hq)](
-            out, part_o, part_lse, query_start_loc, ids, hq,
+            out, part_o, part_lse, query_start_loc, seq_lens, ids, hq, sliding_window or 0, min_keys,
             out.stride(0), out.stride(1),
             HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=num_splits, BLOCK_S=_next_pow2(num_splits),
-            HAS_SEQ_IDS=seq_ids is not None,
+            BLOCK_N=block_n, HAS_SEQ_IDS=seq_ids is not None, HAS_WINDOW=sliding_window is not None,
         )

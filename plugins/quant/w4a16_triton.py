@@ -41,6 +41,9 @@ from typing import Any
 import torch
 
 from loom import kernel_switches
+from loom.layers.split_k import split_k
+from loom.layers.split_k import split_sum_kernel as _split_sum_kernel
+from loom.layers.split_k import store_gemv as _store_gemv
 
 from .w4a16_layout import Segment, W4A16Layout
 
@@ -115,19 +118,6 @@ def _weight_tile(qw_ptr, s_ptr, z_ptr, lut_ptr, k0, offs_n, n_mask, K, stride_qk
 
 
 @_jit
-def _store_gemv(y, out_ptr, bias_ptr, pid_s, stride_os, offs_n, n_mask, HAS_BIAS: tl.constexpr,
-                PARTIAL: tl.constexpr):
-    """A GEMV program's outputs ``y [BLOCK_N]`` (float32): split pid_s's partial sums, or the
-    finished outputs with the bias added, in the output's dtype."""
-    if PARTIAL:
-        tl.store(out_ptr + pid_s * stride_os + offs_n, y, mask=n_mask)
-    else:
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
-
-
-@_jit
 def _gemv_kernel(x_ptr, perm_ptr, qw_ptr, s_ptr, z_ptr, lut_ptr, bias_ptr, out_ptr,
                  N, K, K_SPLIT, stride_qk, stride_sk, stride_os,
                  GROUP: tl.constexpr, BITS: tl.constexpr, F: tl.constexpr, LUT: tl.constexpr,
@@ -152,7 +142,8 @@ def _gemv_kernel(x_ptr, perm_ptr, qw_ptr, s_ptr, z_ptr, lut_ptr, bias_ptr, out_p
         w = _weight_tile(qw_ptr, s_ptr, z_ptr, lut_ptr, k0, offs_n, n_mask, K, stride_qk, stride_sk,
                          GROUP, BITS, F, LUT, ONE_GROUP, BLOCK_K, WORDS, BLOCK_N)
         acc += w * x[:, None]
-    _store_gemv(tl.sum(acc, axis=0), out_ptr, bias_ptr, pid_s, stride_os, offs_n, n_mask, HAS_BIAS, PARTIAL)
+    _store_gemv(tl.sum(acc, axis=0), out_ptr, offs_n, n_mask, bias_ptr, offs_n, n_mask, pid_s, stride_os, HAS_BIAS,
+                PARTIAL)
 
 
 @_jit
@@ -229,7 +220,8 @@ def _gemv_int_kernel(x_ptr, perm_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr,
             f = bits_in.to(tl.float32, bitcast=True)  # 2^(23 - b) + q, exactly
             t += (f - (zero + (1 << (23 - BITS * (j % HALF))))) * x[:, None]
         acc += t * scale
-    _store_gemv(tl.sum(acc, axis=0), out_ptr, bias_ptr, pid_s, stride_os, offs_n, n_mask, HAS_BIAS, PARTIAL)
+    _store_gemv(tl.sum(acc, axis=0), out_ptr, offs_n, n_mask, bias_ptr, offs_n, n_mask, pid_s, stride_os, HAS_BIAS,
+                PARTIAL)
 
 
 @_jit
@@ -273,21 +265,6 @@ def _gemm_kernel(x_ptr, perm_ptr, qw_ptr, s_ptr, z_ptr, lut_ptr, bias_ptr, out_p
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@_jit
-def _split_sum_kernel(part_ptr, bias_ptr, out_ptr, N, SPLIT, stride_ps, stride_pm, stride_om,
-                      HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
-    # The float32 partial sums of every split of row m, in split order, plus the bias, cast.
-    m = tl.program_id(0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for s in range(0, SPLIT):
-        acc += tl.load(part_ptr + s * stride_ps + m * stride_pm + offs_n, mask=n_mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + m * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
 @_jit
@@ -357,13 +334,8 @@ def plan(m: int, n: int, k: int, group: int, sms: int, dense_from: int, table: b
         kind, bm, bn, warps, stages = "gemm", 64, 128, 4, 3
     else:
         kind, bm, bn, warps, stages = "gemm", 128, 128, 8, 3
-    k_blocks = -(-k // bk)
     tiles = -(-n // bn) * -(-m // bm)
-    split = 1
-    while tiles * split < _PROGRAMS_PER_SM[kind] * sms and split * 2 <= min(_MAX_SPLIT[kind], k_blocks):
-        split *= 2
-    k_split = -(-k_blocks // split) * bk
-    split = -(-k // k_split)  # no empty split
+    split, k_split = split_k(tiles, k, bk, _PROGRAMS_PER_SM[kind] * sms, _MAX_SPLIT[kind])
     return Plan(kind, bm, bn, bk, split, k_split, warps, stages)
 
 

@@ -5,6 +5,16 @@ the fused CPU operators alike): for an operator who suspects a kernel, and as th
 kernels are tested against. The layers read :data:`fused_kernels`, a plain module attribute, on
 each call: no environment lookup in the hot path. Tests and benchmarks switch it with
 :func:`fused_kernels_off` (or by setting the attribute).
+
+Two narrower switches, read the same way:
+
+- ``LOOM_DENSE_GEMV`` (:data:`dense_gemv`): ``table`` (default) runs dense bf16 / fp16 linear
+  layers of 1-4 rows on Loom's Triton GEMV for the shapes its measured table names
+  (``loom.layers.dense_gemv_table``), ``0`` / ``off`` keeps them all on cuBLAS, ``all`` uses the
+  GEMV for every shape (measurements).
+- ``LOOM_PAGED_DECODE_TABLE=0`` (:data:`paged_decode_table`): the paged attention's decode
+  launches keep the split rule written before measurement instead of the measured table
+  (``loom_plugins.attention.decode_plan_table``).
 """
 
 from __future__ import annotations
@@ -19,6 +29,17 @@ fused_kernels: bool = os.environ.get("LOOM_FUSED_KERNELS", "1") != "0"
 # generic paged kernel's FP8 path (codes converted to the query's dtype through float32) instead
 # of the fp16-dot kernel of ``plugins/attention/triton_fp8_attention.py``. Both read the same pool.
 fp8_kv_kernel: bool = os.environ.get("LOOM_FP8_KV_KERNEL", "1") != "0"
+
+
+def _dense_gemv_mode(value: str) -> str:
+    value = value.strip().lower()
+    if value in ("0", "off", "false", "no"):
+        return "off"
+    return "all" if value == "all" else "table"
+
+
+dense_gemv: str = _dense_gemv_mode(os.environ.get("LOOM_DENSE_GEMV", "table"))
+paged_decode_table: bool = os.environ.get("LOOM_PAGED_DECODE_TABLE", "1") != "0"
 
 
 @contextlib.contextmanager

@@ -172,6 +172,69 @@ def run_fp8_unrounded_case() -> float:
     return (out - expected).abs().max().item()
 
 
+# Decode plans (decode_plans.DecodePlan) on the head layouts the table is measured for, shrunk:
+# (sequences, Hq, Hkv, D, dtype, window, (num_splits, min_keys, block_n, fused_combine)).
+PLAN_CASES: list[tuple[list[tuple[int, int]], int, int, int, str, int | None, tuple[int, int, int, bool]]] = [
+    ([(40, 1), (200, 1), (0, 1)], 8, 2, 32, "float32", None, (8, 0, 16, True)),  # (2, 4): merged by the last split
+    ([(40, 1), (200, 1), (0, 1)], 8, 2, 32, "float32", None, (8, 64, 16, False)),  # min_keys: 1-4 splits, second launch
+    ([(15, 1), (130, 1), (70, 1)], 8, 1, 16, "float32", None, (4, 32, 16, True)),  # (1, 8), a 16-key split in one
+    ([(90, 1), (33, 1)], 9, 3, 24, "float16", None, (16, 0, 16, True)),  # (3, 3), head size 24, fp16
+    ([(90, 1), (160, 1)], 4, 4, 16, "float32", 50, (4, 16, 16, True)),  # (4, 1) with a window
+    ([(300, 1), (7, 1)], 8, 2, 32, "float32", None, (2, 128, 32, True)),  # two splits at most, 32-key tiles
+]
+
+
+def run_plan_case(seqs: list[tuple[int, int]], hq: int, hkv: int, d: int, dtype_name: str, window: int | None,
+                  plan_args: tuple[int, int, int, bool]) -> list[str]:
+    """A decode plan against the reference; the fused merge's counters back at zero after it; and
+    the same plan merged by the second launch gives the same output."""
+    import torch
+
+    from helpers.paged_cases import make_step
+    from helpers.reference_attention import ReferenceAttentionBackend
+    from loom.layers.split_k import counters
+    from loom_plugins.attention.paged_triton import PagedAttentionBackend
+
+    dtype = getattr(torch, dtype_name)
+    splits, min_keys, block_n, fused = plan_args
+    step = make_step(seqs, num_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=16, dtype=dtype,
+                     seed=len(seqs) * 7 + d + splits)
+    cpu = torch.device("cpu")
+    ref_cache = step.kv_cache.clone()
+    ref = ReferenceAttentionBackend(hq, hkv, d, dtype, cpu).forward(
+        step.q, step.k, step.v, ref_cache, step.meta, None, d**-0.5, window)
+    backend = PagedAttentionBackend(hq, hkv, d, dtype, cpu)
+    plan = dataclasses.replace(backend.prepare(step.meta), num_splits=splits, min_keys=min_keys, block_n=block_n,
+                               fused_combine=fused)
+    outs = []
+    for p in (plan, dataclasses.replace(plan, fused_combine=not fused)):
+        cache = step.kv_cache.clone()
+        outs.append(backend.forward(step.q, step.k, step.v, cache, step.meta, p, d**-0.5, window))
+    errors = []
+    err = (outs[0].float() - ref.float()).abs().max().item()
+    if err > (5e-3 if dtype_name == "float16" else 1e-5):
+        errors.append(f"out err {err:.2e}")
+    if not torch.allclose(outs[0], outs[1], rtol=0, atol=1e-6 if dtype_name == "float32" else 1e-3):
+        errors.append("the fused merge and the second launch differ")
+    ctr = counters(cpu)
+    if ctr is None or int(ctr.abs().sum()) != 0:
+        errors.append("the merge's counters are not back at zero")
+    return errors
+
+
+def run_table_graph_case() -> list[str]:
+    """A measured plan (fused merge, min_keys) picked from the table at "capture" and replayed
+    through the graph metadata: the table entry is used, and the graph case's checks hold."""
+    from loom_plugins.attention import decode_plan_table
+
+    key = (132, 2, 4, 32, 4)  # the graph case's layout (8 / 2 heads of 32) at 4 sequences
+    decode_plan_table.PLANS[key] = (8, 32, 16, 4, 2, True)
+    try:
+        return run_graph_case(1, "float32", expect_fused=True)
+    finally:
+        del decode_plan_table.PLANS[key]
+
+
 def run_padding_case() -> float:
     """CUDA-graph padding rows: slot -1 writes nothing, seq_len 0 attends nothing (output 0)."""
     import torch
@@ -191,7 +254,7 @@ def run_padding_case() -> float:
     return out[2].abs().max().item()
 
 
-def run_graph_case(query_len: int, dtype_name: str) -> list[str]:
+def run_graph_case(query_len: int, dtype_name: str, expect_fused: bool = False) -> list[str]:
     """The CUDA-graph path without a GPU: the backend's static metadata and the plan made once
     from the capture metadata, replayed for two different steps of ``query_len`` tokens per
     sequence. Real rows must equal the reference, padding rows give 0 and write nothing."""
@@ -208,6 +271,8 @@ def run_graph_case(query_len: int, dtype_name: str) -> list[str]:
     capture_meta = backend.capture_metadata(graph_seqs, query_len)
     plan = backend.prepare(capture_meta)  # fixed at "capture": host values are placeholders
     errors: list[str] = []
+    if expect_fused and not (plan.fused_combine and plan.num_splits == 8 and plan.min_keys == 32):
+        errors.append(f"the table's plan was not used: {plan}")
     for seed, contexts in ((1, [40, 3, 77]), (2, [0, 100])):
         seqs = [(c, query_len) for c in contexts]
         step = make_step(seqs, num_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=page, dtype=dtype,
@@ -262,6 +327,13 @@ def main() -> int:
     unrounded = run_fp8_unrounded_case()
     failures += unrounded > 2e-3
     print(f"{'ok  ' if unrounded <= 2e-3 else 'FAIL'} fp8 kernel, bf16 queries, float32 output: err {unrounded:.2e}")
+    for plan_case in PLAN_CASES:
+        errors = run_plan_case(*plan_case)
+        failures += bool(errors)
+        print(f"{'FAIL' if errors else 'ok  '} decode plan {plan_case}: {'; '.join(errors) or 'equal to the reference'}")
+    errors = run_table_graph_case()
+    failures += bool(errors)
+    print(f"{'FAIL' if errors else 'ok  '} graph metadata with a measured plan: {'; '.join(errors) or 'equal to the reference'}")
     pad = run_padding_case()
     failures += pad != 0.0
     print(f"{'ok  ' if pad == 0.0 else 'FAIL'} padding rows: output max {pad}")

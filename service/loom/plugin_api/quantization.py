@@ -111,7 +111,9 @@ class LinearMethod(ABC):
 
 
 class UnquantizedLinearMethod(LinearMethod):
-    """The dense path: one ``weight [out, in]`` in the model's dtype, ``F.linear``."""
+    """The dense path: one ``weight [out, in]`` in the model's dtype, ``F.linear``; on CUDA, the
+    1-4 row calls of the shapes a measured table names run Loom's Triton GEMV instead
+    (``loom.layers.dense_gemv``: where it beats cuBLAS; ``LOOM_DENSE_GEMV=0`` turns it off)."""
 
     def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype,
@@ -122,6 +124,12 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.register_parameter("weight", weight)
 
     def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.is_cuda:
+            from loom.layers.dense_gemv import maybe_dense_gemv
+
+            out = maybe_dense_gemv(x, layer.weight, bias)
+            if out is not None:
+                return out
         return F.linear(x, layer.weight, bias)
 
 
