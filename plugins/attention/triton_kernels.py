@@ -231,8 +231,17 @@ def _paged_attn_kernel(
         for start in range(s_lo, s_hi, BLOCK_N):
             kpos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
             k_ok = kpos < s_hi
-            blk = tl.load(bt_row + kpos // PAGE, mask=k_ok, other=0).to(tl.int64)
-            off = kpos % PAGE
+            if NUM_SPLITS > 1:
+                # Key positions are never negative: divided as unsigned values the page and the
+                # slot are a shift and a mask (signed, with a split's start the compiler cannot
+                # bound, the split-K loop spent 40% more instructions; unsplit, the signed form
+                # compiles shorter: docs/gpu-kernels.md).
+                upos = kpos.to(tl.uint32)
+                blk = tl.load(bt_row + (upos // PAGE).to(tl.int32), mask=k_ok, other=0).to(tl.int64)
+                off = (upos % PAGE).to(tl.int32)
+            else:
+                blk = tl.load(bt_row + kpos // PAGE, mask=k_ok, other=0).to(tl.int64)
+                off = kpos % PAGE
             k_addr = blk * stride_kcb + off * stride_kcs + kvh * stride_kch  # [BLOCK_N]
             kt = tl.load(kc_ptr + k_addr[:, None] + d[None, :],
                          mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
