@@ -469,6 +469,13 @@ def _run_draft_speculation(args: argparse.Namespace, result: dict[str, Any]) -> 
               f"({run['speedup']:.2f}x; the cost model predicts {run['predicted_speedup']:.2f}x, engine efficiency "
               f"{run['engine_efficiency']:.2f}); acceptance {run['acceptance']:.2f}, by position "
               f"{[round(a, 2) for a in run['acceptance_at']]}", file=sys.stderr)
+        t = run["time"]
+        print(f"  time: {t['verifying_steps']} verifying steps {t['verifying_s'] * 1e3:.0f} ms (draft "
+              f"{t['draft_s'] * 1e3:.0f} ms, of which {t['draft_graph_steps']} graphed steps "
+              f"{t['draft_graph_s'] * 1e3:.0f} ms; eager [tokens, ms] {t['draft_eager_steps_tokens_ms']}), "
+              f"{t['after_verifying_steps']} after them {t['after_verifying_s'] * 1e3:.0f} ms, "
+              f"{t['overlapped_steps']} overlapped {t['overlapped_s'] * 1e3:.0f} ms, "
+              f"{t['other_sync_steps']} other synchronous {t['other_sync_s'] * 1e3:.0f} ms", file=sys.stderr)
     print(f"W5 b: best k {entry['best_k']} ({entry['best_speedup']:.2f}x); draft decode step "
           f"{entry['draft_decode_step_s'] * 1e3:.2f} ms", file=sys.stderr)
     for name, row in entry["cost_curve_relative"].items():

@@ -93,21 +93,76 @@ def _w1_request(vocab: int, prompt: int, new: int, tag: str, speculate: bool) ->
                          StoppingParams(max_new_tokens=new, ignore_eos=True))
 
 
-def _decode(engine: Any, request: EngineRequest) -> tuple[float, list[int], int]:
-    """Seconds from the first decode step to the last token (the prompt's step apart), tokens, steps."""
+def _decode(engine: Any, request: EngineRequest,
+            trace: list[tuple[float, bool, bool]] | None = None) -> tuple[float, list[int], int]:
+    """Seconds from the first decode step to the last token (the prompt's step apart), tokens,
+    steps. ``trace`` gets each timed ``engine.step()`` call: (seconds, whether it verified
+    drafts, whether the step it launched was left in flight)."""
     engine.add_request(request)
     tokens: list[int] = []
     started = None
     steps = 0
+    spec = engine.speculator
     while engine.has_unfinished():
+        t0 = time.perf_counter()
+        verified = spec.counters.steps if spec is not None else 0
+        overlapped = engine.num_async_steps
         for out in engine.step():
             tokens += out.token_ids
+        if started is not None and trace is not None:
+            trace.append((time.perf_counter() - t0, spec is not None and spec.counters.steps > verified,
+                          engine.num_async_steps > overlapped))
         if started is None and tokens:
             _sync(engine.device)
             started, steps = time.perf_counter(), 0
         steps += 1
     assert started is not None
     return time.perf_counter() - started, tokens, steps
+
+
+class _DraftStepLog:
+    """The draft model's steps during a run: new tokens, whether a CUDA graph served it, seconds
+    (each draft step is synchronous: its time is its device time plus its host time)."""
+
+    def __init__(self, proposer: Any) -> None:
+        self.steps: list[tuple[int, bool, float]] = []
+        inner = getattr(proposer, "_step", None)
+        worker = getattr(proposer, "worker", None)
+        if inner is None or worker is None:
+            return  # not the built-in draft model: nothing to time
+
+        def timed(seqs: list[Any]) -> list[int]:
+            graphs = worker.runner.cuda_graphs if worker.runner is not None else None
+            replays = graphs.num_replays if graphs is not None else 0
+            new_tokens = sum(len(st.tokens) - st.computed for st in seqs)
+            t0 = time.perf_counter()
+            out: list[int] = inner(seqs)
+            self.steps.append((new_tokens, graphs is not None and graphs.num_replays > replays,
+                               time.perf_counter() - t0))
+            return out
+
+        proposer._step = timed  # instance attribute: this engine's proposer only, for the bench
+
+
+def _breakdown(trace: list[tuple[float, bool, bool]], draft: list[tuple[int, bool, float]]) -> dict[str, Any]:
+    """Where a speculating run's time went, by kind of step: those that verified (with the draft
+    steps inside them), the one right after each (launched once the verification was read back),
+    the overlapped ones (launched while the previous step ran, as the plain engine runs all its
+    steps), and any other synchronous one."""
+    kinds: dict[str, list[float]] = {"verifying": [], "after_verifying": [], "overlapped": [], "other_sync": []}
+    after = False
+    for seconds, verified, overlapped in trace:
+        kind = "verifying" if verified else "after_verifying" if after else "overlapped" if overlapped \
+            else "other_sync"
+        kinds[kind].append(seconds)
+        after = verified
+    out: dict[str, Any] = {f"{k}_steps": len(v) for k, v in kinds.items()}
+    out.update({f"{k}_s": sum(v) for k, v in kinds.items()})
+    graphed = [s for _, g, s in draft if g]
+    out["draft_graph_steps"], out["draft_graph_s"] = len(graphed), sum(graphed)
+    out["draft_eager_steps_tokens_ms"] = [[t, round(s * 1e3, 2)] for t, g, s in draft if not g]
+    out["draft_s"] = sum(s for _, _, s in draft)
+    return out
 
 
 def run_w5(base: EngineConfig, draft_options: tuple[tuple[str, str], ...], ks: tuple[int, ...] = (2, 3, 4, 5, 6),
@@ -145,8 +200,11 @@ def run_w5(base: EngineConfig, draft_options: tuple[tuple[str, str], ...], ks: t
     limit = spec.max_batch_size
     runs: dict[str, Any] = {}
     vocab = engine.worker.info.vocab_size
+    draft_log = _DraftStepLog(spec.proposer)
     # untimed first, for every k: the draft's prefill of the prompt and every first-use shape
-    # (the first timed run, k = 2, measured 0.54 of the cost model with one warm run at k = 6)
+    # (the first timed run, k = 2, measured 0.54 of the cost model with one warm run at k = 6:
+    # its catch-ups of 17, 33 and 65 tokens compiled W4A16 variants the 32-token warm runs never
+    # reached; the draft now warms those up when it is built)
     for k in ks:
         spec.k = k
         spec.reset()
@@ -162,7 +220,10 @@ def run_w5(base: EngineConfig, draft_options: tuple[tuple[str, str], ...], ks: t
             plain_tokens = toks
         spec.max_batch_size, spec.k = limit, k
         spec.reset()
-        s_spec, toks_spec, steps_spec = _decode(engine, _w1_request(vocab, context, new, f"k{k}", speculate=True))
+        trace: list[tuple[float, bool, bool]] = []
+        draft_log.steps.clear()
+        s_spec, toks_spec, steps_spec = _decode(engine, _w1_request(vocab, context, new, f"k{k}", speculate=True),
+                                                trace)
         c = spec.counters
         cond = c.conditional_acceptance_at()[:k]
         expected, chain = 1.0, 1.0
@@ -190,6 +251,7 @@ def run_w5(base: EngineConfig, draft_options: tuple[tuple[str, str], ...], ks: t
             "predicted_speedup_if_every_step_verified": expected * t1 / (t_verify + k * t_draft),
             "predicted_speedup": predicted, "engine_efficiency": measured / predicted if predicted else 0.0,
             "same_tokens_as_plain": toks_spec == toks,
+            "time": _breakdown(trace, draft_log.steps),
         }
     spec.max_batch_size, spec.k = limit, kmax
     result["plain_decode_step_s_in_runs"] = plain_s / plain_steps if plain_steps else 0.0
