@@ -99,11 +99,11 @@ class DraftModelProposer(Proposer):
         self._seqs: dict[int, _DraftSeq] = {}
         # Before the engine reports SERVING: every step shape of serving that the graphs do not
         # serve compiles its kernels now (catch-ups run eagerly, with any number of tokens).
-        self.max_len = context.max_model_len  # 0: unknown
+        self._max_len = context.max_model_len  # 0: unknown
         max_seqs = context.max_batch_size or 256
         max_tokens = self.num_blocks * _BLOCK  # a step's new tokens all have slots in the pool
-        if self.max_len:
-            max_tokens = min(max_tokens, max_seqs * (self.max_len + context.num_speculative_tokens + 1))
+        if self._max_len:
+            max_tokens = min(max_tokens, max_seqs * (self._max_len + context.num_speculative_tokens + 1))
         self.warm_up(self.worker.warm_up_token_counts(max_tokens, max_seqs))
         log.info("draft model ready", model_dir=str(info.model_dir), quantization=info.quantization,
                  kv_tokens=self.num_blocks * _BLOCK)
@@ -140,7 +140,7 @@ class DraftModelProposer(Proposer):
 
     def _split(self, num_tokens: int) -> list[int]:
         """``num_tokens`` new tokens as sequences of at most the model's length."""
-        cap = self.max_len or num_tokens
+        cap = self._max_len or num_tokens
         return [cap] * (num_tokens // cap) + ([num_tokens % cap] if num_tokens % cap else [])
 
     def _give_back(self, seqs: list[_DraftSeq]) -> None:
