@@ -11,7 +11,7 @@ GPU kernel registers in ``kernels`` under the device type and is used when it ac
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -22,6 +22,9 @@ from loom.plugin_api.quantization import LinearMethod, QuantizationError, Weight
 
 # kernel(layer, x, bias) -> y, or None when it does not take this call (shape, dtype...)
 Kernel = Callable[[Any, torch.Tensor, "torch.Tensor | None"], "torch.Tensor | None"]
+# warm_up(layer, max_tokens) -> the token counts that compile every variant of a kernel on the
+# layer (empty when the kernel does not serve it): see LinearMethod.warm_up_token_counts
+WarmUp = Callable[[Any, int], Sequence[int]]
 
 
 class DequantLinearMethod(LinearMethod):
@@ -29,10 +32,18 @@ class DequantLinearMethod(LinearMethod):
 
     # device type -> kernels to try in order (GPU kernels plug in here); the dense path is last
     kernels: ClassVar[dict[str, list[Kernel]]] = {}
+    # the warm-ups of those kernels that compile variants by token count
+    warm_ups: ClassVar[tuple[WarmUp, ...]] = ()
 
     @abstractmethod
     def dequantize(self, layer: Any, dtype: torch.dtype) -> torch.Tensor:
         """The layer's weight ``[out, in]`` in ``dtype``, computed exactly in float32 first."""
+
+    def warm_up_token_counts(self, layer: Any, max_tokens: int) -> Sequence[int]:
+        counts: set[int] = set()
+        for warm_up in self.warm_ups:
+            counts.update(warm_up(layer, max_tokens))
+        return sorted(counts)
 
     def transform_input(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
         """What the kernel multiplies instead of ``x`` (FP8: the activations' own quantization)."""

@@ -53,7 +53,7 @@ from loom.plugin_api.quantization import (
 
 from . import w4a16_triton
 from .checkpoint_layers import bool_field, checkpoint_tensor_names, int_field, quantized_parts
-from .dequant_linear import DequantLinearMethod, Kernel, part_index, rows_per_part
+from .dequant_linear import DequantLinearMethod, Kernel, WarmUp, part_index, rows_per_part
 from .int_packing import SUPPORTED_BITS, per_word, unpack_cols, unpack_rows
 from .w4a16_layout import NotRepackable, W4A16Layout, from_int_codes
 
@@ -103,6 +103,7 @@ class PackedIntMethod(DequantLinearMethod):
 
     fmt = ""
     kernels: ClassVar[dict[str, list[Kernel]]] = {"cuda": [w4a16_triton.layer_kernel]}
+    warm_ups: ClassVar[tuple[WarmUp, ...]] = (w4a16_triton.layer_warm_up_token_counts,)
     checkpoint_tensors: ClassVar[tuple[str, ...]] = ("qweight", "qzeros", "scales")
 
     def __init__(self, bits: int, group_size: int) -> None:

@@ -53,7 +53,7 @@ from loom.plugin_api.quantization import (
 
 from . import w4a16_triton
 from .checkpoint_layers import bool_field, checkpoint_tensor_names, quantized_parts
-from .dequant_linear import DequantLinearMethod, Kernel, QuantizeWhileLoading, part_index
+from .dequant_linear import DequantLinearMethod, Kernel, QuantizeWhileLoading, WarmUp, part_index
 from .w4a16_layout import NotRepackable, from_nf4_parts
 
 log = structlog.get_logger(__name__)
@@ -193,6 +193,7 @@ class NF4CheckpointMethod(DequantLinearMethod):
     """A bitsandbytes layer: its tensors are staged per part and decoded once a part is complete."""
 
     kernels: ClassVar[dict[str, list[Kernel]]] = {"cuda": [w4a16_triton.layer_kernel]}
+    warm_ups: ClassVar[tuple[WarmUp, ...]] = (w4a16_triton.layer_warm_up_token_counts,)
 
     def __init__(self, double_quant: bool) -> None:
         self.keys = ["weight", "weight_absmax", "weight_quant_map", "weight_quant_state"]
@@ -321,6 +322,7 @@ class NF4WhileLoadingMethod(QuantizeWhileLoading):
     """``--quantize nf4``: each dense weight, once its parts are in, becomes NF4 blocks of 64."""
 
     kernels: ClassVar[dict[str, list[Kernel]]] = {"cuda": [w4a16_triton.layer_kernel]}
+    warm_ups: ClassVar[tuple[WarmUp, ...]] = (w4a16_triton.layer_warm_up_token_counts,)
 
     def create_weights(self, layer: Any, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype,

@@ -372,6 +372,70 @@ def sm_count(device: torch.device) -> int:
 
 
 # ------------------------------------------------------------------------------------------------
+# What a token count compiles (the warm-up before serving covers every variant)
+# ------------------------------------------------------------------------------------------------
+
+
+def _spec(value: int) -> str:
+    """How Triton specialises an integer argument when it compiles: the value 1, a multiple of
+    16, or neither (a new class is a new compile)."""
+    return "1" if value == 1 else "16" if value % 16 == 0 else "-"
+
+
+def _segment_variant(m: int, n: int, p: Plan) -> tuple[Any, ...]:
+    """The kernels a call of ``m`` tokens on an ``n``-column segment launches under plan ``p``,
+    as far as they can differ between token counts on one layer: the plan's constexprs and the
+    specialisation of the integer arguments that vary with ``m`` (``_fused`` argument by
+    argument: ``M``, ``K_SPLIT``, the partial sums' ``stride_os = m * n`` and the split-sum's
+    ``SPLIT``). The layer's own constants (flags, N, K, strides, the bias) are the same for every
+    count and left out."""
+    if p.kind == "dense":  # one dequantize launch of a fixed plan, then cuBLAS (nothing compiled)
+        return ("dense", p)
+    partial = p.split > 1
+    return (p.kind, p.block_m, p.block_n, p.block_k, p.num_warps, p.num_stages, partial, _spec(m),
+            _spec(p.k_split), _spec(m * n) if partial else "", _spec(p.split) if partial else "")
+
+
+def launch_variant(m: int, in_features: int, group_size: int, widths: tuple[int, ...], sms: int,
+                   dense_from: int | None = None) -> tuple[Any, ...]:
+    """What Triton compiles for a call of ``m`` tokens on a layer of ``in_features`` inputs whose
+    segments are ``widths`` columns wide, one entry per segment. Two counts with equal variants
+    launch the same compiled kernels on that layer."""
+    dense = DENSE_FROM_TOKENS if dense_from is None else dense_from
+    p = plan(m, sum(widths), in_features, group_size, sms, dense)
+    return tuple(_segment_variant(m, n, p) for n in widths)
+
+
+@functools.lru_cache(maxsize=256)
+def covering_token_counts(in_features: int, group_size: int, widths: tuple[int, ...], max_tokens: int, sms: int,
+                          dense_from: int | None = None) -> tuple[int, ...]:
+    """The fewest token counts in ``1..max_tokens`` (the smallest of each variant) whose calls
+    compile every variant that a call of any count in that range launches on such a layer. Every
+    count from ``dense_from`` up shares the dense variant, so the scan stops there."""
+    dense = DENSE_FROM_TOKENS if dense_from is None else dense_from
+    seen: set[tuple[Any, ...]] = set()
+    counts = []
+    for m in range(1, min(max_tokens, dense) + 1):
+        variant = launch_variant(m, in_features, group_size, widths, sms, dense)
+        if variant not in seen:
+            seen.add(variant)
+            counts.append(m)
+    return tuple(counts)
+
+
+def layer_warm_up_token_counts(layer: Any, max_tokens: int) -> tuple[int, ...]:
+    """A ``DequantLinearMethod`` warm-up: the token counts that compile every kernel variant of
+    the layer's repacked weight (none when it was not repacked or the kernels are switched off).
+    Where variants change does not depend on the bias, so one list serves calls with and without."""
+    layout: W4A16Layout | None = layer.__dict__.get("w4a16")
+    if layout is None or not HAS_TRITON or not kernel_switches.fused_kernels:
+        return ()
+    widths = tuple(seg.end - seg.start for seg in layout.segments)
+    return covering_token_counts(layout.in_features, layout.group_size, widths, max_tokens,
+                                 sm_count(layout.qweight.device))
+
+
+# ------------------------------------------------------------------------------------------------
 # Entry points
 # ------------------------------------------------------------------------------------------------
 

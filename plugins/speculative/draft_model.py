@@ -9,6 +9,13 @@ step with the target's by the token lists themselves: a sequence's draft state k
 its KV was computed for, and a call whose verified tokens diverge from them (rejected drafts)
 rolls the computed count back to the common prefix; the stale slots are overwritten.
 
+Its steps of one or two new tokens per sequence replay CUDA graphs; the others (a sequence's
+first call, which computes its prompt, and catch-ups after rejections or back-offs: any number
+of tokens) run eagerly, and a kernel chosen by token count (the W4A16 GEMM of a quantized draft)
+would compile a new variant at the first count of each class. So the proposer warms up when it
+is built, before the engine reports SERVING: a step at each count its layers ask for
+(``LinearMethod.warm_up_token_counts``) and the attention's mixed steps (:meth:`warm_up`).
+
 Greedy drafts are a one-hot proposal, so ``loom.sample.verify``'s acceptance rule is exact rejection
 sampling and the output is the target's own, token for token.
 
@@ -26,10 +33,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import structlog
 
 from loom.plugin_api import DraftRequest, Proposer, ProposerContext
+
+if TYPE_CHECKING:
+    from loom.worker.kernel_warmup import WarmUpCounts
 
 log = structlog.get_logger(__name__)
 
@@ -86,8 +97,56 @@ class DraftModelProposer(Proposer):
             self.worker.capture_cuda_graphs(context.max_model_len + context.num_speculative_tokens + 1, (1, 2))
         self._free = list(range(self.num_blocks - 1, -1, -1))
         self._seqs: dict[int, _DraftSeq] = {}
+        # Before the engine reports SERVING: every step shape of serving that the graphs do not
+        # serve compiles its kernels now (catch-ups run eagerly, with any number of tokens).
+        self._max_len = context.max_model_len  # 0: unknown
+        max_seqs = context.max_batch_size or 256
+        max_tokens = self.num_blocks * _BLOCK  # a step's new tokens all have slots in the pool
+        if self._max_len:
+            max_tokens = min(max_tokens, max_seqs * (self._max_len + context.num_speculative_tokens + 1))
+        self.warm_up(self.worker.warm_up_token_counts(max_tokens, max_seqs))
         log.info("draft model ready", model_dir=str(info.model_dir), quantization=info.quantization,
                  kv_tokens=self.num_blocks * _BLOCK)
+
+    def warm_up(self, counts: WarmUpCounts) -> None:
+        """Run the draft through the step shapes of serving that no CUDA graph serves, so that
+        their kernels compile before the server reports SERVING (on the H200 a second or more
+        each, which W5 b's first timed run lost to catch-ups of 17, 33 and 65 tokens):
+
+        - for each of ``counts.body``, a step of that many new tokens (one sequence, or several
+          where one would pass the model's length): a catch-up, or a sequence's first call;
+        - two sequences of 2 and 3 new tokens, then of 1 and 3: the attention launches of steps
+          that mix query lengths, without and with a one-token row;
+        - for each of ``counts.head``, a step that samples that many sequences.
+
+        Blocks are taken from the pool and given back; a count the pool cannot hold is skipped
+        (serving cannot make it either)."""
+        free_before = len(self._free)
+        steps: list[list[int]] = [self._split(t) for t in counts.body]
+        steps += [[1] * c for c in counts.head]
+        for lengths in steps:
+            seqs = [_DraftSeq(tokens=_filler(n, self.vocab_size)) for n in lengths]
+            if all(self._reserve(st, len(st.tokens)) for st in seqs):
+                self._step(seqs)
+            self._give_back(seqs)
+        a, b = _DraftSeq(tokens=_filler(2, self.vocab_size)), _DraftSeq(tokens=_filler(3, self.vocab_size))
+        if self._reserve(a, 3) and self._reserve(b, 6):
+            self._step([a, b])  # query lengths 2 and 3
+            a.tokens += _filler(1, self.vocab_size)
+            b.tokens += _filler(3, self.vocab_size)
+            self._step([a, b])  # 1 and 3: a decode row beside a longer one
+        self._give_back([a, b])
+        assert len(self._free) == free_before
+
+    def _split(self, num_tokens: int) -> list[int]:
+        """``num_tokens`` new tokens as sequences of at most the model's length."""
+        cap = self._max_len or num_tokens
+        return [cap] * (num_tokens // cap) + ([num_tokens % cap] if num_tokens % cap else [])
+
+    def _give_back(self, seqs: list[_DraftSeq]) -> None:
+        for st in seqs:
+            self._free.extend(reversed(st.blocks))
+            st.blocks = []
 
     # -- proposing ---------------------------------------------------------------------------------
     def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
@@ -167,6 +226,11 @@ def _graph_sizes(max_batch: int) -> tuple[int, ...]:
     while sizes[-1] < max_batch:
         sizes.append(2 * sizes[-1])
     return tuple(sizes)
+
+
+def _filler(n: int, vocab_size: int) -> list[int]:
+    """``n`` valid token ids for warm-up steps (what they are does not matter)."""
+    return [3 + i % max(1, vocab_size - 3) for i in range(n)]
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

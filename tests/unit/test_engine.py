@@ -181,7 +181,7 @@ def test_step_trace_has_a_line_per_step(make_engine: Callable[..., LLMEngine], t
 def test_block_tables_are_zero_padded_rows() -> None:
     from loom.worker.model_runner import _block_tables
 
-    assert _block_tables([[4, 9], [], [7, 1, 8]], 4).tolist() == [[4, 9, 0, 0], [0, 0, 0, 0], [7, 1, 8, 0]]
+    assert _block_tables([[4, 9], [], [7, 1, 8]], 4).tolist() == [4, 9, 0, 0, 0, 0, 0, 0, 7, 1, 8, 0]
 
 
 def test_engine_seed_fixes_the_seeds_drawn_for_unseeded_requests(make_engine: Any) -> None:

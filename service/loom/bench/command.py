@@ -110,6 +110,10 @@ def add_bench_command(sub: Any) -> None:
                         "--speculator-option quantize=gptq")
     g.add_argument("--speculator-option", type=parse_key_value, action="append", default=[],
                    help="KEY=VALUE for the speculator (repeatable), as loom serve takes it")
+    g.add_argument("--w5-ks", default="2,3,4,5,6",
+                   help="W5 b: the draft counts k to time, comma-separated (each after an untimed run)")
+    g.add_argument("--w5-cost-batches", default="1,16,64",
+                   help="W5 c: the batch sizes of the verification cost curve, comma-separated")
     g.add_argument("--w3-repeats", type=int, default=1,
                    help="W3: run the gRPC / in-process pair this many times in alternating order "
                         "and compare the means (use >= 2 on a noisy machine)")
@@ -441,6 +445,16 @@ def _run_speculation(args: argparse.Namespace, result: dict[str, Any]) -> None:
               f"identical outputs: {e['identical_outputs']}", file=sys.stderr)
 
 
+def _int_list(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise ConfigError(f"{flag} takes comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ConfigError(f"{flag} takes comma-separated integers >= 1, got {text!r}")
+    return values
+
+
 def _run_draft_speculation(args: argparse.Namespace, result: dict[str, Any]) -> None:
     """W5 b and c: W1's request with a draft model for k = 2..6 against none, the verification
     cost curve, and the cost model's prediction for each run (loom/bench/speculation_cost.py)."""
@@ -462,13 +476,21 @@ def _run_draft_speculation(args: argparse.Namespace, result: dict[str, Any]) -> 
                         num_threads=args.threads if device.type == "cpu" else None)
     if args.cuda_memory_fraction is not None:  # leave room for the draft model and its pool
         base = dataclasses.replace(base, cuda_memory_fraction=args.cuda_memory_fraction)
-    entry = run_w5(base, options, quick=args.quick)
+    entry = run_w5(base, options, ks=_int_list(args.w5_ks, "--w5-ks"),
+                   cost_batches=_int_list(args.w5_cost_batches, "--w5-cost-batches"), quick=args.quick)
     result["workloads"]["W5"] = entry
     for key, run in entry["runs"].items():
         print(f"W5 b {key}: {run['out_tok_s']:.1f} out tok/s against {run['plain_out_tok_s']:.1f} "
               f"({run['speedup']:.2f}x; the cost model predicts {run['predicted_speedup']:.2f}x, engine efficiency "
               f"{run['engine_efficiency']:.2f}); acceptance {run['acceptance']:.2f}, by position "
               f"{[round(a, 2) for a in run['acceptance_at']]}", file=sys.stderr)
+        t = run["time"]
+        print(f"  time: {t['verifying_steps']} verifying steps {t['verifying_s'] * 1e3:.0f} ms (draft "
+              f"{t['draft_s'] * 1e3:.0f} ms, of which {t['draft_graph_steps']} graphed steps "
+              f"{t['draft_graph_s'] * 1e3:.0f} ms; eager [tokens, ms] {t['draft_eager_steps_tokens_ms']}), "
+              f"{t['after_verifying_steps']} after them {t['after_verifying_s'] * 1e3:.0f} ms, "
+              f"{t['overlapped_steps']} overlapped {t['overlapped_s'] * 1e3:.0f} ms, "
+              f"{t['other_sync_steps']} other synchronous {t['other_sync_s'] * 1e3:.0f} ms", file=sys.stderr)
     print(f"W5 b: best k {entry['best_k']} ({entry['best_speedup']:.2f}x); draft decode step "
           f"{entry['draft_decode_step_s'] * 1e3:.2f} ms", file=sys.stderr)
     for name, row in entry["cost_curve_relative"].items():

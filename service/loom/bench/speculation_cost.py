@@ -41,6 +41,7 @@ from typing import Any
 
 from loom.config import EngineConfig
 from loom.engine.types import EngineRequest, SamplingParams, StoppingParams
+from loom.process_tuning import startup_objects_frozen
 
 
 def _sync(device: Any) -> None:
@@ -93,21 +94,76 @@ def _w1_request(vocab: int, prompt: int, new: int, tag: str, speculate: bool) ->
                          StoppingParams(max_new_tokens=new, ignore_eos=True))
 
 
-def _decode(engine: Any, request: EngineRequest) -> tuple[float, list[int], int]:
-    """Seconds from the first decode step to the last token (the prompt's step apart), tokens, steps."""
+def _decode(engine: Any, request: EngineRequest,
+            trace: list[tuple[float, bool, bool]] | None = None) -> tuple[float, list[int], int]:
+    """Seconds from the first decode step to the last token (the prompt's step apart), tokens,
+    steps. ``trace`` gets each timed ``engine.step()`` call: (seconds, whether it verified
+    drafts, whether the step it launched was left in flight)."""
     engine.add_request(request)
     tokens: list[int] = []
     started = None
     steps = 0
+    spec = engine.speculator
     while engine.has_unfinished():
+        t0 = time.perf_counter()
+        verified = spec.counters.steps if spec is not None else 0
+        overlapped = engine.num_async_steps
         for out in engine.step():
             tokens += out.token_ids
+        if started is not None and trace is not None:
+            trace.append((time.perf_counter() - t0, spec is not None and spec.counters.steps > verified,
+                          engine.num_async_steps > overlapped))
         if started is None and tokens:
             _sync(engine.device)
             started, steps = time.perf_counter(), 0
         steps += 1
     assert started is not None
     return time.perf_counter() - started, tokens, steps
+
+
+class _DraftStepLog:
+    """The draft model's steps during a run: new tokens, whether a CUDA graph served it, seconds
+    (each draft step is synchronous: its time is its device time plus its host time)."""
+
+    def __init__(self, proposer: Any) -> None:
+        self.steps: list[tuple[int, bool, float]] = []
+        inner = getattr(proposer, "_step", None)
+        worker = getattr(proposer, "worker", None)
+        if inner is None or worker is None:
+            return  # not the built-in draft model: nothing to time
+
+        def timed(seqs: list[Any]) -> list[int]:
+            graphs = worker.runner.cuda_graphs if worker.runner is not None else None
+            replays = graphs.num_replays if graphs is not None else 0
+            new_tokens = sum(len(st.tokens) - st.computed for st in seqs)
+            t0 = time.perf_counter()
+            out: list[int] = inner(seqs)
+            self.steps.append((new_tokens, graphs is not None and graphs.num_replays > replays,
+                               time.perf_counter() - t0))
+            return out
+
+        proposer._step = timed  # instance attribute: this engine's proposer only, for the bench
+
+
+def _breakdown(trace: list[tuple[float, bool, bool]], draft: list[tuple[int, bool, float]]) -> dict[str, Any]:
+    """Where a speculating run's time went, by kind of step: those that verified (with the draft
+    steps inside them), the one right after each (launched once the verification was read back),
+    the overlapped ones (launched while the previous step ran, as the plain engine runs all its
+    steps), and any other synchronous one."""
+    kinds: dict[str, list[float]] = {"verifying": [], "after_verifying": [], "overlapped": [], "other_sync": []}
+    after = False
+    for seconds, verified, overlapped in trace:
+        kind = "verifying" if verified else "after_verifying" if after else "overlapped" if overlapped \
+            else "other_sync"
+        kinds[kind].append(seconds)
+        after = verified
+    out: dict[str, Any] = {f"{k}_steps": len(v) for k, v in kinds.items()}
+    out.update({f"{k}_s": sum(v) for k, v in kinds.items()})
+    graphed = [s for _, g, s in draft if g]
+    out["draft_graph_steps"], out["draft_graph_s"] = len(graphed), sum(graphed)
+    out["draft_eager_steps_tokens_ms"] = [[t, round(s * 1e3, 2)] for t, g, s in draft if not g]
+    out["draft_s"] = sum(s for _, _, s in draft)
+    return out
 
 
 def run_w5(base: EngineConfig, draft_options: tuple[tuple[str, str], ...], ks: tuple[int, ...] = (2, 3, 4, 5, 6),
@@ -125,77 +181,87 @@ def run_w5(base: EngineConfig, draft_options: tuple[tuple[str, str], ...], ks: t
     spec = engine.speculator
     widths = tuple(sorted({1, *(k + 1 for k in (*ks, *cost_ks))}))
     engine.worker.capture_cuda_graphs(engine.max_model_len, widths)
-    draft_worker = getattr(spec.proposer, "worker", None)
-    result: dict[str, Any] = {
-        "description": (f"W5 b: W1's request ({context} prompt tokens, {new} new, batch 1) with a draft model "
-                        f"({dict(draft_options)}), k in {list(ks)}, against none on the same engine; W5 c: "
-                        f"target step time for query length 1 + k at batch {list(cost_batches)}, context {context}"),
-        "draft_options": dict(draft_options),
-    }
-    # W5 c: the cost curve (and the draft's decode step)
-    curve: dict[str, dict[str, float]] = {}
-    for b in cost_batches:
-        curve[f"batch_{b}"] = {f"k_{k}": step_time(engine.worker, b, k + 1, context, iters) for k in cost_ks}
-    result["cost_curve_s"] = curve
-    result["cost_curve_relative"] = {
-        name: {key: t / row["k_0"] for key, t in row.items()} for name, row in curve.items()}
-    t_draft = step_time(draft_worker, 1, 1, context, iters) if draft_worker is not None else 0.0
-    result["draft_decode_step_s"] = t_draft
-    # W5 b: plain and speculating runs, alternating on the one engine
-    limit = spec.max_batch_size
-    runs: dict[str, Any] = {}
-    vocab = engine.worker.info.vocab_size
-    # untimed first, for every k: the draft's prefill of the prompt and every first-use shape
-    # (the first timed run, k = 2, measured 0.54 of the cost model with one warm run at k = 6)
-    for k in ks:
-        spec.k = k
-        spec.reset()
-        _decode(engine, _w1_request(vocab, context, min(new, 32), f"warm-{k}", speculate=True))
-    plain_s, plain_tokens, plain_steps = 0.0, None, 0
-    t1 = curve[f"batch_{cost_batches[0]}"]["k_0"]
-    for k in ks:
-        spec.max_batch_size = 0  # steps aside: plain decoding on the same engine and graphs
-        s, toks, steps = _decode(engine, _w1_request(vocab, context, new, f"plain-{k}", speculate=False))
-        plain_s += s
-        plain_steps += steps
-        if plain_tokens is None:
-            plain_tokens = toks
-        spec.max_batch_size, spec.k = limit, k
-        spec.reset()
-        s_spec, toks_spec, steps_spec = _decode(engine, _w1_request(vocab, context, new, f"k{k}", speculate=True))
-        c = spec.counters
-        cond = c.conditional_acceptance_at()[:k]
-        expected, chain = 1.0, 1.0
-        for a in cond:
-            chain *= a
-            expected += chain
-        t_verify = curve[f"batch_{cost_batches[0]}"][f"k_{k}"] if f"k_{k}" in curve[f"batch_{cost_batches[0]}"] \
-            else step_time(engine.worker, 1, k + 1, context, iters)
-        verifying = c.verifications
-        decoding = max(0, len(toks_spec) - 1 - (c.accepted_tokens + verifying))  # tokens made by plain steps
-        predicted = ((decoding + verifying * expected) * t1
-                     / (decoding * t1 + verifying * (t_verify + k * t_draft))) if verifying else 1.0
-        plain_tok_s = len(toks) / s
-        measured = (len(toks_spec) / s_spec) / plain_tok_s
-        runs[f"k_{k}"] = {
-            "plain_out_tok_s": plain_tok_s, "out_tok_s": len(toks_spec) / s_spec, "speedup": measured,
-            "steps": steps_spec, "verifications": c.verifications, "draft_tokens": c.draft_tokens,
-            "accepted_tokens": c.accepted_tokens,
-            "acceptance": c.accepted_tokens / c.draft_tokens if c.draft_tokens else 0.0,
-            "acceptance_at": c.acceptance_at()[:k], "conditional_acceptance_at": cond,
-            "tokens_per_verification": (c.accepted_tokens + c.verifications) / c.verifications if c.verifications
-            else 0.0,
-            "expected_tokens_per_verification": expected,
-            "plain_decode_steps": decoding,
-            "predicted_speedup_if_every_step_verified": expected * t1 / (t_verify + k * t_draft),
-            "predicted_speedup": predicted, "engine_efficiency": measured / predicted if predicted else 0.0,
-            "same_tokens_as_plain": toks_spec == toks,
+    # frozen, as in the server: a full collection of the start-up objects (0.2-0.3 s on the
+    # H200's host) must not land in a timed run
+    with startup_objects_frozen():
+        draft_worker = getattr(spec.proposer, "worker", None)
+        result: dict[str, Any] = {
+            "description": (f"W5 b: W1's request ({context} prompt tokens, {new} new, batch 1) with a draft model "
+                            f"({dict(draft_options)}), k in {list(ks)}, against none on the same engine; W5 c: "
+                            f"target step time for query length 1 + k at batch {list(cost_batches)}, context {context}"),
+            "draft_options": dict(draft_options),
         }
-    spec.max_batch_size, spec.k = limit, kmax
-    result["plain_decode_step_s_in_runs"] = plain_s / plain_steps if plain_steps else 0.0
-    result["runs"] = runs
-    best = max(runs, key=lambda key: runs[key]["speedup"])
-    result["best_k"] = int(best.removeprefix("k_"))
-    result["best_speedup"] = runs[best]["speedup"]
+        # W5 c: the cost curve (and the draft's decode step)
+        curve: dict[str, dict[str, float]] = {}
+        for b in cost_batches:
+            curve[f"batch_{b}"] = {f"k_{k}": step_time(engine.worker, b, k + 1, context, iters) for k in cost_ks}
+        result["cost_curve_s"] = curve
+        result["cost_curve_relative"] = {
+            name: {key: t / row["k_0"] for key, t in row.items()} for name, row in curve.items()}
+        t_draft = step_time(draft_worker, 1, 1, context, iters) if draft_worker is not None else 0.0
+        result["draft_decode_step_s"] = t_draft
+        # W5 b: plain and speculating runs, alternating on the one engine
+        limit = spec.max_batch_size
+        runs: dict[str, Any] = {}
+        vocab = engine.worker.info.vocab_size
+        draft_log = _DraftStepLog(spec.proposer)
+        # untimed first, for every k: the draft's prefill of the prompt and every first-use shape
+        # (the first timed run, k = 2, measured 0.54 of the cost model with one warm run at k = 6:
+        # its catch-ups of 17, 33 and 65 tokens compiled W4A16 variants the 32-token warm runs never
+        # reached; the draft now warms those up when it is built)
+        for k in ks:
+            spec.k = k
+            spec.reset()
+            _decode(engine, _w1_request(vocab, context, min(new, 32), f"warm-{k}", speculate=True))
+        plain_s, plain_tokens, plain_steps = 0.0, None, 0
+        t1 = curve[f"batch_{cost_batches[0]}"]["k_0"]
+        for k in ks:
+            spec.max_batch_size = 0  # steps aside: plain decoding on the same engine and graphs
+            s, toks, steps = _decode(engine, _w1_request(vocab, context, new, f"plain-{k}", speculate=False))
+            plain_s += s
+            plain_steps += steps
+            if plain_tokens is None:
+                plain_tokens = toks
+            spec.max_batch_size, spec.k = limit, k
+            spec.reset()
+            trace: list[tuple[float, bool, bool]] = []
+            draft_log.steps.clear()
+            s_spec, toks_spec, steps_spec = _decode(engine, _w1_request(vocab, context, new, f"k{k}", speculate=True),
+                                                    trace)
+            c = spec.counters
+            cond = c.conditional_acceptance_at()[:k]
+            expected, chain = 1.0, 1.0
+            for a in cond:
+                chain *= a
+                expected += chain
+            t_verify = curve[f"batch_{cost_batches[0]}"][f"k_{k}"] if f"k_{k}" in curve[f"batch_{cost_batches[0]}"] \
+                else step_time(engine.worker, 1, k + 1, context, iters)
+            verifying = c.verifications
+            decoding = max(0, len(toks_spec) - 1 - (c.accepted_tokens + verifying))  # tokens made by plain steps
+            predicted = ((decoding + verifying * expected) * t1
+                         / (decoding * t1 + verifying * (t_verify + k * t_draft))) if verifying else 1.0
+            plain_tok_s = len(toks) / s
+            measured = (len(toks_spec) / s_spec) / plain_tok_s
+            runs[f"k_{k}"] = {
+                "plain_out_tok_s": plain_tok_s, "out_tok_s": len(toks_spec) / s_spec, "speedup": measured,
+                "steps": steps_spec, "verifications": c.verifications, "draft_tokens": c.draft_tokens,
+                "accepted_tokens": c.accepted_tokens,
+                "acceptance": c.accepted_tokens / c.draft_tokens if c.draft_tokens else 0.0,
+                "acceptance_at": c.acceptance_at()[:k], "conditional_acceptance_at": cond,
+                "tokens_per_verification": (c.accepted_tokens + c.verifications) / c.verifications if c.verifications
+                else 0.0,
+                "expected_tokens_per_verification": expected,
+                "plain_decode_steps": decoding,
+                "predicted_speedup_if_every_step_verified": expected * t1 / (t_verify + k * t_draft),
+                "predicted_speedup": predicted, "engine_efficiency": measured / predicted if predicted else 0.0,
+                "same_tokens_as_plain": toks_spec == toks,
+                "time": _breakdown(trace, draft_log.steps),
+            }
+        spec.max_batch_size, spec.k = limit, kmax
+        result["plain_decode_step_s_in_runs"] = plain_s / plain_steps if plain_steps else 0.0
+        result["runs"] = runs
+        best = max(runs, key=lambda key: runs[key]["speedup"])
+        result["best_k"] = int(best.removeprefix("k_"))
+        result["best_speedup"] = runs[best]["speedup"]
     engine.close()
     return result

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -108,6 +108,16 @@ class LinearMethod(ABC):
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x [..., in] -> [..., out]``: this rank's part of ``x @ W^T (+ bias)``."""
+
+    def warm_up_token_counts(self, layer: nn.Module, max_tokens: int) -> Sequence[int]:
+        """Token counts (each at most ``max_tokens``) at which one call of :meth:`apply` each
+        compiles every GPU kernel variant that a call of any count from 1 to ``max_tokens`` would
+        launch on this layer: for kernels chosen or specialised by the number of rows (Triton
+        compiles a variant per tile plan and per class of an integer argument: 1, a multiple of
+        16, other), a second or more each. A worker runs its model at these counts before the
+        server reports SERVING, so that nothing compiles while serving. Default: none (cuBLAS,
+        CPU code, and kernels whose compiled code does not depend on the count)."""
+        return ()
 
 
 class UnquantizedLinearMethod(LinearMethod):

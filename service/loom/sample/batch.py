@@ -27,9 +27,11 @@ from .processors import (
 class SamplingBatch:
     """One step's sampling inputs on the logits' device. N rows."""
 
-    do_sample: torch.Tensor  # [N] bool
-    seeds: torch.Tensor  # [N] int64
-    steps: torch.Tensor  # [N] int64: output position being sampled
+    # [N] bool, [N] int64 seeds, [N] int64 output positions being sampled; None when no row
+    # samples (greedy rows read none of them)
+    do_sample: torch.Tensor | None
+    seeds: torch.Tensor | None
+    steps: torch.Tensor | None
     any_sample: bool
     max_top_n: int
     # Shape the reported distribution (penalties, suppression, temperature), in order.
@@ -91,28 +93,34 @@ def build_sampling_batch(plan: SamplingPlan, vocab_size: int, device: torch.devi
     :mod:`loom.worker.staging`)."""
     stage = stager or Stager(device)
     flags = plan.flags
-    # One transfer per dtype: float columns [N, 8], int64 columns [N, 3] (top_k, seed, step).
+    # One transfer per dtype: float columns [N, 8], int64 columns [N, 3] (top_k, seed, step),
+    # each only when some row reads it: sampling (temperature, the filters, the noise's seeds and
+    # steps) or a penalty. A greedy step without penalties (W5 a; a draft model's steps) stages
+    # nothing here: two host-to-device copies and a comparison fewer in its host path.
     n = plan.num_rows  # 0 in a step of prefill chunks that complete no prompt
-    floats = stage.to_device(plan.floats, torch.float32).view(n, 8)
-    ints = stage.to_device(plan.ints, torch.int64).view(n, 3)
+    sampled = bool(flags & SAMPLE)
+    floats = stage.to_device(plan.floats, torch.float32).view(n, 8) \
+        if flags & (SAMPLE | REPETITION | FREQUENCY) else None
+    ints = stage.to_device(plan.ints, torch.int64).view(n, 3) if sampled else None
     processors: list[LogitsProcessor] = []
     if plan.bitmask is not None:  # first: the penalties and temperature see the constrained rows
         processors.append(token_bitmask(plan.bitmask, stage))
     if plan.banned:
         processors.append(Suppression(stage.to_device(plan.banned, torch.int64)))
     if flags & REPETITION:
-        assert plan.seen_token_ids is not None
+        assert plan.seen_token_ids is not None and floats is not None
         seen = torch.zeros(n, vocab_size + 1, dtype=torch.bool, device=device)
         seen.scatter_(1, _padded(plan.seen_token_ids, vocab_size, device), True)
         processors.append(RepetitionPenalty(floats[:, 5:6], seen[:, :vocab_size]))
     if flags & FREQUENCY:
-        assert plan.output_token_ids is not None
+        assert plan.output_token_ids is not None and floats is not None
         counts = torch.zeros(n, vocab_size + 1, dtype=torch.float32, device=device)
         ids = _padded(plan.output_token_ids, vocab_size, device)
         counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
         processors.append(FrequencyPresencePenalty(floats[:, 6:7], floats[:, 7:8], counts[:, :vocab_size]))
     filters: list[LogitsProcessor] = []
-    if flags & SAMPLE:
+    if sampled:
+        assert floats is not None and ints is not None
         processors.append(Temperature(floats[:, 0:1]))
         if flags & TOP_K:
             filters.append(TopK(ints[:, 0:1]))
@@ -123,10 +131,10 @@ def build_sampling_batch(plan: SamplingPlan, vocab_size: int, device: torch.devi
         if flags & MIN_P:
             filters.append(MinP(floats[:, 3:4]))
     return SamplingBatch(
-        do_sample=floats[:, 4] > 0.5,
-        seeds=ints[:, 1],
-        steps=ints[:, 2],
-        any_sample=bool(flags & SAMPLE),
+        do_sample=floats[:, 4] > 0.5 if sampled and floats is not None else None,
+        seeds=ints[:, 1] if ints is not None else None,
+        steps=ints[:, 2] if ints is not None else None,
+        any_sample=sampled,
         max_top_n=max(plan.top_n, default=0),
         processors=processors,
         filters=filters,

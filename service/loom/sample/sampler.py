@@ -51,11 +51,14 @@ class Sampler:
         # host. (A row of -inf also fails: nothing to choose.)
         finite = torch.isfinite(scaled.amax(dim=-1))
         filtering = b.any_sample and bool(b.filters)
-        kept = (torch.where(b.do_sample[:, None], apply_processors(scaled, b.filters), scaled)
-                if filtering else scaled)
+        kept = scaled
+        if filtering:
+            assert b.do_sample is not None  # present whenever a row samples
+            kept = torch.where(b.do_sample[:, None], apply_processors(scaled, b.filters), scaled)
         logprobs = kept.log_softmax(-1)  # [N, V]: the distribution tokens are drawn from
         token_ids = logprobs.argmax(-1)
         if b.any_sample:
+            assert b.do_sample is not None and b.seeds is not None and b.steps is not None
             u = counter_uniform(b.seeds, b.steps, logits.shape[-1])
             gumbel = -torch.log(-torch.log(u))  # [N, V]
             sampled = (logprobs + gumbel).argmax(-1)

@@ -44,6 +44,7 @@ class StepInputs:
     meta: AttentionMetadata
     plan: StepPlan | None = None  # what they were staged from (None: a test's hand-made step)
     lora: LoraBatch | None = None  # the rows' adapter slots (None: every row is the base model)
+    sample_rows: torch.Tensor | None = None  # [N] int64: the plan's sample_rows, staged with the rest
 
 
 @dataclass
@@ -99,28 +100,31 @@ class ModelRunner:
         # so a table stride that changed with the longest sequence would compile new kernel
         # variants in the middle of serving (a second or more each, seen on the H200).
         max_blocks = -(-max(len(t) for t in plan.block_tables) // 16) * 16
-        tables = _block_tables(plan.block_tables, max_blocks)
         stage = self.stager
         stage.next_step()
+        # Two transfers, one per dtype (each array its own was a tensor, a pinned write and a
+        # queued copy: nine of them a step, a visible share of a batch-1 step's host time).
+        query_start_loc, seq_lens, tables = stage.to_device_many(
+            [query_start, plan.seq_lens, _block_tables(plan.block_tables, max_blocks)], torch.int32)
+        input_ids, positions, slots, sample_rows, pending_rows, pending_src = stage.to_device_many(
+            [plan.input_ids, plan.positions, plan.slot_mapping, plan.sample_rows, plan.pending_rows,
+             plan.pending_src], torch.int64)
         meta = AttentionMetadata(
-            query_start_loc=stage.to_device(query_start, torch.int32),
-            seq_lens=stage.to_device(plan.seq_lens, torch.int32),
-            slot_mapping=stage.to_device(plan.slot_mapping, torch.int64),
-            block_tables=stage.to_device(tables, torch.int32),
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            slot_mapping=slots,
+            block_tables=tables.view(len(plan.block_tables), max_blocks),
             query_lens_cpu=plan.query_lens,
             seq_lens_cpu=plan.seq_lens,
             max_query_len=max(plan.query_lens),
             max_seq_len=max(plan.seq_lens),
             block_size=self.block_size,
         )
-        input_ids = stage.to_device(plan.input_ids, torch.int64)
         if plan.pending_rows:
             assert self.last_sampled is not None
-            src = stage.to_device(plan.pending_src, torch.int64)
-            input_ids.index_copy_(0, stage.to_device(plan.pending_rows, torch.int64),
-                                  self.last_sampled.index_select(0, src))
-        return StepInputs(input_ids=input_ids, positions=stage.to_device(plan.positions, torch.int64), meta=meta,
-                          plan=plan, lora=self._lora_batch(plan))
+            input_ids.index_copy_(0, pending_rows, self.last_sampled.index_select(0, pending_src))
+        return StepInputs(input_ids=input_ids, positions=positions, meta=meta, plan=plan, lora=self._lora_batch(plan),
+                          sample_rows=sample_rows)
 
     def _lora_batch(self, plan: StepPlan) -> LoraBatch | None:
         """The step's row -> adapter slot map: each sequence's slot repeated over its rows (its
@@ -146,13 +150,17 @@ class ModelRunner:
     def launch(self, plan: StepPlan) -> LaunchedStep:
         """Queue the step's forward and sampling on the device; the host does not wait for them
         (except for prompt logprobs, which are read back at once)."""
-        return self.sample(self.launch_forward(plan))
+        with torch.inference_mode():  # entered once for both halves
+            return self._sample(self._launch_forward(plan), None)
 
     @torch.inference_mode()
     def launch_forward(self, plan: StepPlan) -> ForwardedStep:
         """Queue the step's forward and its logits; :meth:`sample` queues the sampling. Between
         the two the host may do work that needs the previous step's tokens (structured output
         fills its masks there) while the device runs the forward."""
+        return self._launch_forward(plan)
+
+    def _launch_forward(self, plan: StepPlan) -> ForwardedStep:
         inputs = self.prepare(plan)
         self.copy_blocks(plan.blocks_to_copy)  # queued after prepare's copies, before the forward
         hidden = self.forward(inputs)  # [T, hidden]
@@ -165,6 +173,9 @@ class ModelRunner:
         """Queue the sampling of a forwarded step: ``bitmask``, grammar rows filled after the
         forward was launched, becomes the first logits processor (the plan's own, if any, was
         made one by :meth:`launch_forward`)."""
+        return self._sample(step, bitmask)
+
+    def _sample(self, step: ForwardedStep, bitmask: TokenBitmaskRows | None) -> LaunchedStep:
         plan, batch = step.plan, step.batch
         if bitmask is not None:
             assert plan.sampling.bitmask is None, "a step's grammar rows come once"
@@ -194,7 +205,8 @@ class ModelRunner:
     def sample_logits(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
         """Logits of the rows that choose a token: [T, hidden] -> [N, V] fp32."""
         assert inputs.plan is not None
-        rows = self.stager.to_device(inputs.plan.sample_rows, torch.int64)
+        rows = inputs.sample_rows if inputs.sample_rows is not None else \
+            self.stager.to_device(inputs.plan.sample_rows, torch.int64)
         return self.model.compute_logits(hidden.index_select(0, rows))
 
     def finish(self, step: LaunchedStep) -> StepOutput:
@@ -250,11 +262,11 @@ class ModelRunner:
         return out
 
 
-def _block_tables(tables: list[list[int]], width: int) -> torch.Tensor:
-    """The block tables as one zero-padded [len(tables), width] int32 tensor. Filled through a
-    flat ``array``: 4x faster than ``torch.tensor`` of padded rows at 512 sequences (0.7 ms vs
-    3.2 ms here), and this runs every step."""
+def _block_tables(tables: list[list[int]], width: int) -> array.array[int]:
+    """The block tables as zero-padded rows of ``width``, flat (``[len(tables) * width]`` int32).
+    Filled through an ``array``: 4x faster than ``torch.tensor`` of padded rows at 512
+    sequences (0.7 ms vs 3.2 ms here), and this runs every step."""
     flat = array.array("i", bytes(4 * width * len(tables)))
     for i, table in enumerate(tables):
         flat[i * width : i * width + len(table)] = array.array("i", table)
-    return torch.frombuffer(flat, dtype=torch.int32).view(len(tables), width)
+    return flat

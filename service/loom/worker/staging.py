@@ -14,6 +14,7 @@ that read it have long finished. On the CPU nothing is staged: tensors are made 
 
 from __future__ import annotations
 
+import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -78,6 +79,30 @@ class Stager:
         host.copy_(flat)
         dev.copy_(host, non_blocking=True)
         return dev.view(cpu.shape)
+
+
+    def to_device_many(self, arrays: Sequence[Sequence[int]], dtype: torch.dtype) -> list[torch.Tensor]:
+        """Several flat integer arrays (``torch.int64`` or ``torch.int32``) in one transfer: one
+        host buffer and one copy instead of one per array (each a tensor built from a list, a
+        pinned write and a queued copy: a step stages about ten). Returns a device view of each,
+        every one starting on a 64-element boundary as :meth:`_Slot.take` aligns its slices."""
+        code = _ARRAY_CODES[dtype]
+        flat = array.array(code)
+        bounds = []
+        for values in arrays:
+            start = len(flat)
+            flat.extend(values)
+            bounds.append((start, len(flat)))
+            flat.extend(_ZEROS[code][: -len(flat) % _ALIGN])
+        if not flat:
+            empty = torch.empty(0, dtype=dtype, device=self.device)
+            return [empty for _ in arrays]
+        staged = self.to_device(torch.frombuffer(flat, dtype=dtype), dtype)
+        return [staged[a:b] for a, b in bounds]
+
+
+_ARRAY_CODES = {torch.int64: "q", torch.int32: "i"}
+_ZEROS = {code: array.array(code, bytes(array.array(code).itemsize * _ALIGN)) for code in _ARRAY_CODES.values()}
 
 
 class DeviceToHost:

@@ -31,6 +31,7 @@ from loom.sample.batch import TokenBitmaskRows
 
 from .cuda_graphs import maybe_capture_cuda_graphs
 from .fault_injection import FaultInjectingRunner
+from .kernel_warmup import WarmUpCounts, warm_up_counts
 from .model_runner import CausalLM, ForwardedStep, LaunchedStep, ModelRunner
 from .step_plan import StepOutput, StepPlan
 
@@ -191,6 +192,12 @@ class Worker:
         runner.cuda_graphs = maybe_capture_cuda_graphs(
             self.config.cuda_graphs, self.model, self.backend, runner.kv_caches, self.config.block_size,
             max_model_len, self.device, self.config.max_batch_size, query_lens, lora=self.lora is not None)
+
+    def warm_up_token_counts(self, max_tokens: int, max_rows: int) -> WarmUpCounts:
+        """The step sizes at which the model must run before serving so that none of its
+        kernels compiles later (``loom.worker.kernel_warmup``): up to ``max_tokens`` rows a step,
+        ``max_rows`` of them sampled."""
+        return warm_up_counts(cast(torch.nn.Module, self.model), max_tokens, max_rows)
 
     @property
     def max_graph_batch_size(self) -> int | None:
