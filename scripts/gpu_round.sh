@@ -12,6 +12,7 @@
 #   bash scripts/gpu_round.sh w6int            # the integer-code GEMV: M=1 sweep beside the general one, W1 int4 / bf16
 #   bash scripts/gpu_round.sh quantize8b       # loom quantize --method gptq random:llama-8b on the GPU, then W1 served from it
 #   bash scripts/gpu_round.sh moeprof          # where a Qwen3-30B-A3B-shaped decode step goes (#22: 3.4 of 4.8 ms outside the experts)
+#   bash scripts/gpu_round.sh sweep-fill       # the batch-1 fusions, decode plans and dense GEMV swept; tables filled; Loom reinstalled
 #
 # What is owed (2026-12-02): the integer-code GEMV's speed (#15: W1 int4 >= 2.5x bf16), W5 b with the int4 draft since resting steps run asynchronously
 # (#16: engine / model >= 0.9), W2 int4 with GEMM plans swept at M = 16..256 (#15), FP8 KV
@@ -89,6 +90,18 @@ quantize8b)
 moeprof)
   t=$(left); [ "$t" -gt 150 ] && timeout $(( t - 30 )) python3 scripts/profile_decode.py random:qwen3-30b-a3b 1 "$OUT" \
     > "$OUT/moe-profile.log" 2>&1; tail -40 "$OUT/moe-profile.log"
+  ;;
+sweep-fill)  # the batch-1 sweeps, their tables filled and Loom reinstalled with them (2026-12-03)
+  timeout 40 python3 scripts/bench_decode_fusions.py --out "$OUT/fusions.json" > "$OUT/fusions.log" 2>&1; tail -12 "$OUT/fusions.log"
+  timeout 75 python3 scripts/bench_decode_plans.py --budget-s 55 --out "$OUT/decode-plans-h200.json" > "$OUT/decode-plans.log" 2>&1
+  tail -6 "$OUT/decode-plans.log"
+  timeout 75 python3 scripts/bench_dense_gemv.py --budget-s 55 --out "$OUT/dense-gemv-h200.json" > "$OUT/dense-gemv.log" 2>&1
+  tail -6 "$OUT/dense-gemv.log"
+  [ -f "$OUT/decode-plans-h200.json" ] && python3 scripts/bench_decode_plans.py --fill-table "$OUT/decode-plans-h200.json"
+  [ -f "$OUT/dense-gemv-h200.json" ] && python3 scripts/bench_dense_gemv.py --fill-table "$OUT/dense-gemv-h200.json"
+  tar cf "$OUT/tables.tar" plugins/attention/decode_plan_table.py service/loom/layers/dense_gemv_table.py
+  rm -f "$OUT/fusions.log" "$OUT/decode-plans.log" "$OUT/dense-gemv.log"
+  python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/loomsite . || exit 1
   ;;
 pending-smollm2)
   "$0" bench s1 --workloads S1 --s1-repeats 5

@@ -397,18 +397,18 @@ def _segment_variant(m: int, n: int, p: Plan) -> tuple[Any, ...]:
 
 
 def launch_variant(m: int, in_features: int, group_size: int, widths: tuple[int, ...], sms: int,
-                   dense_from: int | None = None) -> tuple[Any, ...]:
+                   dense_from: int | None = None, table: bool = False) -> tuple[Any, ...]:
     """What Triton compiles for a call of ``m`` tokens on a layer of ``in_features`` inputs whose
-    segments are ``widths`` columns wide, one entry per segment. Two counts with equal variants
-    launch the same compiled kernels on that layer."""
+    segments are ``widths`` columns wide, one entry per segment (``table``: NF4's codes). Two
+    counts with equal variants launch the same compiled kernels on that layer."""
     dense = DENSE_FROM_TOKENS if dense_from is None else dense_from
-    p = plan(m, sum(widths), in_features, group_size, sms, dense)
+    p = plan(m, sum(widths), in_features, group_size, sms, dense, table)
     return tuple(_segment_variant(m, n, p) for n in widths)
 
 
 @functools.lru_cache(maxsize=256)
 def covering_token_counts(in_features: int, group_size: int, widths: tuple[int, ...], max_tokens: int, sms: int,
-                          dense_from: int | None = None) -> tuple[int, ...]:
+                          dense_from: int | None = None, table: bool = False) -> tuple[int, ...]:
     """The fewest token counts in ``1..max_tokens`` (the smallest of each variant) whose calls
     compile every variant that a call of any count in that range launches on such a layer. Every
     count from ``dense_from`` up shares the dense variant, so the scan stops there."""
@@ -416,7 +416,7 @@ def covering_token_counts(in_features: int, group_size: int, widths: tuple[int, 
     seen: set[tuple[Any, ...]] = set()
     counts = []
     for m in range(1, min(max_tokens, dense) + 1):
-        variant = launch_variant(m, in_features, group_size, widths, sms, dense)
+        variant = launch_variant(m, in_features, group_size, widths, sms, dense, table)
         if variant not in seen:
             seen.add(variant)
             counts.append(m)
@@ -432,7 +432,7 @@ def layer_warm_up_token_counts(layer: Any, max_tokens: int) -> tuple[int, ...]:
         return ()
     widths = tuple(seg.end - seg.start for seg in layout.segments)
     return covering_token_counts(layout.in_features, layout.group_size, widths, max_tokens,
-                                 sm_count(layout.qweight.device))
+                                 sm_count(layout.qweight.device), table=uses_table(layout))
 
 
 # ------------------------------------------------------------------------------------------------
