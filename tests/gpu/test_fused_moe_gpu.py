@@ -22,6 +22,7 @@ pytest.importorskip("triton")
 
 from helpers.moe_interpret_check import expected_layout
 
+from loom.layers import moe_routing_triton
 from loom.layers.fused_moe import SparseMoeBlock, fused_experts_torch, select_experts
 from loom.layers.fused_moe_triton import MoeBlockConfig, block_config, fused_experts_triton
 from loom.layers.moe_routing_triton import (
@@ -133,9 +134,10 @@ def test_routing_and_sort_in_one_launch_equal_the_three_launches(e: int, k: int,
 
 
 @pytest.mark.parametrize("t", [4, 16], ids=["decode-one-launch-routing", "three-launch-routing"])
-def test_no_host_sync_and_a_cuda_graph_replays_any_routing(t: int) -> None:
+def test_no_host_sync_and_a_cuda_graph_replays_any_routing(t: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The layer (router, top-k, sort, GEMMs) never waits for the device, and a graph captured
     with one routing replays others exactly as eager runs compute them."""
+    monkeypatch.setattr(moe_routing_triton, "ONE_LAUNCH_ROUTING", True)  # (off by default)
     h, inter, e, k = 512, 256, 32, 4
     torch.manual_seed(0)
     with torch.device(CUDA):

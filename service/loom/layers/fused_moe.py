@@ -320,7 +320,7 @@ class SparseMoeBlock(nn.Module):
             out = self.experts(x, weights, ids)
             return out if self.experts.tp_size == 1 else all_reduce(out)
         layout = None
-        if moe_routing_triton.fused_route_supported(router_logits, self.top_k):
+        if moe_routing_triton.ONE_LAUNCH_ROUTING and moe_routing_triton.fused_route_supported(router_logits, self.top_k):
             # Decode sizes: route and sort the rows by expert in one launch (where three run).
             block_m = fused_moe_triton.block_config(x.shape[0] * self.top_k, self.experts.num_experts, x.dtype).block_m
             weights, ids, layout = moe_routing_triton.route_and_sort(router_logits, self.top_k, self.renormalize,

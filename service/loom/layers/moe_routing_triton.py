@@ -33,6 +33,7 @@ Triton is optional: without it this module imports (kernels stay plain functions
 # (Triton kernels take untyped pointer arguments; annotations there would change their meaning.)
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,13 @@ try:
     HAS_TRITON = True
 except ImportError:
     HAS_TRITON = False
+
+# LOOM_MOE_ONE_LAUNCH_ROUTING=1: SparseMoeBlock routes and sorts decode-sized batches in one
+# launch (route_and_sort) instead of three. Off by default: on the H200 (2026-12-03,
+# scripts/bench_decode_fusions.py, bench/results/gpu-decode-fusions.json) the one program took
+# 7.23 us against 6.92 us for the three launches at one token (7.34 against 6.98 at eight): its
+# serial count and placement over 128 experts cost more than the two launches it saves.
+ONE_LAUNCH_ROUTING = os.environ.get("LOOM_MOE_ONE_LAUNCH_ROUTING", "0") == "1"
 
 # Tokens one routing program handles (both paths: see the module docstring), and its warps.
 ROUTE_ROWS = 8
