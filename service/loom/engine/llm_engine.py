@@ -16,7 +16,6 @@ import random
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, TextIO
 
@@ -54,16 +53,9 @@ from .types import (
 
 if TYPE_CHECKING:
     from loom.lora.manager import AdapterManager
-    from loom.sample.batch import TokenBitmaskRows
     from loom.structured.driver import StructuredOutput
 
 log = structlog.get_logger(__name__)
-
-# LOOM_GRAMMAR_FILL_THREAD=1: a constrained step left in flight fills its grammar rows on a
-# background thread while the engine hands the previous outputs on and schedules the next step
-# (xgrammar fills without the interpreter lock). Off by default until the H200 measures it
-# against the fill on the engine's thread (docs/structured-output.md, S1).
-GRAMMAR_FILL_THREAD = os.environ.get("LOOM_GRAMMAR_FILL_THREAD", "0") == "1"
 
 
 def _needs_host_tokens(seq: Sequence) -> bool:
@@ -101,7 +93,6 @@ class _Launched:
     step: LaunchedStep | ForwardedStep  # ForwardedStep: its grammar rows and sampling are still due
     positions: list[int]  # where each sampled sequence's first new token goes in its token_ids
     guesses: list[list[int]] | None = None  # each sampled sequence's drafts, for its grammar rows
-    rows: Future[TokenBitmaskRows | None] | None = None  # its grammar rows, being filled in the background
 
 
 class LLMEngine:
@@ -566,7 +557,7 @@ class LLMEngine:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = started
         try:
-            launched = self._launch(sched, drafts, before=prev)
+            launched = self._launch(sched, drafts)
         except ShardLostError:
             raise  # not one request's fault: the engine cannot step any more
         except Exception as exc:  # one request's fault must not fail the others
@@ -579,14 +570,10 @@ class LLMEngine:
             return outputs
         if prev is not None:
             outputs += self._complete(prev)
-        if not GRAMMAR_FILL_THREAD:
-            self._sample(launched)
+        self._sample(launched)
         # Admissions may have grown the batch past the largest graph: check that again. (Penalties
         # and prompt logprobs were checked over every live sequence before scheduling.)
         if overlap and not drafts and self._overlap_helps():
-            if GRAMMAR_FILL_THREAD and isinstance(launched.step, ForwardedStep):  # rows fill while we go on
-                assert self._structured is not None
-                launched.rows = self._structured.start_bitmask_rows(launched.planned.sample_seqs, launched.guesses)
             self._inflight = launched
             self.num_async_steps += 1
         else:
@@ -638,20 +625,16 @@ class LLMEngine:
         return any(_needs_host_tokens(s) for s in self.scheduler.running) or any(
             _needs_host_tokens(s) for s in self.scheduler.waiting)
 
-    def _launch(self, sched: SchedulerOutput, drafts: dict[int, list[int]] | None = None,
-                before: _Launched | None = None) -> _Launched:
+    def _launch(self, sched: SchedulerOutput, drafts: dict[int, list[int]] | None = None) -> _Launched:
         """Plan ``sched``, launch it on the worker, and commit it on the sequences: computed
         tokens, and a placeholder for each token being sampled (the output processor corrects
-        the computed count of a sequence that verified drafts). ``before``: the step still in
-        flight, whose sampling is queued first if its grammar rows were still filling."""
+        the computed count of a sequence that verified drafts)."""
         planned = plan_step(sched, self.config.block_size, self.vocab_size, self.eos_token_ids, drafts)
         plan = planned.plan
         guesses = None
         if plan.num_drafts is not None:  # each sampled sequence's drafts, as the plan lays them out
             flat = iter(plan.draft_token_ids)
             guesses = [[next(flat) for _ in range(m)] for m in plan.num_drafts]
-        if before is not None:  # its sampling first: this step reads its tokens, and stages anew
-            self._sample(before)
         step: LaunchedStep | ForwardedStep
         if self._structured is not None and self._structured.any_matched(planned.sample_seqs):
             step = self.worker.execute_forward(plan)  # the grammar rows are filled while it runs
@@ -675,16 +658,11 @@ class LLMEngine:
     def _sample(self, launched: _Launched) -> LaunchedStep:
         """Queue a launched step's sampling if its grammar rows were left to fill: the matchers
         have seen every earlier token by now (the previous step was completed after this one's
-        forward was queued). A step left in flight fills its rows on a background thread while
-        the engine hands its outputs on and schedules the next step; its sampling is queued
-        before the next step is staged (:meth:`_launch`): that step reads the sampled tokens."""
+        forward was queued), so the rows are filled while the device runs the forward."""
         step = launched.step
         if isinstance(step, ForwardedStep):
             assert self._structured is not None
-            if launched.rows is not None:
-                bitmask = launched.rows.result()
-            else:
-                bitmask = self._structured.bitmask_rows(launched.planned.sample_seqs, launched.guesses)
+            bitmask = self._structured.bitmask_rows(launched.planned.sample_seqs, launched.guesses)
             step = launched.step = self.worker.sample(step, bitmask)
         return step
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -90,7 +90,6 @@ class StructuredOutput:
         self._dead_ends: dict[int, str] = {}  # seq_id -> why no token could follow
         self._bitmask = torch.empty(0, self.words, dtype=torch.int32)  # host rows, grown on demand
         self._batcher: xgrammar.BatchGrammarMatcher | None = None  # fills many rows on its threads
-        self._filler: ThreadPoolExecutor | None = None  # start_bitmask_rows' thread
 
     # -- requests -----------------------------------------------------------------------------------
     def hold(self, request_id: str, spec: GrammarSpec, seqs: list[Sequence]) -> None:
@@ -180,14 +179,13 @@ class StructuredOutput:
         forward runs): a sequence's tokens then end with the placeholder of the token these rows
         choose, and a sequence the previous step finished (its row is dropped) gets open rows."""
         rows: list[int] = []
-        entries: list[tuple[Sequence, Seq[int], xgrammar.GrammarMatcher]] = []
+        entries: list[tuple[Sequence, Seq[int]]] = []
         row = 0
         for i, seq in enumerate(seqs):
             guess = drafts[i] if drafts is not None else ()
-            entry = self._matchers.get(seq.seq_id)
-            if entry is not None:
+            if seq.seq_id in self._matchers:
                 rows.extend(range(row, row + 1 + len(guess)))
-                entries.append((seq, guess, entry.matcher))
+                entries.append((seq, guess))
             row += 1 + len(guess)
         if not rows:
             return None
@@ -201,7 +199,8 @@ class StructuredOutput:
         batch_rows: list[int] = []
         batch_seqs: list[Sequence] = []
         j = 0
-        for seq, guess, matcher in entries:
+        for seq, guess in entries:
+            matcher = self._matchers[seq.seq_id].matcher
             if seq.is_finished or matcher.is_terminated():
                 bitmask[j : j + 1 + len(guess)].fill_(-1)
                 j += 1 + len(guess)
@@ -245,17 +244,6 @@ class StructuredOutput:
             if empty[g]:
                 bitmask[g].fill_(-1)
         return TokenBitmaskRows(rows, self.words, bitmask.numpy().tobytes())
-
-    def start_bitmask_rows(self, seqs: Seq[Sequence],
-                           drafts: Seq[Seq[int]] | None = None) -> Future[TokenBitmaskRows | None]:
-        """:meth:`bitmask_rows` on a background thread: the engine fills a step's rows while it
-        hands the previous step's outputs on and schedules the next (xgrammar fills without the
-        interpreter lock). The matchers must not advance until the future is done; the engine
-        waits for it before it queues the step's sampling, which comes before any token of the
-        step is read back."""
-        if self._filler is None:
-            self._filler = ThreadPoolExecutor(1, thread_name_prefix="loom-grammar-fill")
-        return self._filler.submit(self.bitmask_rows, list(seqs), drafts)
 
     def _batch_matcher(self) -> xgrammar.BatchGrammarMatcher:
         if self._batcher is None:
