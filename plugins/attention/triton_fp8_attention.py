@@ -58,7 +58,7 @@ import triton.language as tl
 
 from loom.plugin_api import kv_fp8
 
-from .triton_kernels import _LOG2E, _merge_splits, _next_pow2
+from .triton_kernels import _LOG2E, _merge_splits, _next_pow2, _program_sequence, _tile_rows
 
 
 @triton.jit
@@ -93,26 +93,13 @@ def _paged_attn_fp8_kernel(
     kvh = tl.program_id(1)
     m_tile = tl.program_id(2) // NUM_SPLITS
     split = tl.program_id(2) % NUM_SPLITS
-    if HAS_SEQ_IDS:  # noqa: SIM108 (a constexpr branch, kept as a plain if for Triton)
-        seq = tl.load(seq_ids_ptr + i)
-    else:
-        seq = i
-    q_start = tl.load(qsl_ptr + seq)
-    q_len = tl.load(qsl_ptr + seq + 1) - q_start
-    seq_len = tl.load(seq_lens_ptr + seq)
-    ctx_len = seq_len - q_len  # keys before the first query; cached context
+    seq, q_start, q_len, ctx_len = _program_sequence(i, seq_ids_ptr, qsl_ptr, seq_lens_ptr, HAS_SEQ_IDS)
 
     TOK = BLOCK_M // GROUP  # query tokens per tile (a constexpr)
     tok0 = m_tile * TOK
     if tok0 < q_len:
-        rows = tl.arange(0, BLOCK_M)
-        tok = tok0 + rows // GROUP  # [BLOCK_M] token of the sequence's queries
-        head = kvh * GROUP + rows % GROUP  # [BLOCK_M] query head
-        row_ok = (rows < TOK * GROUP) & (tok < q_len)
-        q_pos = ctx_len + tok  # [BLOCK_M] absolute position of each row's token
-        d = tl.arange(0, BLOCK_D)
-        d_ok = d < HEAD_DIM
-        q_rows = (q_start + tok).to(tl.int64)
+        head, row_ok, q_pos, d, d_ok, q_rows = _tile_rows(kvh, tok0, q_start, q_len, ctx_len, HEAD_DIM,
+                                                         BLOCK_D, GROUP, BLOCK_M)
         q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_D]
         if F32_DOTS:

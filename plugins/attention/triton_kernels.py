@@ -161,6 +161,37 @@ def store_kv(
 
 
 @triton.jit
+def _program_sequence(i, seq_ids_ptr, qsl_ptr, seq_lens_ptr, HAS_SEQ_IDS: tl.constexpr):
+    """Program ``i``'s sequence (``seq_ids[i]``, or ``i``), where its queries start, how many
+    there are, and its cached context (the keys before its first query)."""
+    if HAS_SEQ_IDS:  # noqa: SIM108 (a constexpr branch, kept as a plain if for Triton)
+        seq = tl.load(seq_ids_ptr + i)
+    else:
+        seq = i
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    return seq, q_start, q_len, seq_len - q_len
+
+
+@triton.jit
+def _tile_rows(kvh, tok0, q_start, q_len, ctx_len, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """A query tile's rows: ``BLOCK_M // GROUP`` tokens from ``tok0``, each with the ``GROUP``
+    query heads of KV head ``kvh``. Returns each row's query head, validity, absolute position
+    and output row ([BLOCK_M] each), and the head dimension's offsets and mask."""
+    rows = tl.arange(0, BLOCK_M)
+    tok = tok0 + rows // GROUP  # [BLOCK_M] token of the sequence's queries
+    head = kvh * GROUP + rows % GROUP  # [BLOCK_M] query head
+    row_ok = (rows < (BLOCK_M // GROUP) * GROUP) & (tok < q_len)
+    q_pos = ctx_len + tok  # [BLOCK_M] absolute position of each row's token
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q_rows = (q_start + tok).to(tl.int64)
+    return head, row_ok, q_pos, d, d_ok, q_rows
+
+
+@triton.jit
 def _paged_attn_kernel(
     q_ptr,  # [T, Hq, D]
     kc_ptr, vc_ptr,  # [num_blocks, page, Hkv, D] each (FP8: e4m3 codes, V's token-contiguous)
@@ -193,26 +224,13 @@ def _paged_attn_kernel(
     kvh = tl.program_id(1)
     m_tile = tl.program_id(2) // NUM_SPLITS
     split = tl.program_id(2) % NUM_SPLITS
-    if HAS_SEQ_IDS:  # noqa: SIM108 (a constexpr branch, kept as a plain if for Triton)
-        seq = tl.load(seq_ids_ptr + i)
-    else:
-        seq = i
-    q_start = tl.load(qsl_ptr + seq)
-    q_len = tl.load(qsl_ptr + seq + 1) - q_start
-    seq_len = tl.load(seq_lens_ptr + seq)
-    ctx_len = seq_len - q_len  # keys before the first query; cached context
+    seq, q_start, q_len, ctx_len = _program_sequence(i, seq_ids_ptr, qsl_ptr, seq_lens_ptr, HAS_SEQ_IDS)
 
     TOK = BLOCK_M // GROUP  # query tokens per tile (a constexpr)
     tok0 = m_tile * TOK
     if tok0 < q_len:
-        rows = tl.arange(0, BLOCK_M)
-        tok = tok0 + rows // GROUP  # [BLOCK_M] token of the sequence's queries
-        head = kvh * GROUP + rows % GROUP  # [BLOCK_M] query head
-        row_ok = (rows < TOK * GROUP) & (tok < q_len)
-        q_pos = ctx_len + tok  # [BLOCK_M] absolute position of each row's token
-        d = tl.arange(0, BLOCK_D)
-        d_ok = d < HEAD_DIM
-        q_rows = (q_start + tok).to(tl.int64)
+        head, row_ok, q_pos, d, d_ok, q_rows = _tile_rows(kvh, tok0, q_start, q_len, ctx_len, HEAD_DIM,
+                                                         BLOCK_D, GROUP, BLOCK_M)
         q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
 
