@@ -84,6 +84,8 @@ class StepPlan:
 
     decodes: list[_DecodeGroup]
     prefills: list[_Prefill]
+    # [W] int64: the rows whose K/V are written, when some have slot -1 (CPU only); None: all
+    written: torch.Tensor | None = None
 
 # A decode group ends where the next sequence is shorter than this share of the group's longest
 # (so a group attends over at most about 1 / _GROUP_SHARE times its real keys), unless the group
@@ -223,8 +225,10 @@ def _capped_attention(
 class TorchAttentionBackend(AttentionBackend[StepPlan]):
     """Paged attention with ``torch.nn.functional.scaled_dot_product_attention``.
 
-    Slot ``-1`` in ``slot_mapping`` (skip the write) is not supported: every new token's K/V is
-    written.
+    Slot ``-1`` in ``slot_mapping`` skips that row's write on the CPU (a draft model's catch-up
+    rows laid out for a graph width, run eagerly by the tests: ``draft_catch_up``); on a GPU it
+    is not supported (finding the rows would wait for the device, and this backend captures no
+    graphs, which are what pad steps there): every new token's K/V is written.
     """
 
     name = "torch"
@@ -247,7 +251,11 @@ class TorchAttentionBackend(AttentionBackend[StepPlan]):
 
     def prepare(self, meta: AttentionMetadata) -> StepPlan:
         # The in-place CPU kernel pads nothing: its decodes need no split by length.
-        return plan_step(meta, split_by_length=not self.cpu_kernel)
+        plan = plan_step(meta, split_by_length=not self.cpu_kernel)
+        slots = meta.slot_mapping
+        if slots.device.type == "cpu" and slots.numel() and int(slots.min()) < 0:
+            plan.written = (slots >= 0).nonzero().squeeze(1)
+        return plan
 
     def forward(
         self,
@@ -263,12 +271,15 @@ class TorchAttentionBackend(AttentionBackend[StepPlan]):
     ) -> torch.Tensor:  # [T, Hq, D]
         cap = logits_soft_cap
         # (1) Write the new K/V: the pool viewed as flat slots [num_blocks * block_size, Hkv, D].
+        new_k, new_v, slots = k, v, meta.slot_mapping
+        if plan.written is not None:  # rows of slot -1 write nothing
+            new_k, new_v, slots = k[plan.written], v[plan.written], slots[plan.written]
         if self.fp8_kv_cache:
-            kv_fp8.write(k, v, kv_cache, meta.slot_mapping)
+            kv_fp8.write(new_k, new_v, kv_cache, slots)
         elif self.cpu_kernel:
-            cpu_kernels.write_kv(k, v, kv_cache, meta.slot_mapping)
+            cpu_kernels.write_kv(new_k, new_v, kv_cache, slots)
         else:
-            write_kv(k, v, kv_cache, meta.slot_mapping)
+            write_kv(new_k, new_v, kv_cache, slots)
 
         if len(plan.decodes) == 1 and not plan.prefills and plan.decodes[0].row_slice == (0, q.shape[0]):
             return self._decode(q, kv_cache, plan.decodes[0], scale, sliding_window, cap)

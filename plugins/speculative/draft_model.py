@@ -9,12 +9,16 @@ step with the target's by the token lists themselves: a sequence's draft state k
 its KV was computed for, and a call whose verified tokens diverge from them (rejected drafts)
 rolls the computed count back to the common prefix; the stale slots are overwritten.
 
-Its steps of one or two new tokens per sequence replay CUDA graphs; the others (a sequence's
-first call, which computes its prompt, and catch-ups after rejections or back-offs: any number
-of tokens) run eagerly, and a kernel chosen by token count (the W4A16 GEMM of a quantized draft)
-would compile a new variant at the first count of each class. So the proposer warms up when it
-is built, before the engine reports SERVING: a step at each count its layers ask for
-(``LinearMethod.warm_up_token_counts``) and the attention's mixed steps (:meth:`warm_up`).
+Its steps of one or two new tokens per sequence replay CUDA graphs, and so do its catch-ups
+after rejections or back-offs (up to 128 tokens a sequence): such a step is laid out at a
+captured width by recomputing, in front of each sequence's new tokens, tokens whose KV the draft
+holds already, without writing their KV (``draft_catch_up``; ``LOOM_DRAFT_CATCH_UP_GRAPHS=0``
+runs them eagerly). The others (a sequence's first call, which computes its prompt, longer
+catch-ups, sequences shorter than the width, batches past the graphs') run eagerly, and a kernel
+chosen by token count (the W4A16 GEMM of a quantized draft) would compile a new variant at the
+first count of each class. So the proposer warms up when it is built, before the engine reports
+SERVING: a step at each count its layers ask for (``LinearMethod.warm_up_token_counts``) and the
+attention's mixed steps (:meth:`warm_up`).
 
 Greedy drafts are a one-hot proposal, so ``loom.sample.verify``'s acceptance rule is exact rejection
 sampling and the output is the target's own, token for token.
@@ -31,13 +35,17 @@ the target runs on, through the same picklable step plans.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import structlog
 
+from loom import kernel_switches
 from loom.plugin_api import DraftRequest, Proposer, ProposerContext
+
+from .draft_catch_up import CATCH_UP_GRAPH_TOKENS, CATCH_UP_WIDTHS, CatchUpGraphs, step_rows
 
 if TYPE_CHECKING:
     from loom.worker.kernel_warmup import WarmUpCounts
@@ -91,22 +99,48 @@ class DraftModelProposer(Proposer):
         tokens = int(opts.get("kv_tokens", 8192 if cpu else 65536))
         self.num_blocks = max(2, tokens // _BLOCK)
         self.worker.init_kv_cache(self.num_blocks)
-        if graphs:  # a draft runs k past the target's sequence at most
-            # (width 2 too: after a fully accepted run the draft first computes its last guess and
-            # the target's bonus token)
-            self.worker.capture_cuda_graphs(context.max_model_len + context.num_speculative_tokens + 1, (1, 2))
+        # The widths the graphs serve, for laying out steps (None: every step runs as it is); set
+        # once the warm-up below has run its steps as they are.
+        self._catch_up: CatchUpGraphs | None = None
+        catch_up = self._capture_graphs(context, graphs[-1]) if graphs else None
         self._free = list(range(self.num_blocks - 1, -1, -1))
         self._seqs: dict[int, _DraftSeq] = {}
         # Before the engine reports SERVING: every step shape of serving that the graphs do not
-        # serve compiles its kernels now (catch-ups run eagerly, with any number of tokens).
+        # serve compiles its kernels now (catch-ups no graph serves run eagerly, with any number
+        # of tokens).
         self._max_len = context.max_model_len  # 0: unknown
         max_seqs = context.max_batch_size or 256
         max_tokens = self.num_blocks * _BLOCK  # a step's new tokens all have slots in the pool
         if self._max_len:
             max_tokens = min(max_tokens, max_seqs * (self._max_len + context.num_speculative_tokens + 1))
         self.warm_up(self.worker.warm_up_token_counts(max_tokens, max_seqs))
+        self._catch_up = catch_up
         log.info("draft model ready", model_dir=str(info.model_dir), quantization=info.quantization,
                  kv_tokens=self.num_blocks * _BLOCK)
+
+    def _capture_graphs(self, context: ProposerContext, max_batch: int) -> CatchUpGraphs | None:
+        """Capture the draft's graphs (logged once with their time and memory): widths 1 and 2
+        (a decode step; after a fully accepted run the draft first computes its last guess and
+        the target's bonus token) and the catch-up widths, within ``CATCH_UP_GRAPH_TOKENS`` rows
+        (the decode widths at every batch size up to ``max_batch``)."""
+        import torch
+
+        widths = (1, 2) + (CATCH_UP_WIDTHS if kernel_switches.draft_catch_up_graphs else ())
+        device = self.worker.device
+        torch.cuda.synchronize(device)
+        free_before = torch.cuda.mem_get_info(device)[0]
+        started = time.monotonic()
+        # a draft runs k past the target's sequence at most
+        self.worker.capture_cuda_graphs(context.max_model_len + context.num_speculative_tokens + 1, widths,
+                                        max_graph_tokens=max(CATCH_UP_GRAPH_TOKENS, 2 * max_batch))
+        runner = self.worker.runner.cuda_graphs if self.worker.runner is not None else None
+        if runner is None:
+            return None
+        log.info("draft model cuda graphs captured", query_lens=runner.captured_query_lens,
+                 graphs=len(runner.graphs), seconds=round(time.monotonic() - started, 2),
+                 mib=round((free_before - torch.cuda.mem_get_info(device)[0]) / (1 << 20)),
+                 catch_up_graphs=kernel_switches.draft_catch_up_graphs)
+        return CatchUpGraphs(tuple(runner.captured_query_lens), runner.graph_size)
 
     def warm_up(self, counts: WarmUpCounts) -> None:
         """Run the draft through the step shapes of serving that no CUDA graph serves, so that
@@ -173,10 +207,15 @@ class DraftModelProposer(Proposer):
         return drafts
 
     def _step(self, seqs: list[_DraftSeq]) -> list[int]:
-        """One forward of the draft over each sequence's uncomputed tokens; its greedy next tokens."""
+        """One forward of the draft over each sequence's uncomputed tokens; its greedy next tokens.
+        Where a captured width fits (``draft_catch_up``), every sequence's rows are that many, the
+        tokens before its new ones recomputed without writing their KV, so a graph serves it."""
         from loom.sample.batch import SamplingPlan
         from loom.worker.step_plan import StepPlan
 
+        width = None
+        if self._catch_up is not None:
+            width = self._catch_up.width([len(st.tokens) - st.computed for st in seqs], [len(st.tokens) for st in seqs])
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -184,14 +223,14 @@ class DraftModelProposer(Proposer):
         seq_lens: list[int] = []
         sample_rows: list[int] = []
         for st in seqs:
-            start, end = st.computed, len(st.tokens)
-            ids += st.tokens[start:end]
-            positions += range(start, end)
-            slots += [st.blocks[p // _BLOCK] * _BLOCK + p % _BLOCK for p in range(start, end)]
-            query_lens.append(end - start)
-            seq_lens.append(end)
+            rows = step_rows(st.tokens, st.computed, width, st.blocks, _BLOCK)
+            ids += rows[0]
+            positions += rows[1]
+            slots += rows[2]
+            query_lens.append(len(rows[0]))
+            seq_lens.append(len(st.tokens))
             sample_rows.append(len(ids) - 1)
-            st.computed = end
+            st.computed = len(st.tokens)
         n = len(seqs)
         greedy = SamplingPlan.greedy(n, self.vocab_size)
         plan = StepPlan(input_ids=ids, positions=positions, slot_mapping=slots, query_lens=query_lens,

@@ -56,6 +56,33 @@ def enable() -> bool:
     return True
 
 
+def row_invariant_dots() -> None:
+    """Make the interpreter's ``tl.dot`` compute each output row on its own (a vector-matrix
+    product per row). numpy's matmul blocks its rows, so a row's sums depend on where it sits in
+    the tile (seen: 5e-6 apart); a GPU's tensor-core instructions compute every row of a tile
+    alike. For checks that a kernel gives a row the same bits wherever its tile starts (a draft's
+    catch-up laid out at a graph width: ``paged_padding_interpret_check.py``). Call after
+    :func:`enable`."""
+    import triton.runtime.interpreter as interp
+
+    builder = interp.InterpreterBuilder
+    original = builder.create_dot
+    if getattr(original, "_loom_rows", False):
+        return
+
+    def create_dot(self: Any, a: Any, b: Any, d: Any, input_precision: Any, max_num_imprecise_acc: Any) -> Any:
+        out = original(self, a, b, d, input_precision, max_num_imprecise_acc)  # shapes, dtypes, fp8 handling
+        a_data, b_data = a.data, b.data
+        if a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:
+            return out  # (not needed by the checks that use this)
+        rows = [np.matmul(a_data[..., i, :], b_data, dtype=d.data.dtype) for i in range(a_data.shape[-2])]
+        out.data = np.stack(rows, axis=-2) + d.data
+        return out
+
+    create_dot._loom_rows = True  # type: ignore[attr-defined]
+    builder.create_dot = create_dot
+
+
 def _patch_bf16_rounding(interp: Any) -> None:
     import triton.language as tl
 

@@ -25,6 +25,20 @@ def test_size_for_picks_next_captured_size() -> None:
     assert [runner.size_for(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, None]
 
 
+def test_max_tokens_leaves_out_the_graphs_of_more_rows() -> None:
+    """A draft model's catch-up widths are captured at the batch sizes within its row limit."""
+    runner = CudaGraphRunner([1, 2, 4, 8], block_size=16, device=torch.device("cpu"), query_lens=(1, 2, 16, 128),
+                             max_tokens=512)
+    assert runner.sizes_for(1) == runner.sizes_for(2) == runner.sizes_for(16) == [1, 2, 4, 8]
+    assert runner.sizes_for(128) == [1, 2, 4]
+    runner.captured_query_lens = [1, 2, 16, 128]
+    assert [runner.graph_size(n, 128) for n in (1, 3, 4, 5)] == [1, 4, 4, None]
+    assert runner.graph_size(5, 16) == 8 and runner.graph_size(3, 32) is None  # 32: not captured
+    assert runner.size_for(5) == 8  # without a query length: every size
+    unlimited = CudaGraphRunner([1, 2, 4, 8], block_size=16, device=torch.device("cpu"), query_lens=(1, 128))
+    assert unlimited.sizes_for(128) == [1, 2, 4, 8]
+
+
 def test_not_captured_on_cpu_or_without_sizes_or_capable_backend() -> None:
     backend = AttentionBackend(4, 2, 16, torch.float32, torch.device("cpu"))
     model = nn.Identity()
@@ -195,3 +209,39 @@ def test_capture_and_replay_go_through_the_backend_hooks(multi_token: bool,
     with torch.inference_mode():
         decode = runner.try_run(StepInputs(torch.tensor([7]), torch.tensor([4]), _step([4], 1)))
     assert decode is not None and decode.tolist() == [[74, 5]]
+
+
+def test_capture_within_max_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each query length is captured at the sizes within ``max_tokens`` rows, its static buffers
+    sized for its largest graph; a step past them runs eagerly."""
+    import loom.worker.cuda_graphs as cg
+
+    def fake_capture(forward: Callable[[], torch.Tensor], pool: Any) -> tuple[Any, torch.Tensor]:
+        out = forward().clone()
+        return _ReplayByRerun(forward, out), out
+
+    monkeypatch.setattr(cg, "_capture_one", fake_capture)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    backend = _backend()
+    inits: list[tuple[int, int]] = []
+    original = backend.init_cuda_graph_state
+
+    def record(max_num_seqs: int, max_blocks: int, block_size: int, q: int) -> None:
+        inits.append((q, max_num_seqs))
+        original(max_num_seqs, max_blocks, block_size, q)
+
+    monkeypatch.setattr(backend, "init_cuda_graph_state", record)
+
+    def model(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # [T] -> [T, 1]
+        return (input_ids * 10 + positions)[:, None]
+
+    runner = CudaGraphRunner([1, 2, 4], block_size=4, device=torch.device("cpu"), query_lens=(1, 3, 8), max_tokens=12)
+    runner.capture(model, backend, [], max_blocks_per_seq=5)
+    assert sorted(runner.graphs) == [(1, 1), (1, 3), (1, 8), (2, 1), (2, 3), (4, 1), (4, 3)]
+    assert sorted(inits) == [(1, 4), (3, 4), (8, 1)]
+    assert runner.input_ids.shape == (12,)
+    with torch.inference_mode():
+        one = runner.try_run(StepInputs(torch.arange(8), torch.arange(2, 10), _step([2], 8, width=4)))
+        two = runner.try_run(StepInputs(torch.arange(16), torch.arange(16), _step([0, 8], 8, width=4)))
+    assert one is not None and one[:, 0].tolist() == [i * 10 + i + 2 for i in range(8)]
+    assert two is None and runner.num_replays == 1

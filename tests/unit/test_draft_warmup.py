@@ -126,7 +126,10 @@ def recorder(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Recorder]:
 
 
 def _graph_served(query_lens: list[int], proposer: dm.DraftModelProposer) -> bool:
-    """On CUDA the draft replays graphs for steps whose every sequence has 1 or 2 new tokens."""
+    """On CUDA the draft replays graphs for steps whose every sequence has 1 or 2 new tokens.
+    (Catch-ups laid out at a catch-up width replay graphs too; they stay in the check: the same
+    token counts run eagerly where a sequence is shorter than the width or the batch larger than
+    the graphs', so the warm-up covers them all the same.)"""
     sizes = dm._graph_sizes(proposer.context.max_batch_size)
     return len(set(query_lens)) == 1 and query_lens[0] in (1, 2) and len(query_lens) <= sizes[-1]
 

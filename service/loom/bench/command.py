@@ -487,7 +487,8 @@ def _run_draft_speculation(args: argparse.Namespace, result: dict[str, Any]) -> 
         t = run["time"]
         print(f"  time: {t['verifying_steps']} verifying steps {t['verifying_s'] * 1e3:.0f} ms (draft "
               f"{t['draft_s'] * 1e3:.0f} ms, of which {t['draft_graph_steps']} graphed steps "
-              f"{t['draft_graph_s'] * 1e3:.0f} ms; eager [tokens, ms] {t['draft_eager_steps_tokens_ms']}), "
+              f"{t['draft_graph_s'] * 1e3:.0f} ms, catch-ups among them [tokens, ms] "
+              f"{t['draft_graph_catch_ups_tokens_ms']}; eager [tokens, ms] {t['draft_eager_steps_tokens_ms']}), "
               f"{t['after_verifying_steps']} after them {t['after_verifying_s'] * 1e3:.0f} ms, "
               f"{t['overlapped_steps']} overlapped {t['overlapped_s'] * 1e3:.0f} ms, "
               f"{t['other_sync_steps']} other synchronous {t['other_sync_s'] * 1e3:.0f} ms", file=sys.stderr)

@@ -162,6 +162,8 @@ def _breakdown(trace: list[tuple[float, bool, bool]], draft: list[tuple[int, boo
     graphed = [s for _, g, s in draft if g]
     out["draft_graph_steps"], out["draft_graph_s"] = len(graphed), sum(graphed)
     out["draft_eager_steps_tokens_ms"] = [[t, round(s * 1e3, 2)] for t, g, s in draft if not g]
+    # graphed steps of more than 2 new tokens: catch-ups laid out at a catch-up width (batch 1)
+    out["draft_graph_catch_ups_tokens_ms"] = [[t, round(s * 1e3, 2)] for t, g, s in draft if g and t > 2]
     out["draft_s"] = sum(s for _, _, s in draft)
     return out
 

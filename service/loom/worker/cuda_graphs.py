@@ -4,7 +4,10 @@ A step of ``n`` sequences that each have ``q`` query tokens (``q = 1``: decode; 
 verification of ``k`` draft tokens) has ``n * q`` tokens. Replaying the graph captured for the
 next size ``bs >= n`` and the same ``q`` turns the step's hundreds of kernel launches (and the
 Python that issues them) into one graph launch. Graphs are keyed by ``(bs, q)``; the query
-lengths are a small fixed set given at construction (``(1,)`` by default).
+lengths are a small fixed set given at construction (``(1,)`` by default). An optional
+``max_tokens`` leaves out the graphs of more than that many rows (``bs * q``): a draft model's
+catch-up widths of up to 128 rows are captured at the small batch sizes only, where a step's
+launches cost more than its math (``loom_plugins.speculative.draft_catch_up``).
 
 What a graph reads has to live at fixed addresses. The runner owns the model's inputs,
 ``input_ids`` and ``positions`` ``[max_bs * max_q]``; the attention backend owns its metadata
@@ -47,13 +50,14 @@ class CudaGraphRunner:
     inputs they read."""
 
     def __init__(self, sizes: Sequence[int], block_size: int, device: torch.device,
-                 query_lens: Sequence[int] = (1,), lora: bool = False) -> None:
+                 query_lens: Sequence[int] = (1,), lora: bool = False, max_tokens: int | None = None) -> None:
         if not sizes:
             raise ValueError("no CUDA graph batch sizes given")
         if not query_lens or min(query_lens) < 1:
             raise ValueError(f"CUDA graph query lengths must be >= 1, got {tuple(query_lens)}")
         self.sizes = sorted(set(sizes))
         self.query_lens = sorted(set(query_lens))
+        self.max_tokens = max_tokens  # no graph of more rows (bs * q); None: every size at every q
         self.block_size = block_size
         self.device = device
         self.max_bs = self.sizes[-1]
@@ -71,25 +75,27 @@ class CudaGraphRunner:
                 max_blocks_per_seq: int) -> None:
         """Warm up and capture ``model(input_ids, positions)`` for every (size, query length) the
         backend can capture, largest first (smaller graphs then reuse the pool memory)."""
-        capturable = [q for q in self.query_lens if backend.can_capture(q)]
+        capturable = [q for q in self.query_lens if backend.can_capture(q) and self.sizes_for(q)]
         if not capturable:
             raise ValueError(f"attention backend {backend.name!r} cannot capture query lengths {self.query_lens}")
-        skipped = [q for q in self.query_lens if q not in capturable]
+        skipped = [q for q in self.query_lens if not backend.can_capture(q)]
         if skipped:
             log.info("cuda graphs: these query lengths run eagerly, the attention backend cannot capture them",
                      attention_backend=backend.name, query_lens=skipped)
         self.backend = backend
         self.max_blocks_per_seq = max_blocks_per_seq
-        dev, mb = self.device, self.max_bs
+        dev = self.device
+        rows = max(self.sizes_for(q)[-1] * q for q in capturable)  # the largest graph's tokens
         with torch.inference_mode():
-            self.input_ids = torch.zeros(mb * capturable[-1], dtype=torch.int64, device=dev)
-            self.positions = torch.zeros(mb * capturable[-1], dtype=torch.int64, device=dev)
+            self.input_ids = torch.zeros(rows, dtype=torch.int64, device=dev)
+            self.positions = torch.zeros(rows, dtype=torch.int64, device=dev)
             if self.lora:
-                self.lora_slots = torch.zeros(mb * capturable[-1], dtype=torch.int32, device=dev)
+                self.lora_slots = torch.zeros(rows, dtype=torch.int32, device=dev)
             pool = None
             for q in reversed(capturable):
-                backend.init_cuda_graph_state(mb, max_blocks_per_seq, self.block_size, q)
-                for bs in reversed(self.sizes):
+                sizes = self.sizes_for(q)
+                backend.init_cuda_graph_state(sizes[-1], max_blocks_per_seq, self.block_size, q)
+                for bs in reversed(sizes):
                     meta = backend.capture_metadata(bs, q)
                     ctx = ForwardContext(backend, kv_caches, meta, backend.prepare(meta))
 
@@ -108,19 +114,34 @@ class CudaGraphRunner:
         self.captured_query_lens.sort()
         torch.cuda.synchronize(dev)
 
-    def size_for(self, n: int) -> int | None:
-        """The smallest captured size holding ``n`` sequences, or None."""
-        i = bisect.bisect_left(self.sizes, n)
-        return self.sizes[i] if i < len(self.sizes) else None
+    def sizes_for(self, query_len: int) -> list[int]:
+        """The batch sizes captured (or to capture) at ``query_len``: every size, or those within
+        ``max_tokens`` rows."""
+        if self.max_tokens is None:
+            return self.sizes
+        return [bs for bs in self.sizes if bs * query_len <= self.max_tokens]
+
+    def size_for(self, n: int, query_len: int | None = None) -> int | None:
+        """The smallest captured size holding ``n`` sequences (at ``query_len``), or None."""
+        sizes = self.sizes if query_len is None else self.sizes_for(query_len)
+        i = bisect.bisect_left(sizes, n)
+        return sizes[i] if i < len(sizes) else None
+
+    def graph_size(self, num_seqs: int, query_len: int) -> int | None:
+        """The batch size of the captured graph that serves ``num_seqs`` sequences of
+        ``query_len`` tokens each, or None (such a step runs eagerly)."""
+        if query_len not in self.captured_query_lens:
+            return None
+        return self.size_for(num_seqs, query_len)
 
     def graph_key(self, meta: AttentionMetadata, num_tokens: int) -> tuple[int, int] | None:
         """``(bs, q)`` of the graph that serves this step, or None (run it eagerly): every
         sequence must have the same captured query length ``q`` and ``bs`` must hold them."""
         n, q = meta.num_seqs, meta.max_query_len
         # n sequences of at most q tokens each sum to n * q only when every one has exactly q
-        if q not in self.captured_query_lens or num_tokens != n * q:
+        if num_tokens != n * q:
             return None
-        bs = self.size_for(n)
+        bs = self.graph_size(n, q)
         return None if bs is None else (bs, q)
 
     def try_run(self, inputs: StepInputs) -> torch.Tensor | None:
@@ -174,10 +195,11 @@ def maybe_capture_cuda_graphs(
     max_batch_size: int | None = None,
     query_lens: Sequence[int] = (1,),
     lora: bool = False,
+    max_tokens: int | None = None,
 ) -> CudaGraphRunner | None:
     """Capture graphs when they apply (CUDA device, sizes given, a backend that can capture one of
     ``query_lens``); None otherwise. A capture that fails is logged and leaves graphs off, not
-    the engine down."""
+    the engine down. ``max_tokens``: no graph of more rows than that (:class:`CudaGraphRunner`)."""
     wanted = sorted(set(sizes))
     if max_batch_size is not None:
         # Sizes past the first one that holds max_batch_size would never be replayed.
@@ -189,7 +211,7 @@ def maybe_capture_cuda_graphs(
         log.info("cuda graphs off: the attention backend does not support them", attention_backend=backend.name,
                  query_lens=sorted(set(query_lens)))
         return None
-    runner = CudaGraphRunner(wanted, block_size, device, query_lens, lora)
+    runner = CudaGraphRunner(wanted, block_size, device, query_lens, lora, max_tokens)
     max_blocks = -(-max_model_len // block_size)
     try:
         runner.capture(model, backend, kv_caches, max_blocks)
@@ -197,5 +219,5 @@ def maybe_capture_cuda_graphs(
         log.warning("cuda graph capture failed; running steps eagerly", error=repr(exc))
         return None
     log.info("cuda graphs captured", sizes=runner.sizes, query_lens=runner.captured_query_lens,
-             max_blocks_per_seq=max_blocks)
+             max_blocks_per_seq=max_blocks, max_tokens=max_tokens)
     return runner

@@ -182,16 +182,19 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def capture_cuda_graphs(self, max_model_len: int, query_lens: tuple[int, ...] = (1,)) -> None:
+    def capture_cuda_graphs(self, max_model_len: int, query_lens: tuple[int, ...] = (1,),
+                            max_graph_tokens: int | None = None) -> None:
         """Capture graphs over the current pool (after its last rebuild) for steps whose every
-        sequence has one of ``query_lens`` rows: 1 for decode, k + 1 to verify k drafts. (The
+        sequence has one of ``query_lens`` rows: 1 for decode, k + 1 to verify k drafts (a draft
+        model adds its catch-up widths), none of more than ``max_graph_tokens`` rows. (The
         LoRA kernel's other variants are compiled here too: the last step before serving.)"""
         runner = self._runner()
         if self.lora is not None and self.device.type == "cuda":  # the prefill variants too, before serving
             self.lora.warm_up_kernel(self.config.max_batch_prefill_tokens)
         runner.cuda_graphs = maybe_capture_cuda_graphs(
             self.config.cuda_graphs, self.model, self.backend, runner.kv_caches, self.config.block_size,
-            max_model_len, self.device, self.config.max_batch_size, query_lens, lora=self.lora is not None)
+            max_model_len, self.device, self.config.max_batch_size, query_lens, lora=self.lora is not None,
+            max_tokens=max_graph_tokens)
 
     def warm_up_token_counts(self, max_tokens: int, max_rows: int) -> WarmUpCounts:
         """The step sizes at which the model must run before serving so that none of its
