@@ -14,10 +14,10 @@
 #   bash scripts/gpu_round.sh moeprof          # where a Qwen3-30B-A3B-shaped decode step goes (#22: 3.4 of 4.8 ms outside the experts)
 #   bash scripts/gpu_round.sh sweep-fill       # the batch-1 fusions, decode plans and dense GEMV swept; tables filled; Loom reinstalled
 #
-# What is owed (2026-12-02): the integer-code GEMV's speed (#15: W1 int4 >= 2.5x bf16), W5 b with the int4 draft since resting steps run asynchronously
-# (#16: engine / model >= 0.9), W2 int4 with GEMM plans swept at M = 16..256 (#15), FP8 KV
-# with its per-block pool layout and W3 with the two-intercept step-latency model (#20); S1
-# since rows are filled and tokens accepted in one xgrammar call each (#17), W5 a again (#16).
+# What is owed (2026-12-03): docs/benchmarks.md's list at its end ("What is owed to the next round"):
+# the GPU tests added since, W5 b with LOOM_DRAFT_CATCH_UP_GRAPHS=1 (#16), the FP8 kernel's microbench,
+# W2 profiles and FP8 weights + FP8 KV (#20), the Qwen3-30B-A3B profile after the fusions and W2 with
+# the peer alone in a call (#22), the W4A16 GEMM plans at 16-256 tokens and W2 int4 / FP8 (#15).
 # Wheels and GGUF halves: docs/benchmarks.md ("Running on the H200").
 #
 # Every step has a time limit, and BUDGET_END (epoch seconds) makes later steps skip themselves
