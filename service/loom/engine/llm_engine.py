@@ -169,6 +169,7 @@ class LLMEngine:
         self._build(num_blocks)
         if config.warmup:
             self.warmup(self._warmup_tokens())
+            self._warmup_kernel_variants()
             self._build(num_blocks)  # a clean pool: no warm-up blocks in the prefix cache
         if config.speculate:
             self.speculator = self._make_speculator(registry)
@@ -293,6 +294,28 @@ class LLMEngine:
                                        StoppingParams(max_new_tokens=2, min_new_tokens=1, ignore_eos=True)))
         while self.has_unfinished():
             self.step()
+        self.num_steps = 0
+
+    def _warmup_kernel_variants(self) -> None:
+        """A prefill of each token count at which one of the model's kernels compiles another
+        variant (a quantized layer's W4A16 GEMM tiles by token-count bucket:
+        ``Worker.warm_up_token_counts``), one request at a time, so that a prompt of a new size
+        does not compile a kernel in the middle of serving (a second or more on the H200, every
+        running stream stalled). Nothing to do where no kernel depends on the count (dense
+        layers, the CPU). The sampled rows' counts (a quantized head) are left to the decode
+        graphs, which capture every batch size up to the largest. Each prompt starts with its
+        own token, so no two share a prefix-cache block."""
+        limit = min(self.config.max_batch_prefill_tokens, self.max_model_len - 1)
+        counts = self.worker.warm_up_token_counts(limit, 1).body
+        span = max(1, self.vocab_size - 3)
+        for n, count in enumerate(counts):
+            prompt = tuple(3 + (n * 7919 + i) % span for i in range(count))
+            self.add_request(EngineRequest(f"__loom_warmup_variant_{count}__", prompt, SamplingParams(),
+                                           StoppingParams(max_new_tokens=1, ignore_eos=True)))
+            while self.has_unfinished():
+                self.step()
+        if counts:
+            log.info("kernel variants warmed up", token_counts=list(counts))
         self.num_steps = 0
 
     def _warmup_speculation(self) -> None:

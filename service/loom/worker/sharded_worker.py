@@ -46,6 +46,7 @@ from loom.distributed.progress import StepProgress
 from loom.plugin_api import PluginRegistry
 from loom.sample.batch import TokenBitmaskRows
 
+from .kernel_warmup import WarmUpCounts
 from .model_runner import ForwardedStep, LaunchedStep, ModelRunner
 from .rank_commands import (
     CaptureGraphs,
@@ -182,6 +183,11 @@ class ShardedWorker:
     @property
     def max_graph_batch_size(self) -> int | None:
         return self.local.max_graph_batch_size
+
+    def warm_up_token_counts(self, max_tokens: int, max_rows: int) -> WarmUpCounts:
+        """Rank 0's counts: every rank holds slices of the same shapes, so the same counts
+        compile every rank's variants (the warm-up's steps reach every rank as usual)."""
+        return self.local.warm_up_token_counts(max_tokens, max_rows)
 
     def mark_serving(self) -> None:
         """Start-up is over: from now on a command gets ``--shard-step-timeout`` seconds."""
