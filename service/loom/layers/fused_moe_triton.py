@@ -32,40 +32,15 @@ Triton is optional: without it this module imports (kernels stay plain functions
 # (Triton kernels take untyped pointer arguments; annotations there would change their meaning.)
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from .moe_routing_triton import ExpertLayout, align_rows_by_expert
+from .moe_routing_triton import HAS_TRITON as HAS_TRITON  # the layer asks this module
+from .moe_routing_triton import ExpertLayout, _cdiv, _jit, _next_pow2, align_rows_by_expert
 
-try:
-    import triton
+if HAS_TRITON:  # (without it the kernels stay plain functions, never launched)
     import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:
-    HAS_TRITON = False
-
-
-def _jit(*unspecialized: str) -> Callable[[Callable[..., Any]], Any]:
-    """``triton.jit``, not specializing on the named integer arguments (the row count changes
-    with every batch: one compiled variant serves them all, so a new batch size never compiles
-    mid-serving); without triton the kernels stay plain functions, never launched."""
-
-    def wrap(fn: Callable[..., Any]) -> Any:
-        return triton.jit(fn, do_not_specialize=list(unspecialized)) if HAS_TRITON else fn
-
-    return wrap
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,6 @@ class Stager:
         dev.copy_(host, non_blocking=True)
         return dev.view(cpu.shape)
 
-
     def to_device_many(self, arrays: Sequence[Sequence[int]], dtype: torch.dtype) -> list[torch.Tensor]:
         """Several flat integer arrays (``torch.int64`` or ``torch.int32``) in one transfer: one
         host buffer and one copy instead of one per array (each a tensor built from a list, a
