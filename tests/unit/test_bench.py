@@ -363,3 +363,16 @@ def test_bench_w3_quick_through_a_real_server(tmp_path: Path) -> None:
         assert w3[side]["ttft_s"]["p50"] > 0 and w3[side]["e2e_s"]["p99"] >= w3[side]["ttft_s"]["p99"]
     means = [sum(r[f"{side}_out_tok_s"] for r in w3["runs"]) / 2 for side in ("grpc", "engine")]
     assert w3["grpc_overhead"] == pytest.approx(1 - means[0] / means[1])
+
+
+@pytest.mark.slow
+def test_a_peer_out_of_time_gives_a_bound_not_a_figure(random_cache: Path) -> None:
+    """--peer-w2-timeout-s: the peer's W2 runs in a child process from which only a bound comes back
+    when it has not finished (here it cannot: 1 ms), and Loom's ratio then is a lower bound."""
+    from loom.bench.peer_hf import bounded_continuous_batching
+
+    w = Workload("W2", [([5, 6, 7, 8], 6), ([9, 10, 11], 6)], "two requests")
+    out = bounded_continuous_batching(resolve_model_dir("random:tiny-llama"), torch.float32, torch.device("cpu"),
+                                      w, timeout_s=0.001)
+    assert out["timed_out"] is True and "out_tok_s" not in out
+    assert out["out_tok_s_at_most"] == pytest.approx(12 / 0.001)

@@ -133,13 +133,31 @@ def continuous_batching(model: torch.nn.Module, device: torch.device, w: Workloa
 
 
 def run_gpu_peer(model_dir: Path, dtype: torch.dtype, device: torch.device, workloads: list[Workload],
-                 static_batches: list[int], static_new: int) -> dict[str, Any]:
+                 static_batches: list[int], static_new: int, w2_timeout_s: float | None = None) -> dict[str, Any]:
     """The peer on W1 (generate() at batch 1), static batches, and W2 (generate_batch()), in that
-    order (generate_batch() switches the attention implementation, so it runs last)."""
+    order (generate_batch() switches the attention implementation, so it runs last).
+
+    With ``w2_timeout_s``, W2 runs in a child process of its own (:func:`bounded_continuous_batching`)
+    and is stopped after that long: a peer too slow to finish still yields an upper bound on its
+    throughput (W2's tokens / the time it was given), so Loom's ratio to it has a lower bound.
+    """
     import transformers
 
-    model = build_hf_model(model_dir, dtype, device)
+    w2 = next((w for w in workloads if w.name == "W2"), None)
     out: dict[str, Any] = {"transformers": transformers.__version__, "static": []}
+    in_process = [w for w in workloads if w.name == "W1"] or static_batches or (w2 is not None and w2_timeout_s is None)
+    if in_process:
+        _run_peer_in_process(model_dir, dtype, device, workloads, static_batches, static_new,
+                             w2 if w2_timeout_s is None else None, out)
+    if w2 is not None and w2_timeout_s is not None:
+        out["W2"] = bounded_continuous_batching(model_dir, dtype, device, w2, w2_timeout_s)
+    return out
+
+
+def _run_peer_in_process(model_dir: Path, dtype: torch.dtype, device: torch.device, workloads: list[Workload],
+                         static_batches: list[int], static_new: int, w2: Workload | None,
+                         out: dict[str, Any]) -> None:
+    model = build_hf_model(model_dir, dtype, device)
     try:
         for w in workloads:
             if w.name == "W1":
@@ -149,15 +167,57 @@ def run_gpu_peer(model_dir: Path, dtype: torch.dtype, device: torch.device, work
             out["static"].append(_guarded(static_generate, model, device, batch, 512, static_new))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        for w in workloads:
-            if w.name == "W2":
-                out["W2"] = continuous_batching(model, device, w)
+        if w2 is not None:
+            out["W2"] = continuous_batching(model, device, w2)
     finally:
         del model
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return out
+
+
+def _w2_child(model_dir: str, dtype: torch.dtype, device: str, w: Workload, conn: Any) -> None:
+    """The child of :func:`bounded_continuous_batching`: builds the peer, says when W2 starts, runs it."""
+    try:
+        dev = torch.device(device)
+        model = build_hf_model(Path(model_dir), dtype, dev)
+        conn.send(("start", time.time()))
+        conn.send(("done", continuous_batching(model, dev, w)))
+    except Exception:
+        conn.send(("done", {"name": "hf-generate_batch", "error": traceback.format_exc()[-800:]}))
+    finally:
+        conn.close()
+
+
+def bounded_continuous_batching(model_dir: Path, dtype: torch.dtype, device: torch.device, w: Workload,
+                                timeout_s: float) -> dict[str, Any]:
+    """:func:`continuous_batching` in a spawned child process, given ``timeout_s`` from the moment W2
+    starts (building the model is not counted). A run that has not finished by then is killed and
+    reported as ``{"timed_out": true, "s_at_least": timeout_s, "out_tok_s_at_most": tokens / timeout_s}``:
+    whatever it would have reached, its W2 throughput is below that bound."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_w2_child, args=(str(model_dir), dtype, str(device), w, child), daemon=True)
+    proc.start()
+    child.close()
+    try:
+        kind, value = parent.recv()  # the model build takes as long as it takes
+        if kind == "done":  # failed before W2 started
+            return dict(value)
+        if parent.poll(timeout_s):
+            return dict(parent.recv()[1])
+        return {"name": "hf-generate_batch", "attn": "paged|sdpa", "requests": len(w.requests),
+                "timed_out": True, "s_at_least": timeout_s, "out_tokens": w.output_tokens,
+                "out_tok_s_at_most": w.output_tokens / timeout_s}
+    except EOFError:
+        return {"name": "hf-generate_batch", "error": f"the peer's process died (exit code {proc.exitcode})"}
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(30)
+        parent.close()
 
 
 def _guarded(fn: Any, *args: Any) -> dict[str, Any]:
