@@ -12,8 +12,8 @@ rolls the computed count back to the common prefix; the stale slots are overwrit
 Its steps of one or two new tokens per sequence replay CUDA graphs, and so do its catch-ups
 after rejections or back-offs (up to 128 tokens a sequence): such a step is laid out at a
 captured width by recomputing, in front of each sequence's new tokens, tokens whose KV the draft
-holds already, without writing their KV (``draft_catch_up``; with ``LOOM_DRAFT_CATCH_UP_GRAPHS=1``,
-off by default until measured on a GPU: otherwise they run eagerly). The others (a sequence's first call, which computes its prompt, longer
+holds already, without writing their KV (``draft_catch_up``; ``LOOM_DRAFT_CATCH_UP_GRAPHS=0``
+runs them eagerly). The others (a sequence's first call, which computes its prompt, longer
 catch-ups, sequences shorter than the width, batches past the graphs') run eagerly, and a kernel
 chosen by token count (the W4A16 GEMM of a quantized draft) would compile a new variant at the
 first count of each class. So the proposer warms up when it is built, before the engine reports

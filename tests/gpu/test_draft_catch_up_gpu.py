@@ -3,7 +3,7 @@ drafts of the eager path; at batch 1 they write its very KV bytes.
 
 A random-weight tiny Llama as an int4 (GPTQ while loading) draft, on the W4A16 kernels, as W5 b's
 int4 llama-8b. Two proposers get the same calls: one with the catch-up graphs
-(``LOOM_DRAFT_CATCH_UP_GRAPHS=1``, set by the test), one without (catch-ups eager, the default). The calls follow W5 b's pattern:
+(the default, set by the test), one without (catch-ups eager, ``LOOM_DRAFT_CATCH_UP_GRAPHS=0``). The calls follow W5 b's pattern:
 a prompt, then catch-ups over rejected guesses of 1 to 130 tokens (back-offs of up to 64 steps
 give 65).
 
@@ -144,7 +144,7 @@ def test_w5b_in_miniature_replays_the_catch_ups_after_back_offs(monkeypatch: pyt
     from loom.engine.llm_engine import LLMEngine
     from loom.engine.types import EngineRequest, SamplingParams, StoppingParams
 
-    monkeypatch.setattr(kernel_switches, "draft_catch_up_graphs", True)  # (off by default until measured)
+    monkeypatch.setattr(kernel_switches, "draft_catch_up_graphs", True)
     engine = LLMEngine(EngineConfig(model_id="random:tiny-llama", device="cuda", dtype="bfloat16",
                                     max_batch_total_tokens=16384, speculate=3, speculator="draft",
                                     speculator_options=(("model_id", "random:tiny-llama"), ("quantize", "gptq"),
