@@ -43,7 +43,7 @@ from loom.plugin_api.quantization import (
     set_weight_attrs,
 )
 
-from . import fp8_triton
+from . import fp8_gemv, fp8_triton
 from .checkpoint_layers import checkpoint_tensor_names, quantized_parts
 from .dequant_linear import (
     DequantLinearMethod,
@@ -74,10 +74,14 @@ def unsupported_reason() -> str | None:
 
 
 def fp8_kernel(layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """The CUDA kernel of both FP8 methods (None: the emulation serves this call)."""
+    """The CUDA kernel of both FP8 methods (None: the emulation serves this call): at 1-4 rows the
+    weight-only GEMV (``fp8_gemv``: W8A16, no activation quantization), else W8A8."""
     state = layer.__dict__.get("fp8_gpu")
-    if state is None or not kernel_switches.fused_kernels or x.dtype != state.out_dtype or not state.shapes_ok:
+    if state is None or not kernel_switches.fused_kernels or x.dtype != state.out_dtype:
         return None
+    y = fp8_gemv.maybe_fp8_gemv(x, state.weight, state.scale_vector, bias)
+    if y is not None or not state.shapes_ok:
+        return y
     return fp8_triton.fp8_linear(x, state, bias)
 
 
