@@ -49,6 +49,7 @@ from .dequant_linear import (
     DequantLinearMethod,
     Kernel,
     QuantizeWhileLoading,
+    WarmUp,
     per_part_parameter,
     rows_per_part,
 )
@@ -185,6 +186,7 @@ class FP8LinearMethod(DequantLinearMethod):
     """An FP8 checkpoint's layer: ``weight`` e4m3, ``weight_scale``, optionally ``input_scale``."""
 
     kernels: ClassVar[dict[str, list[Kernel]]] = {"cuda": [fp8_kernel]}
+    warm_ups: ClassVar[tuple[WarmUp, ...]] = (fp8_gemv.layer_warm_up_token_counts,)
 
     def __init__(self, scheme: FP8Scheme) -> None:
         self.scheme = scheme
@@ -244,6 +246,7 @@ class FP8WhileLoadingMethod(QuantizeWhileLoading):
     per output channel; activations are quantized per token."""
 
     kernels: ClassVar[dict[str, list[Kernel]]] = {"cuda": [fp8_kernel]}
+    warm_ups: ClassVar[tuple[WarmUp, ...]] = (fp8_gemv.layer_warm_up_token_counts,)
 
     def create_weights(self, layer: Any, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype,

@@ -92,6 +92,17 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: t
     return dg.dense_gemv(x, weight, bias, plan, scale=scale)
 
 
+def layer_warm_up_token_counts(layer: object, max_tokens: int) -> tuple[int, ...]:
+    """A ``DequantLinearMethod`` warm-up: the GEMV compiles one variant for 1 row (Triton
+    specialises an integer argument equal to 1) and one for 2-4 (its other arguments are the
+    layer's own), so counts 1 and 2 compile every variant; none when the layer was not prepared
+    for CUDA or the GEMV is switched off."""
+    state = getattr(layer, "__dict__", {}).get("fp8_gpu")
+    if state is None or not (kernel_switches.fp8_gemv and kernel_switches.fused_kernels and dg.HAS_TRITON):
+        return ()
+    return tuple(c for c in (1, 2) if c <= max_tokens)
+
+
 def maybe_fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                    bias: torch.Tensor | None) -> torch.Tensor | None:
     """The GEMV's result when :func:`plan_for` picks it, else None (the caller's W8A8 path)."""

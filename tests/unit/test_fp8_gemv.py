@@ -114,3 +114,21 @@ def test_sweep_script_runs_in_the_interpreter(tmp_path: Path) -> None:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert module.PLANS == {(8, 6144, 4096): (4, 64, 256, 8, 4, 3, True)}
+
+
+def test_warm_up_counts_compile_both_variants(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Counts 1 and 2 (Triton specialises M == 1; 2-4 share a variant) for a layer prepared for
+    CUDA; none for a CPU layer or with the GEMV off. Both FP8 methods ask for them."""
+    from loom import kernel_switches
+    from loom_plugins.quant import fp8, fp8_gemv
+
+    layer = torch.nn.Module()
+    assert fp8_gemv.layer_warm_up_token_counts(layer, 4096) == ()
+    layer.__dict__["fp8_gpu"] = object()
+    assert fp8_gemv.layer_warm_up_token_counts(layer, 4096) == ((1, 2) if fp8_gemv.dg.HAS_TRITON else ())
+    if fp8_gemv.dg.HAS_TRITON:
+        assert fp8_gemv.layer_warm_up_token_counts(layer, 1) == (1,)
+        assert list(fp8.FP8WhileLoadingMethod().warm_up_token_counts(layer, 64)) == [1, 2]
+        assert list(fp8.FP8LinearMethod(fp8.FP8Scheme(True, "dynamic")).warm_up_token_counts(layer, 64)) == [1, 2]
+    monkeypatch.setattr(kernel_switches, "fp8_gemv", False)
+    assert fp8_gemv.layer_warm_up_token_counts(layer, 4096) == ()
