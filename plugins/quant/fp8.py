@@ -19,7 +19,9 @@ Block-wise FP8 (DeepSeek's ``weight_block_size`` / ``weight_scale_inv``) and FP8
 not read: such a checkpoint is refused at start-up, naming the field.
 
 On CUDA (compute capability 8.9 or newer: Ada, Hopper) layers with quantized activations run
-``torch._scaled_mm`` with the activations quantized by one Triton kernel (``fp8_triton``);
+``torch._scaled_mm`` with the activations quantized by one Triton kernel (``fp8_triton``), except
+at 1-4 rows, where a weight-only GEMV serves them without quantizing the activations
+(``fp8_gemv``: W8A16, the more accurate; its module says what that means for batch invariance);
 weight-only checkpoints and the CPU keep the emulation above. Older GPUs cannot multiply e4m3:
 ``loom plugins`` says so and ``--device cuda`` is refused there.
 """
