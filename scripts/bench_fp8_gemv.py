@@ -12,13 +12,16 @@ with the L2 cold (``sweep_common.GraphTimer``):
   ``--tiles-kept`` against every split count and merge at every M);
 
 and the e4m3 weight's read limit (its bytes over the measured copy bandwidth). The choice per
-shape (``bench_dense_gemv.choose`` with W8A8 as the time to beat) goes into the JSON;
+shape (``bench_dense_gemv.choose`` with W8A8 as the time to beat; a shape where no plan beats it
+gets an entry serving 0 rows, so that W8A8 keeps it) goes into the JSON;
 ``--fill-table`` writes it into ``plugins/quant/fp8_gemv_table.py``. Every candidate's output is
 checked against the W8A16 reference ``x @ (codes * scale)^T`` (within 1% of the output's
 largest magnitude); one that differs is reported and never chosen.
 
     PYTHONPATH=service:plugins/.. python scripts/bench_fp8_gemv.py --out fp8gemv.json [--budget-s 50]
     python scripts/bench_fp8_gemv.py --fill-table fp8gemv.json          # on any machine
+    python scripts/bench_fp8_gemv.py --fill-table fp8gemv.json --table /tmp/loomsite/loom_plugins/quant/fp8_gemv_table.py
+                                                                        # an installed copy, before a bench
     python scripts/bench_fp8_gemv.py --interpret                        # a CPU check of the script
 """
 
@@ -196,10 +199,12 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
                     f"{'/'.join(us(r['rule_s']) for r in rows)}; bf16 cuBLAS "
                     f"{'/'.join(us(extra['bf16_cublas'].get(m)) for m in rows_m)}; bf16 GEMV "
                     f"{'/'.join(us(extra['bf16_gemv'].get(m)) for m in rows_m)}; e4m3 limit {us(limit_s)}")
-            if choice is not None:
-                choice.update(model=model, layer=layer, n=n, k=k, weight_read_limit_s=limit_s)
-                result["choices"].append(choice)
-                line += f"; best {choice['plan']} for M <= {choice['serve_m']}: {choice['us']} us"
+            if choice is None:  # slower than W8A8 even at one row: a table entry serving no rows keeps W8A8
+                choice = {"plan": asdict(rule), "serve_m": 0, "saved_us": 0.0, "us": {},
+                          "cublas_us": {str(m): round(base[m] * 1e6, 2) for m in rows_m}}
+            choice.update(model=model, layer=layer, n=n, k=k, weight_read_limit_s=limit_s)
+            result["choices"].append(choice)
+            line += f"; best {choice['plan']} for M <= {choice['serve_m']}: {choice['us']} us"
             print(line + (f"; {bad} outputs differ from the reference" if bad else "") + f" [{budget.elapsed():.0f} s]",
                   flush=True)
     finally:

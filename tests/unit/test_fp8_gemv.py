@@ -74,6 +74,8 @@ def test_table_overrides_the_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     assert fp8_gemv.table_plan(4096, 4096, 3, 108) == fp8_gemv.default_plan(4096, 4096, 108)  # not measured there
     assert fp8_gemv.table_plan(6144, 4096, 4, 132) == fp8_gemv.default_plan(6144, 4096, 132)
     assert fp8_gemv.table_plan(6144, 4096, 5, 132) is None
+    monkeypatch.setattr(fp8_gemv_table, "PLANS", {(132, 4096, 4096): (0, 64, 256, 16, 4, 3, True)})
+    assert fp8_gemv.table_plan(4096, 4096, 1, 132) is None  # measured: W8A8 was faster even at one row
 
 
 def test_cpu_tensors_and_the_switch_keep_w8a8(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -98,6 +100,7 @@ def test_sweep_script_runs_in_the_interpreter(tmp_path: Path) -> None:
     assert data["baseline"] == "w8a8" and len(data["shapes"]) == 2
     assert all(len(s["rows"]) == 2 and s["rows"][0]["rule_s"] is not None for s in data["shapes"])
     assert all(c.get("ok") for s in data["shapes"] for r in s["rows"] for c in r["candidates"]), data
+    assert [c["n"] for c in data["choices"]] == [48, 20]  # an entry per shape (0 rows where W8A8 won)
     # the table the sweep would fill is the FP8 GEMV's own, and it parses as the empty table does
     table = tmp_path / "table.py"
     table.write_text((ROOT / "plugins" / "quant" / "fp8_gemv_table.py").read_text())
