@@ -27,6 +27,11 @@ serves every shape today, choosing its own kernels by M), and attention's split 
 the batch size. So, as before, a request's bf16 output can differ with the batch it is in; within
 1-4 rows on a tabled shape it no longer does.
 
+FP8 weights (``loom_plugins.quant.fp8_gemv``) run the same kernel on their e4m3 codes with a
+float32 scale per output channel (``dense_gemv(..., scale=)``): the codes are converted in
+registers, bf16 activations dotted in fp16 after a power-of-two scaling per row (the kernel's
+comments say why and how exactly), each channel's scale applied once to a program's sums.
+
 Switches (:mod:`loom.kernel_switches`): ``LOOM_DENSE_GEMV=0`` keeps every layer on cuBLAS,
 ``LOOM_DENSE_GEMV=all`` uses the GEMV with :func:`default_plan` on every shape at M <= 4 (for
 measurements), ``LOOM_FUSED_KERNELS=0`` turns it off with the other kernels. The CPU keeps
@@ -210,7 +215,8 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         m, n, k, k_split, split, x2.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, PARTIAL=partial, FUSED_REDUCE=fused, EVEN_K=k % plan.block_k == 0,
         IEEE=x.dtype == torch.float32, W_SCALE=scale is not None,
-        X_F16=scale is not None and x.dtype == torch.bfloat16 and weight.dtype != torch.bfloat16, MAX_ROWS=MAX_M, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
+        X_F16=scale is not None and x.dtype == torch.bfloat16 and weight.dtype != torch.bfloat16,
+        MAX_ROWS=MAX_M, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
         BLOCK_M=_TOKENS, BLOCK_S=_next_pow2(split), num_warps=plan.num_warps, num_stages=plan.num_stages)
     if partial and not fused:
         split_sum_kernel[(m, triton.cdiv(n, _REDUCE_BLOCK))](part, b, out, n, split, part.stride(0), part.stride(1),
