@@ -9,7 +9,12 @@ instructions a weight and no registers to spare; this compiles the plans the swe
 and counts, per plan: the loop's instructions over the weights a thread handles an iteration, the
 16-byte asynchronous copies, the tensor-core instructions, registers and spills.
 
-    PYTHONPATH=service:plugins/.. python scripts/dense_gemv_sass.py [--out FILE]
+    PYTHONPATH=service:plugins/.. python scripts/dense_gemv_sass.py [--fp8] [--out FILE]
+
+With ``--fp8``, the same for the FP8 weight-only GEMV (``loom_plugins.quant.fp8_gemv``): an e4m3
+weight is one byte, so the H200's bandwidth brings twice the weights a second (~4.8 T) and
+the loop's budget a weight halves; the code conversions (F2FP, a quarter-rate pipe: 16 a clock
+an SM) must stay near 0.5 a weight, which only the fp16 dot allows (one per pair of codes).
 """
 
 from __future__ import annotations
@@ -29,9 +34,16 @@ from w4a16_sass import _OP, _k_loop, disassemble  # noqa: E402 (the same loop fi
 # (block_n, block_k, num_warps, num_stages, split-K merge: "none", "launch" or "fused")
 PLANS = [(64, 128, 4, 3, "none"), (64, 128, 4, 3, "fused"), (128, 64, 4, 4, "none"), (32, 128, 4, 4, "launch"),
          (16, 256, 4, 4, "none")]
+# The FP8 weight-only GEMV (``--fp8``: e4m3 codes, bf16 activations through the fp16 dot, and fp16
+# ones): the rule's 64 x 256 tile (loom_plugins.quant.fp8_gemv.default_plan) and two neighbours.
+FP8_PLANS = [(64, 256, 4, 3, "fused", "bf16", "fp8e4nv"), (64, 256, 4, 3, "none", "fp16", "fp8e4nv"),
+             (128, 128, 4, 3, "fused", "bf16", "fp8e4nv"), (32, 512, 4, 3, "launch", "bf16", "fp8e4nv")]
 
 
-def count(block_n: int, block_k: int, num_warps: int, num_stages: int, merge: str, dtype: str = "bf16") -> dict[str, Any]:
+def count(block_n: int, block_k: int, num_warps: int, num_stages: int, merge: str, dtype: str = "bf16",
+          weight: str | None = None) -> dict[str, Any]:
+    """``weight``: the weight's Triton dtype when it is not the activations' (``"fp8e4nv"``: the FP8
+    weight-only GEMV, codes converted in registers and a scale per output)."""
     sys.path.insert(0, str(ROOT / "tests"))
     from helpers.source_tree import make_importable
 
@@ -43,10 +55,10 @@ def count(block_n: int, block_k: int, num_warps: int, num_stages: int, merge: st
     from loom.layers import dense_gemv as dg
 
     act = f"*{dtype}"
-    sig = dict(x_ptr=act, w_ptr=act, bias_ptr=act, out_ptr=act, part_ptr="*fp32", counter_ptr="*i32", M="i32",
+    sig = dict(x_ptr=act, w_ptr=f"*{weight}" if weight else act, scale_ptr="*fp32", bias_ptr=act, out_ptr=act, part_ptr="*fp32", counter_ptr="*i32", M="i32",
                N="i32", K="i32", K_SPLIT="i32", SPLIT="i32", stride_xm="i32", stride_wn="i32", stride_om="i32")
     consts = dict(HAS_BIAS=False, PARTIAL=merge != "none", FUSED_REDUCE=merge == "fused", EVEN_K=True, IEEE=False,
-                  MAX_ROWS=dg.MAX_M, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_M=16, BLOCK_S=32)
+                  W_SCALE=weight is not None, X_F16=weight is not None and dtype == "bf16", MAX_ROWS=dg.MAX_M, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_M=16, BLOCK_S=32)
     names = list(sig)
     # What Triton's launcher sees for Qwen3's and llama's shapes: every pointer 16-byte aligned,
     # N, K, the strides and K_SPLIT (a multiple of block_k) multiples of 16; M (2-4) and SPLIT not.
@@ -57,7 +69,8 @@ def count(block_n: int, block_k: int, num_warps: int, num_stages: int, merge: st
     sass, regs, spills = disassemble(compiled)
     ops = collections.Counter(_OP.findall(_k_loop(sass)))
     weights = block_n * block_k // (32 * num_warps)  # weights a thread handles an iteration
-    return {"plan": f"{block_n}x{block_k} w{num_warps} s{num_stages} merge {merge}", "loop_instructions": sum(ops.values()),
+    kind = f" {dtype} x {weight}" if weight else ""
+    return {"plan": f"{block_n}x{block_k} w{num_warps} s{num_stages} merge {merge}{kind}", "loop_instructions": sum(ops.values()),
             "weights_per_thread": weights, "instructions_per_weight": round(sum(ops.values()) / weights, 2),
             "async_copies": ops.get("LDGSTS", 0), "tensor_core": ops.get("HGMMA", 0) + ops.get("HMMA", 0),
             "registers": regs, "spills": spills, "by_opcode": dict(ops.most_common())}
@@ -66,8 +79,9 @@ def count(block_n: int, block_k: int, num_warps: int, num_stages: int, merge: st
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", help="write the counts as JSON here")
+    parser.add_argument("--fp8", action="store_true", help="the FP8 weight-only GEMV's plans instead")
     args = parser.parse_args()
-    results = [count(*p) for p in PLANS]
+    results = [count(*p) for p in (FP8_PLANS if args.fp8 else PLANS)]
     for r in results:
         print(f"{r['plan']:<28} {r['instructions_per_weight']:5.2f} instructions a weight ({r['loop_instructions']} "
               f"for {r['weights_per_thread']}), {r['async_copies']} LDGSTS, {r['tensor_core']} tensor-core, "

@@ -19,7 +19,9 @@ Block-wise FP8 (DeepSeek's ``weight_block_size`` / ``weight_scale_inv``) and FP8
 not read: such a checkpoint is refused at start-up, naming the field.
 
 On CUDA (compute capability 8.9 or newer: Ada, Hopper) layers with quantized activations run
-``torch._scaled_mm`` with the activations quantized by one Triton kernel (``fp8_triton``);
+``torch._scaled_mm`` with the activations quantized by one Triton kernel (``fp8_triton``), except
+at 1-4 rows, where a weight-only GEMV serves them without quantizing the activations
+(``fp8_gemv``: W8A16, the more accurate; its module says what that means for batch invariance);
 weight-only checkpoints and the CPU keep the emulation above. Older GPUs cannot multiply e4m3:
 ``loom plugins`` says so and ``--device cuda`` is refused there.
 """
@@ -43,12 +45,13 @@ from loom.plugin_api.quantization import (
     set_weight_attrs,
 )
 
-from . import fp8_triton
+from . import fp8_gemv, fp8_triton
 from .checkpoint_layers import checkpoint_tensor_names, quantized_parts
 from .dequant_linear import (
     DequantLinearMethod,
     Kernel,
     QuantizeWhileLoading,
+    WarmUp,
     per_part_parameter,
     rows_per_part,
 )
@@ -74,10 +77,14 @@ def unsupported_reason() -> str | None:
 
 
 def fp8_kernel(layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """The CUDA kernel of both FP8 methods (None: the emulation serves this call)."""
+    """The CUDA kernel of both FP8 methods (None: the emulation serves this call): at 1-4 rows the
+    weight-only GEMV (``fp8_gemv``: W8A16, no activation quantization), else W8A8."""
     state = layer.__dict__.get("fp8_gpu")
-    if state is None or not kernel_switches.fused_kernels or x.dtype != state.out_dtype or not state.shapes_ok:
+    if state is None or not kernel_switches.fused_kernels or x.dtype != state.out_dtype:
         return None
+    y = fp8_gemv.maybe_fp8_gemv(x, state.weight, state.scale_vector, bias)
+    if y is not None or not state.shapes_ok:
+        return y
     return fp8_triton.fp8_linear(x, state, bias)
 
 
@@ -181,6 +188,7 @@ class FP8LinearMethod(DequantLinearMethod):
     """An FP8 checkpoint's layer: ``weight`` e4m3, ``weight_scale``, optionally ``input_scale``."""
 
     kernels: ClassVar[dict[str, list[Kernel]]] = {"cuda": [fp8_kernel]}
+    warm_ups: ClassVar[tuple[WarmUp, ...]] = (fp8_gemv.layer_warm_up_token_counts,)
 
     def __init__(self, scheme: FP8Scheme) -> None:
         self.scheme = scheme
@@ -240,6 +248,7 @@ class FP8WhileLoadingMethod(QuantizeWhileLoading):
     per output channel; activations are quantized per token."""
 
     kernels: ClassVar[dict[str, list[Kernel]]] = {"cuda": [fp8_kernel]}
+    warm_ups: ClassVar[tuple[WarmUp, ...]] = (fp8_gemv.layer_warm_up_token_counts,)
 
     def create_weights(self, layer: Any, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype,

@@ -128,6 +128,11 @@ class FP8GpuWeights:
     out_dtype: torch.dtype
 
     @property
+    def scale_vector(self) -> torch.Tensor:
+        """``scale_row`` as ``[N]`` (a view): the weight-only GEMV's per-channel scales."""
+        return self.scale_row.view(-1)
+
+    @property
     def shapes_ok(self) -> bool:
         n, k = self.weight.shape
         return n % 16 == 0 and k % 16 == 0  # cuBLASLt's FP8 operand alignment

@@ -12,6 +12,9 @@ Two narrower switches, read the same way:
   layers of 1-4 rows on Loom's Triton GEMV for the shapes its measured table names
   (``loom.layers.dense_gemv_table``), ``0`` / ``off`` keeps them all on cuBLAS, ``all`` uses the
   GEMV for every shape (measurements).
+- ``LOOM_FP8_GEMV=0`` (:data:`fp8_gemv`): FP8-weight layers (``--quantize fp8``, FP8
+  checkpoints) of 1-4 rows keep the W8A8 path (per-token activation quantization, then
+  ``torch._scaled_mm``) instead of the weight-only GEMV (``loom_plugins.quant.fp8_gemv``).
 - ``LOOM_PAGED_DECODE_TABLE=0`` (:data:`paged_decode_table`): the paged attention's decode
   launches keep the split rule written before measurement instead of the measured table
   (``loom_plugins.attention.decode_plan_table``).
@@ -44,6 +47,7 @@ def _dense_gemv_mode(value: str) -> str:
 
 
 dense_gemv: str = _dense_gemv_mode(os.environ.get("LOOM_DENSE_GEMV", "table"))
+fp8_gemv: bool = os.environ.get("LOOM_FP8_GEMV", "1") != "0"
 paged_decode_table: bool = os.environ.get("LOOM_PAGED_DECODE_TABLE", "1") != "0"
 draft_catch_up_graphs: bool = os.environ.get("LOOM_DRAFT_CATCH_UP_GRAPHS", "1") != "0"
 

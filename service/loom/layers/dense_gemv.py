@@ -27,6 +27,11 @@ serves every shape today, choosing its own kernels by M), and attention's split 
 the batch size. So, as before, a request's bf16 output can differ with the batch it is in; within
 1-4 rows on a tabled shape it no longer does.
 
+FP8 weights (``loom_plugins.quant.fp8_gemv``) run the same kernel on their e4m3 codes with a
+float32 scale per output channel (``dense_gemv(..., scale=)``): the codes are converted in
+registers, bf16 activations dotted in fp16 after a power-of-two scaling per row (the kernel's
+comments say why and how exactly), each channel's scale applied once to a program's sums.
+
 Switches (:mod:`loom.kernel_switches`): ``LOOM_DENSE_GEMV=0`` keeps every layer on cuBLAS,
 ``LOOM_DENSE_GEMV=all`` uses the GEMV with :func:`default_plan` on every shape at M <= 4 (for
 measurements), ``LOOM_FUSED_KERNELS=0`` turns it off with the other kernels. The CPU keeps
@@ -96,13 +101,23 @@ def table_plan(n: int, k: int, m: int, sms: int) -> GemvPlan | None:
 
 
 @_jit
-def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr,
+def _dense_gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr,
                        M, N, K, K_SPLIT, SPLIT, stride_xm, stride_wn, stride_om,
                        HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, FUSED_REDUCE: tl.constexpr,
-                       EVEN_K: tl.constexpr, IEEE: tl.constexpr, MAX_ROWS: tl.constexpr,
+                       EVEN_K: tl.constexpr, IEEE: tl.constexpr, W_SCALE: tl.constexpr, X_F16: tl.constexpr,
+                       MAX_ROWS: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_S: tl.constexpr):
     # One program: outputs offs_n of the M token rows, over inputs [pid_s * K_SPLIT, + K_SPLIT).
+    # W_SCALE (FP8 weights, plugins/quant/fp8_gemv.py): w holds e4m3 codes, converted in registers
+    # (exactly: every e4m3 value is a bf16 and an fp16 value), and each output channel's float32
+    # scale multiplies the program's sums once, before they are stored (partial or not).
+    # X_F16 (bf16 activations with e4m3 weights): the dot runs in fp16, where e4m3 -> fp16 is one
+    # instruction a pair of codes (-> bf16 costs three more, and the conversions, not the bytes,
+    # would set the time). Each row of x is scaled by the power of two that puts its largest |x|
+    # over this program's K range in [2^14, 2^15) before the fp16 rounding: bf16's 8 bits fit
+    # fp16's 11 exactly for every value within 2^-28 of that maximum (smaller ones are off by at
+    # most 2^-39 of it), and the sums take the power of two back exactly.
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output features
@@ -115,6 +130,15 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr,
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     k_start = pid_s * K_SPLIT
     k_end = tl.minimum(k_start + K_SPLIT, K)
+    if X_F16:  # each row's max |x| over this program's inputs -> 2^p, p = 141 - its exponent
+        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            k = k0 + offs_k
+            xa = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k < K)[None, :], other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(xa.to(tl.float32)), axis=1))
+        e = tl.minimum(tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF, 15), 254)
+        up = ((268 - e) << 23).to(tl.float32, bitcast=True)  # [BLOCK_M] 2^(141 - e)
+        down = ((e - 14) << 23).to(tl.float32, bitcast=True)  # [BLOCK_M] 2^(e - 141), exactly 1 / up
     for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + offs_k
         if EVEN_K:  # every K tile whole: masks on rows only
@@ -124,10 +148,17 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr,
             k_ok = k < K
             w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_ok[None, :], other=0.0)
             x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_ok[None, :], other=0.0)
-        if IEEE:  # noqa: SIM108 - float32 operands (tests): no TF32 rounding
-            acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(w, tl.trans(x), acc)  # [BLOCK_N, BLOCK_M]: acc[n, m] = out[m, n]
+        if X_F16:
+            xh = (x.to(tl.float32) * up[:, None]).to(tl.float16)  # [BLOCK_M, BLOCK_K]
+            acc = tl.dot(w.to(tl.float16), tl.trans(xh), acc)
+        elif IEEE:  # float32 operands (tests): no TF32 rounding
+            acc = tl.dot(w.to(x.dtype), tl.trans(x), acc, input_precision="ieee")
+        else:  # w.to: e4m3 codes -> x's dtype (a no-op for dense weights)
+            acc = tl.dot(w.to(x.dtype), tl.trans(x), acc)  # [BLOCK_N, BLOCK_M]: acc[n, m] = out[m, n]
+    if X_F16:
+        acc = acc * down[None, :]  # exact: a power of two
+    if W_SCALE:  # acc[n, m] * scale[n]: one float32 rounding, in the same place whatever the split
+        acc = acc * tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
     mask = n_mask[:, None] & m_mask[None, :]
     if PARTIAL:
         # partial sums [SPLIT, M, N]: split pid_s's at pid_s * M * N + m * N + n
@@ -152,8 +183,11 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
-def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: GemvPlan) -> torch.Tensor:
-    """``x [..., K] @ weight[N, K]^T (+ bias)`` in ``x``'s dtype for at most ``MAX_M`` rows of x."""
+def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: GemvPlan,
+               scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [..., K] @ weight[N, K]^T (+ bias)`` in ``x``'s dtype for at most ``MAX_M`` rows of x.
+    With ``scale`` (float32 ``[N]``, contiguous) the weight may be float8_e4m3fn codes and row n
+    of W is ``weight[n] * scale[n]``: the FP8 weight-only GEMV (``loom_plugins.quant.fp8_gemv``)."""
     n, k = weight.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
@@ -164,6 +198,8 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         raise ValueError(f"the dense GEMV serves 1..{MAX_M} rows, got {m}")
     if weight.stride(1) != 1:
         raise ValueError("the dense GEMV reads weight rows contiguous along K")
+    if scale is not None and (scale.dtype != torch.float32 or scale.numel() != n or scale.stride(-1) != 1):
+        raise ValueError(f"the GEMV's weight scale must be {n} contiguous float32 values")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     k_blocks = -(-k // plan.block_k)
     k_split = -(-k_blocks // max(1, plan.split)) * plan.block_k
@@ -175,10 +211,12 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if partial else out
     b = bias if bias is not None else out  # not read without a bias
     _dense_gemv_kernel[(tiles, split)](
-        x2, weight, b, out, part, ctr if fused else out,
+        x2, weight, scale if scale is not None else out, b, out, part, ctr if fused else out,
         m, n, k, k_split, split, x2.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, PARTIAL=partial, FUSED_REDUCE=fused, EVEN_K=k % plan.block_k == 0,
-        IEEE=x.dtype == torch.float32, MAX_ROWS=MAX_M, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
+        IEEE=x.dtype == torch.float32, W_SCALE=scale is not None,
+        X_F16=scale is not None and x.dtype == torch.bfloat16 and weight.dtype != torch.bfloat16,
+        MAX_ROWS=MAX_M, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
         BLOCK_M=_TOKENS, BLOCK_S=_next_pow2(split), num_warps=plan.num_warps, num_stages=plan.num_stages)
     if partial and not fused:
         split_sum_kernel[(m, triton.cdiv(n, _REDUCE_BLOCK))](part, b, out, n, split, part.stride(0), part.stride(1),
