@@ -19,6 +19,13 @@ Two narrower switches, read the same way:
   built): its catch-up steps replay CUDA graphs of 16 to 128 rows a sequence
   (``loom_plugins.speculative.draft_catch_up``) instead of running eagerly. Off by default
   until the H200 has run it (written and tested on the CPU, 2026-12-03; docs/speculative.md).
+- ``LOOM_MOE_DIRECT_EXPERTS=0`` (:data:`moe_direct_experts`): a one-token step's MoE experts
+  keep the sort by expert (two launches, ``moe_routing_triton.align_rows_by_expert``) instead
+  of indexing each chosen expert straight from the routing's ids
+  (``loom.layers.fused_moe_triton.direct_experts``; the same results bit for bit).
+- ``LOOM_MOE_ROUTER_EPILOGUE=0`` (:data:`moe_router_epilogue`): an MoE layer's router and its
+  routing stay two launches (the dense GEMV, then ``moe_routing_triton.route``) where the
+  router's GEMV would route in its last program (``loom.layers.moe_router_gemv``; the same bits).
 """
 
 from __future__ import annotations
@@ -45,6 +52,8 @@ def _dense_gemv_mode(value: str) -> str:
 dense_gemv: str = _dense_gemv_mode(os.environ.get("LOOM_DENSE_GEMV", "table"))
 paged_decode_table: bool = os.environ.get("LOOM_PAGED_DECODE_TABLE", "1") != "0"
 draft_catch_up_graphs: bool = os.environ.get("LOOM_DRAFT_CATCH_UP_GRAPHS", "0") == "1"
+moe_direct_experts: bool = os.environ.get("LOOM_MOE_DIRECT_EXPERTS", "1") != "0"
+moe_router_epilogue: bool = os.environ.get("LOOM_MOE_ROUTER_EPILOGUE", "1") != "0"
 
 
 @contextlib.contextmanager
