@@ -9,11 +9,12 @@ experts of one layer's weights, so no launch finds its experts in the L2 cache. 
 layer, the rate of the expert bytes against a device copy's, the best plan of each kernel, and
 the table entry to paste into ``moe_plan_table.PLANS`` (only where it beats the default by 3%).
 
-Prediction (2026-12-03 profile: gate/up 15.2 us at 87%, down 8.8 us at 75% of the copy rate,
-both with the default 16 x 64 x 128 tiles, 4 warps, 4 stages): the down kernel's 256 programs of
-six 128-wide K steps spend much of their time filling and draining the pipeline; narrower tiles
-or longer K steps (more programs in flight, fewer steps each) should bring it to ~85% (-1 us);
-gate/up has 96 programs for 132 SMs, so 32-wide tiles (192 programs) should gain ~0.5-1 us.
+First row of each kernel: the default tiles with the K mask in the loop, as before the
+``EVEN_K`` loop (that mask kept triton 3.6 from pipelining the loads: no cp.async at any stage
+count, checked by compiling for sm_90). Prediction (2026-12-03 profile: gate/up 15.2 us at 87%,
+down 8.8 us at 75% of the copy rate): the pipelined default brings down to ~85% (~7.7 us) and
+gate/up to ~92% (~14.3 us); of the other tilings, 32-wide gate/up tiles (192 programs for 132
+SMs, where 64-wide ones leave 36 SMs idle) should gain another ~0.5 us.
 
     PYTHONPATH=service python3 scripts/bench_moe_plans.py [--out FILE]
 """
@@ -107,6 +108,21 @@ def main() -> None:
     }
     results: list[dict[str, Any]] = []
     best: dict[str, tuple[float, tuple[int, int, int, int]]] = {}
+    # Before this change: the default tiles with the K mask in the loop (no cp.async pipelining).
+    masked = {
+        "gate_up": lambda layer: launch_gate_up(x, w13, act_out, ids[layer % SETS], ids[layer % SETS],
+                                                ids[layer % SETS], TOP_K, base, True, even_k=False),
+        "down": lambda layer: launch_down(act, w2, y, ids[layer % SETS], ids[layer % SETS], ids[layer % SETS],
+                                          base, True, even_k=False),
+    }
+    masked_us: dict[str, float] = {}
+    for name, step in masked.items():
+        masked_us[name] = round(per_layer_us(step), 2)
+        nbytes = kernels[name][0]
+        row = {"kernel": name, "tiles": "default, K-masked loop (before)", "us": masked_us[name],
+               "pct_of_copy": round(100 * nbytes / (masked_us[name] * 1e-6) / rate, 1)}
+        results.append(row)
+        print(json.dumps(row), flush=True)
     for name, (nbytes, make) in kernels.items():
         for tiles in CANDIDATES:
             cfg = MoeBlockConfig(base.block_m, *tiles)
@@ -125,7 +141,8 @@ def main() -> None:
               for name, (us, tiles) in best.items()}
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     entry = f"({sms}, {HIDDEN}, {INTER}, 'bfloat16'): ({chosen.get('gate_up')}, {chosen.get('down')}),"
-    summary = {"device": torch.cuda.get_device_name(), "copy_rate_gbs": round(rate / 1e9, 1), "default_us": default,
+    summary = {"device": torch.cuda.get_device_name(), "copy_rate_gbs": round(rate / 1e9, 1),
+               "k_masked_default_us": masked_us, "default_us": default,
                "best": {k: {"us": round(v[0], 2), "tiles": v[1]} for k, v in best.items()}, "table_entry": entry}
     print(json.dumps(summary), flush=True)
     if args.out:

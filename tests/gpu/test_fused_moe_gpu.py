@@ -198,6 +198,27 @@ def test_direct_experts_give_the_sorted_layouts_bits_with_any_plan(name: str, h:
         assert torch.equal(got, want), f"{tiles}: the direct rows differ from the sorted layout's"
 
 
+@pytest.mark.parametrize("t", [1, 16, 64])
+def test_the_pipelined_k_loop_gives_the_masked_loops_bits(t: int) -> None:
+    """The expert kernels' K loop without a K mask (``EVEN_K``, what lets Triton pipeline the
+    loads) against the masked loop, at the Qwen3-30B-A3B shape (K = 2048 and 768, whole tiles):
+    the same activations and rows, bit for bit."""
+    from loom.layers.fused_moe_triton import launch_down, launch_gate_up
+
+    h, inter, e, k = 2048, 768, 128, 8
+    x, w13, w2, _, ids = _inputs(t, h, inter, e, k, torch.bfloat16, seed=t)
+    cfg = block_config(t * k, e, torch.bfloat16)
+    sorted_ids, block_expert, num_padded = align_rows_by_expert(ids, e, cfg.block_m)
+    outs = []
+    for even_k in (False, None):
+        act = torch.empty(t * k, inter, device=CUDA, dtype=torch.bfloat16)
+        y = torch.empty(t * k, h, device=CUDA, dtype=torch.bfloat16)
+        launch_gate_up(x, w13, act, sorted_ids, block_expert, num_padded, k, cfg, False, even_k)
+        launch_down(act, w2, y, sorted_ids, block_expert, num_padded, cfg, False, even_k)
+        outs.append((act, y))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
 def test_a_one_token_block_skips_the_sort_and_replays_in_a_graph(monkeypatch: pytest.MonkeyPatch) -> None:
     """At one token the layer launches no sort (direct experts), a captured graph replays other
     routings exactly as eager runs compute them, and the output is the sorted path's bits."""

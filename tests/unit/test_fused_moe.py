@@ -121,6 +121,17 @@ def test_router_epilogue_compiles_for_hopper_and_reduces_as_the_two_launches() -
     assert proc.stdout.count("ok  ") == 2, proc.stdout
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_expert_kernels_pipeline_their_loads_on_hopper() -> None:
+    """The expert kernels compiled for sm_90 at the decode tiles: with whole K tiles their loads go
+    through cp.async (pipelined), sorted and direct, with no spills."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "layout_compile_check.py"),
+                           "expert_pipelining"], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0 and "FAIL" not in proc.stdout, proc.stdout + proc.stderr
+    assert proc.stdout.count("ok  ") == 4, proc.stdout
+
+
 def test_the_layer_imports_and_runs_without_triton() -> None:
     """A CPU install has no triton: the kernels module still imports and the torch path serves."""
     code = ("import sys; sys.modules['triton'] = None; sys.modules['triton.language'] = None\n"

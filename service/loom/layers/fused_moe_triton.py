@@ -125,7 +125,7 @@ def _gate_up_kernel(
     N, K, INTER,  # INTER: I
     stride_xt, stride_we, stride_wn, stride_wk, stride_ot,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr, DIRECT: tl.constexpr,
+    PRECISION: tl.constexpr, DIRECT: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_n = tl.cdiv(INTER, BLOCK_N)
@@ -145,10 +145,15 @@ def _gate_up_kernel(
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            k_ok = k + k0 < K
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if EVEN_K:  # every K tile whole: no mask on K, so Triton pipelines the loads (cp.async)
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                g = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
+                u = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
+            else:
+                k_ok = k + k0 < K
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
             acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
             a_ptrs += BLOCK_K
@@ -173,7 +178,7 @@ def _down_kernel(
     N, K, H,
     stride_at, stride_we, stride_wn, stride_wk, stride_ot,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    DIRECT: tl.constexpr,
+    DIRECT: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_n = tl.cdiv(H, BLOCK_N)
@@ -190,9 +195,13 @@ def _down_kernel(
         b_ptrs = w_ptr + expert * stride_we + n[None, :] * stride_wn + k[:, None] * stride_wk
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            k_ok = k + k0 < K
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if EVEN_K:  # as in _gate_up_kernel
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+            else:
+                k_ok = k + k0 < K
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K * stride_wk
@@ -272,11 +281,21 @@ def direct_configs(x: torch.Tensor, hidden: int, inter: int) -> tuple[MoeBlockCo
     return MoeBlockConfig(cfg.block_m, *entry[0]), MoeBlockConfig(cfg.block_m, *entry[1])
 
 
+def _even_k(k: int, cfg: MoeBlockConfig, even_k: bool | None) -> bool:
+    """Whether the K loop runs without a K mask: every K tile whole (None), unless ``even_k`` says
+    (False: the masked loop, for measurements; True only where K is a multiple of the tile)."""
+    whole = k % cfg.block_k == 0
+    return whole if even_k is None else even_k and whole
+
+
 def launch_gate_up(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, sorted_ids: torch.Tensor,
                    block_expert: torch.Tensor, num_padded: torch.Tensor, top_k: int, cfg: MoeBlockConfig,
-                   direct: bool) -> None:
+                   direct: bool, even_k: bool | None = None) -> None:
     """``act [N, I] = silu(x w_gate^T) * (x w_up^T)`` for every row of the layout (``direct``:
-    ``block_expert`` is the flat ids [N] and the two others are not read)."""
+    ``block_expert`` is the flat ids [N] and the two others are not read). Where every K tile is
+    whole the loop has no K mask, which lets Triton pipeline its loads (with a mask that depends
+    on the loop index, triton 3.6 compiled plain register loads, no cp.async, for every stage
+    count); the same values, so the same bits."""
     n, inter = act.shape
     nb = n if direct else block_expert.shape[0]
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # ignored for half-precision inputs
@@ -285,12 +304,13 @@ def launch_gate_up(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, sorted
         n, x.shape[1], inter,
         x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0),
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=precision,
-        DIRECT=direct, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DIRECT=direct, EVEN_K=_even_k(x.shape[1], cfg, even_k), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
 def launch_down(act: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, sorted_ids: torch.Tensor,
-                block_expert: torch.Tensor, num_padded: torch.Tensor, cfg: MoeBlockConfig, direct: bool) -> None:
+                block_expert: torch.Tensor, num_padded: torch.Tensor, cfg: MoeBlockConfig, direct: bool,
+                even_k: bool | None = None) -> None:
     """``y [N, H] = act w_down^T`` for every row of the layout (as :func:`launch_gate_up`)."""
     n, hidden = y.shape
     nb = n if direct else block_expert.shape[0]
@@ -300,7 +320,8 @@ def launch_down(act: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, sorted_ids
         n, act.shape[1], hidden,
         act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), y.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=precision,
-        DIRECT=direct, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DIRECT=direct, EVEN_K=_even_k(act.shape[1], cfg, even_k), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
 
 
