@@ -9,10 +9,23 @@ decode step pays), not host launch overhead:
   (one; decode sizes only, T <= 8);
 * ``qk_norm_rotary``: the q and k per-head norms + ``rotary`` (three) against ``qk_norm_rotary`` (one);
 * ``combine_norm``: the MoE ``combine_rows`` + the next ``fused_add_rms_norm`` (two) against
-  ``fused_combine_add_rms_norm`` (one).
+  ``fused_combine_add_rms_norm`` (one);
+* ``router_routing`` (T <= 4): the router on the dense GEMV (its table's plan) then ``route``
+  (two launches) against ``moe_router_gemv.route_from_hidden`` (one: the routing in the GEMV's
+  last program);
+* ``direct_experts`` (T = 1 only): the experts after the sort by expert (``align_rows_by_expert``'s
+  two launches, then gate/up and down on the sorted layout) against the experts indexed straight
+  from the routing's ids (``expert_outputs_triton(direct=True)``: two launches; with
+  ``moe_plan_table``'s tiles once measured). The 48 calls cycle through 16 disjoint sets of 8
+  experts of one layer's weights (1.2 GB), so the expert weights come from memory, not the L2.
 
 Predicted from the 2026-12-03 decode profile (bench/results/profile-random-qwen3-30b-a3b-b1.txt) at
 T = 1: routing 6.3 -> ~3.3 us, q/k norms + rotary 5.3 -> ~2.3 us, combine + norm 3.5 -> ~2 us.
+Router with the routing in its epilogue (predicted before measurement): 4.2 + 2.5 us -> ~5 us
+(one launch and its gap less, plus one program's routing, ~1 us, after the GEMV). Direct
+experts (predicted before measurement): the count (1.3 us) and place (2.5 us) launches of
+the profile go, the expert kernels do the same work: 27.8 -> ~24 us a layer (-3.8 us, -0.18 ms
+a 48-layer step).
 
     PYTHONPATH=service python scripts/bench_decode_fusions.py [--tokens 1 8] [--out FILE]
 """
@@ -20,6 +33,7 @@ T = 1: routing 6.3 -> ~3.3 us, q/k norms + rotary 5.3 -> ~2.3 us, combine + norm
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from collections.abc import Callable
@@ -30,12 +44,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))
 
-from loom.layers import fused_ops
-from loom.layers.fused_moe_triton import combine_rows
+from loom.layers import dense_gemv, fused_ops
+from loom.layers.fused_moe_triton import combine_rows, expert_outputs_triton
+from loom.layers.moe_router_gemv import fused_router_supported, route_from_hidden
 from loom.layers.moe_routing_triton import align_rows_by_expert, route, route_and_sort
 from loom.layers.rotary import RotaryEmbedding, _default_inv_freq
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, EXPERTS, TOP_K, LAYERS = 2048, 32, 4, 128, 128, 8, 48
+INTER = 768  # an expert's intermediate size
 REPLAYS = 50
 EPS = 1e-6
 
@@ -94,6 +110,32 @@ def pairs(tokens: int, dev: torch.device) -> dict[str, tuple[Callable[[], Any], 
     }
     if tokens <= 8:
         out["routing"] = (routing_before, lambda: route_and_sort(logits, TOP_K, True, 16, dt))
+    if tokens <= dense_gemv.MAX_M:
+        router_w = (torch.randn(EXPERTS, HIDDEN, device=dev, generator=gen) * 0.02).to(dt)
+        hidden = torch.randn(tokens, HIDDEN, device=dev, generator=gen).to(dt)
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        plan = dense_gemv.table_plan(EXPERTS, HIDDEN, tokens, sms) or dense_gemv.default_plan(EXPERTS, HIDDEN, sms)
+        if fused_router_supported(hidden, router_w, TOP_K, plan):
+            out["router_routing"] = (
+                lambda: route(dense_gemv.dense_gemv(hidden, router_w, None, plan), TOP_K, True, dt),
+                lambda: route_from_hidden(hidden, router_w, TOP_K, True, dt, plan))
+    if tokens == 1:
+        w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, device=dev, dtype=dt, generator=gen) * 0.02
+        w2 = torch.randn(EXPERTS, HIDDEN, INTER, device=dev, dtype=dt, generator=gen) * 0.02
+        x = torch.randn(1, HIDDEN, device=dev, generator=gen).to(dt)
+        perm = torch.randperm(EXPERTS, device=dev, generator=gen).to(torch.int32)
+        sets = [perm[s * TOP_K:(s + 1) * TOP_K].view(1, TOP_K).contiguous() for s in range(EXPERTS // TOP_K)]
+        expert_w = weights[:1]
+
+        def experts(direct: bool) -> Callable[[], Any]:
+            calls = itertools.count()
+
+            def step() -> Any:
+                ids = sets[next(calls) % len(sets)]
+                return expert_outputs_triton(x, w13, w2, expert_w, ids, direct=direct)
+            return step
+
+        out["direct_experts"] = (experts(False), experts(True))
     return out
 
 

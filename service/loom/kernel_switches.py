@@ -23,6 +23,13 @@ Two narrower switches, read the same way:
   sequence (``loom_plugins.speculative.draft_catch_up``, on by default since the H200 measured
   it: W5 b's engine reached 0.98 of the cost model with it, 0.82-0.91 without;
   docs/speculative.md).
+- ``LOOM_MOE_DIRECT_EXPERTS=0`` (:data:`moe_direct_experts`): a one-token step's MoE experts
+  keep the sort by expert (two launches, ``moe_routing_triton.align_rows_by_expert``) instead
+  of indexing each chosen expert straight from the routing's ids
+  (``loom.layers.fused_moe_triton.direct_experts``; the same results bit for bit).
+- ``LOOM_MOE_ROUTER_EPILOGUE=0`` (:data:`moe_router_epilogue`): an MoE layer's router and its
+  routing stay two launches (the dense GEMV, then ``moe_routing_triton.route``) where the
+  router's GEMV would route in its last program (``loom.layers.moe_router_gemv``; the same bits).
 """
 
 from __future__ import annotations
@@ -50,6 +57,8 @@ dense_gemv: str = _dense_gemv_mode(os.environ.get("LOOM_DENSE_GEMV", "table"))
 fp8_gemv: bool = os.environ.get("LOOM_FP8_GEMV", "1") != "0"
 paged_decode_table: bool = os.environ.get("LOOM_PAGED_DECODE_TABLE", "1") != "0"
 draft_catch_up_graphs: bool = os.environ.get("LOOM_DRAFT_CATCH_UP_GRAPHS", "1") != "0"
+moe_direct_experts: bool = os.environ.get("LOOM_MOE_DIRECT_EXPERTS", "1") != "0"
+moe_router_epilogue: bool = os.environ.get("LOOM_MOE_ROUTER_EPILOGUE", "1") != "0"
 
 
 @contextlib.contextmanager

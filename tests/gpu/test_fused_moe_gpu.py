@@ -172,6 +172,158 @@ def test_no_host_sync_and_a_cuda_graph_replays_any_routing(t: int, monkeypatch: 
         assert torch.equal(static_out, block(static_x)), f"replay {seed} differs from eager"
 
 
+# The one-token tilings the plan sweep tries (scripts/bench_moe_plans.py), the default first.
+DIRECT_TILES = [(64, 128, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (128, 128, 4, 3), (16, 256, 4, 4), (64, 64, 4, 8)]
+
+
+@pytest.mark.parametrize(("name", "h", "inter", "e", "k"), SHAPES, ids=[s[0] for s in SHAPES])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_direct_experts_give_the_sorted_layouts_bits_with_any_plan(name: str, h: int, inter: int, e: int, k: int,
+                                                                   dtype: torch.dtype) -> None:
+    """One token's experts indexed straight from its ids (no sort) with every tiling the plan
+    table may hold: the same rows, bit for bit, as the sorted layout with the default tiles, alone
+    and as the first token of a batch of three (batch invariance of the table's plans)."""
+    from loom.layers.fused_moe_triton import expert_outputs_triton
+
+    x, w13, w2, weights, ids = _inputs(3, h, inter, e, k, dtype, seed=11 + e)
+    want = expert_outputs_triton(x[:1], w13, w2, weights[:1], ids[:1], direct=False).rows
+    batched = expert_outputs_triton(x, w13, w2, weights, ids, direct=False).rows[:k]
+    assert torch.equal(want, batched), "the sorted layout's first token differs alone and in a batch"
+    base = block_config(1, 1, dtype)
+    for tiles in DIRECT_TILES:
+        cfg = MoeBlockConfig(base.block_m, *tiles)
+        if dtype == torch.float32:
+            cfg = MoeBlockConfig(base.block_m, min(tiles[0], 64), 32, tiles[2], 2)
+        got = expert_outputs_triton(x[:1], w13, w2, weights[:1], ids[:1], cfg, direct=True).rows
+        assert torch.equal(got, want), f"{tiles}: the direct rows differ from the sorted layout's"
+
+
+@pytest.mark.parametrize("t", [1, 16, 64])
+def test_the_pipelined_k_loop_gives_the_masked_loops_bits(t: int) -> None:
+    """The expert kernels' K loop without a K mask (``EVEN_K``, what lets Triton pipeline the
+    loads) against the masked loop, at the Qwen3-30B-A3B shape (K = 2048 and 768, whole tiles):
+    the same activations and rows, bit for bit."""
+    from loom.layers.fused_moe_triton import launch_down, launch_gate_up
+
+    h, inter, e, k = 2048, 768, 128, 8
+    x, w13, w2, _, ids = _inputs(t, h, inter, e, k, torch.bfloat16, seed=t)
+    cfg = block_config(t * k, e, torch.bfloat16)
+    sorted_ids, block_expert, num_padded = align_rows_by_expert(ids, e, cfg.block_m)
+    outs = []
+    for even_k in (False, None):
+        act = torch.empty(t * k, inter, device=CUDA, dtype=torch.bfloat16)
+        y = torch.empty(t * k, h, device=CUDA, dtype=torch.bfloat16)
+        launch_gate_up(x, w13, act, sorted_ids, block_expert, num_padded, k, cfg, False, even_k)
+        launch_down(act, w2, y, sorted_ids, block_expert, num_padded, cfg, False, even_k)
+        outs.append((act, y))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+def test_a_one_token_block_skips_the_sort_and_replays_in_a_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At one token the layer launches no sort (direct experts), a captured graph replays other
+    routings exactly as eager runs compute them, and the output is the sorted path's bits."""
+    from loom import kernel_switches
+    from loom.layers import fused_moe_triton
+
+    calls = {"align": 0}
+    original = fused_moe_triton.align_rows_by_expert
+
+    def counting(*args: Any) -> Any:
+        calls["align"] += 1
+        return original(*args)
+
+    monkeypatch.setattr(fused_moe_triton, "align_rows_by_expert", counting)
+    h, inter, e, k = 512, 256, 32, 4
+    torch.manual_seed(0)
+    with torch.device(CUDA):
+        block = SparseMoeBlock(e, k, h, inter, renormalize=True).to(torch.bfloat16)
+    for p in block.parameters():
+        p.data.normal_(0, 0.05)
+    static_x = torch.randn(1, h, device=CUDA).to(torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        block(static_x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = block(static_x)
+    assert calls["align"] == 0, "a one-token step sorted its rows"
+    for seed in (1, 2):
+        static_x.copy_(torch.randn(1, h, device=CUDA, generator=torch.Generator(device=CUDA).manual_seed(seed)))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, block(static_x)), f"replay {seed} differs from eager"
+        monkeypatch.setattr(kernel_switches, "moe_direct_experts", False)
+        sorted_out = block(static_x)
+        monkeypatch.setattr(kernel_switches, "moe_direct_experts", True)
+        assert calls["align"] > 0 and torch.equal(static_out, sorted_out), f"replay {seed}: not the sorted path's bits"
+
+
+@pytest.mark.parametrize("t", [1, 2, 4])
+def test_router_with_routing_in_its_epilogue_gives_the_two_launches_bits(t: int) -> None:
+    """``moe_router_gemv.route_from_hidden`` (one launch) against the dense GEMV with the same
+    plan then ``route`` (two), at the Qwen3-30B-A3B router's shape with the H200 table's plan and
+    a plan of four splits: the same weights and ids bit for bit, eager and replayed in a graph."""
+    from loom.layers import dense_gemv
+    from loom.layers.dense_gemv import GemvPlan
+    from loom.layers.moe_router_gemv import fused_router_supported, route_from_hidden
+
+    gen = torch.Generator(device=CUDA).manual_seed(t)
+    x = torch.randn(t, 2048, device=CUDA, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(128, 2048, device=CUDA, generator=gen) * 0.02).to(torch.bfloat16)
+    for plan in (GemvPlan(16, 256, 8, 4, 4, True), GemvPlan(32, 128, 4, 4, 3, True)):
+        assert fused_router_supported(x, w, 8, plan)
+        want_w, want_ids = route(dense_gemv.dense_gemv(x, w, None, plan), 8, True, torch.bfloat16)
+        got_w, got_ids = route_from_hidden(x, w, 8, True, torch.bfloat16, plan)
+        assert torch.equal(got_w, want_w) and torch.equal(got_ids, want_ids), f"{plan}: eager differs"
+        static_x = x.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            g_w, g_ids = route_from_hidden(static_x, w, 8, True, torch.bfloat16, plan)
+        for seed in (1, 2):
+            static_x.copy_(torch.randn(t, 2048, device=CUDA, generator=torch.Generator(device=CUDA).manual_seed(seed)))
+            graph.replay()
+            want_w, want_ids = route(dense_gemv.dense_gemv(static_x, w, None, plan), 8, True, torch.bfloat16)
+            assert torch.equal(g_w, want_w) and torch.equal(g_ids, want_ids), f"{plan}: replay {seed} differs"
+
+
+def test_the_block_routes_in_the_routers_epilogue_with_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Qwen3-30B-A3B-shaped block at one and three tokens takes the fused router where the dense
+    GEMV's table names the router (the H200's does), and its output is the two launches' bits
+    (switch off)."""
+    from loom import kernel_switches
+    from loom.layers import dense_gemv_table, moe_router_gemv
+
+    sms = torch.cuda.get_device_properties(CUDA).multi_processor_count
+    entry = dense_gemv_table.PLANS.get((sms, 128, 2048))
+    if entry is None or not entry[-1]:
+        pytest.skip(f"the dense GEMV table has no split-merging plan for the router on {sms} SMs")
+
+    calls = {"fused": 0}
+    original = moe_router_gemv.route_from_hidden
+
+    def counting(*args: Any) -> Any:
+        calls["fused"] += 1
+        return original(*args)
+
+    monkeypatch.setattr(moe_router_gemv, "route_from_hidden", counting)
+    torch.manual_seed(0)
+    with torch.device(CUDA):
+        block = SparseMoeBlock(128, 8, 2048, 768, renormalize=True, weights_in_logits_dtype=True).to(torch.bfloat16)
+    for p in block.parameters():
+        p.data.normal_(0, 0.02)
+    for t in (1, 3):
+        x = torch.randn(t, 2048, device=CUDA).to(torch.bfloat16)
+        calls["fused"] = 0
+        got = block(x)
+        assert calls["fused"] == 1, f"T={t}: the fused router did not run"
+        monkeypatch.setattr(kernel_switches, "moe_router_epilogue", False)
+        want = block(x)
+        monkeypatch.setattr(kernel_switches, "moe_router_epilogue", True)
+        assert calls["fused"] == 1 and torch.equal(got, want), f"T={t}: not the two launches' bits"
+
+
 @pytest.mark.parametrize("t", [1, 5, 40])
 def test_combine_folded_into_the_next_norm_gives_the_same_bits(t: int) -> None:
     """The layer's experts' rows summed by the next residual add + norm (one launch) against its

@@ -7,7 +7,11 @@ reproduce bit for bit:
 * ``qk_norm_rotary``: ``fused_ops._qk_norm_rotary_kernel`` against ``_add_rms_norm_kernel`` on
   one head;
 * ``combine_norm``: ``_add_rms_norm_kernel`` summing an MoE layer's expert rows first (``TOP_K``)
-  against it adding a plain residual.
+  against it adding a plain residual;
+* ``router_epilogue``: ``moe_router_gemv._router_route_kernel`` against the dense GEMV's kernel
+  (split K, merged by the last split) followed by ``_route_kernel``;
+* ``expert_pipelining``: the MoE expert kernels with whole K tiles load through cp.async (the
+  software pipeline a K mask in the loop kept triton 3.6 from building), without spills.
 
 Checks what the interpreter cannot: that each kernel compiles, without register spills, and that
 the fused kernel reduces every float32 value (softmax max and sum, argmax, renormalisation; the
@@ -155,12 +159,119 @@ def check_combine_norm() -> int:
     return failed
 
 
+def check_router_epilogue() -> int:
+    """``moe_router_gemv._router_route_kernel`` against the dense GEMV (split K, merged by the last
+    split) followed by ``_route_kernel``: the split sums then the routing's reductions, alike."""
+    from loom.layers import dense_gemv as dg
+    from loom.layers import moe_router_gemv as mr
+    from loom.layers import moe_routing_triton as rt
+
+    failed = 0
+    for experts, k, dtype, wdtype, (bn, bk, split, warps) in (
+            (128, 8, "bf16", "bf16", (16, 256, 8, 4)),  # Qwen3-30B-A3B's router plan (H200 table)
+            (8, 2, "fp16", "fp32", (16, 256, 4, 4))):  # Mixtral-like: float32 weights
+        block_s = rt._next_pow2(split)
+        gemv_sig = dict(x_ptr=f"*{dtype}", w_ptr=f"*{dtype}", bias_ptr=f"*{dtype}", out_ptr=f"*{dtype}",
+                        part_ptr="*fp32", counter_ptr="*i32", M="i32", N="i32", K="i32", K_SPLIT="i32", SPLIT="i32",
+                        stride_xm="i32", stride_wn="i32", stride_om="i32")
+        gemv_consts: dict[str, Any] = dict(HAS_BIAS=False, PARTIAL=True, FUSED_REDUCE=True, EVEN_K=True, IEEE=False,
+                                           MAX_ROWS=dg.MAX_M, BLOCK_N=bn, BLOCK_K=bk, BLOCK_M=16, BLOCK_S=block_s)
+        route_sig = dict(logits_ptr=f"*{dtype}", weights_ptr=f"*{wdtype}", ids_ptr="*i32", T="i32", E="i32",
+                         stride_l="i32")
+        rows, block_k, block_e = rt.route_rows(experts), rt._next_pow2(k), rt._block_e(experts)
+        route_consts: dict[str, Any] = dict(K=k, BLOCK_T=rows, BLOCK_K=block_k, BLOCK_E=block_e, RENORMALIZE=True)
+        fused_sig = dict(x_ptr=f"*{dtype}", w_ptr=f"*{dtype}", logits_ptr=f"*{dtype}", part_ptr="*fp32",
+                         counter_ptr="*i32", weights_ptr=f"*{wdtype}", ids_ptr="*i32", M="i32", N="i32", K="i32",
+                         K_SPLIT="i32", SPLIT="i32", TILES="i32", stride_xm="i32", stride_wn="i32",
+                         stride_l="i32")
+        fused_consts: dict[str, Any] = dict(EVEN_K=True, IEEE=False, MAX_ROWS=dg.MAX_M, BLOCK_N=bn, BLOCK_K=bk,
+                                            BLOCK_M=16, BLOCK_S=block_s, TOP_K=k, ROUTE_T=rows, BLOCK_TK=block_k,
+                                            BLOCK_E=block_e, RENORMALIZE=True)
+        name = f"E={experts} k={k} {dtype} -> {wdtype} plan {bn}x{bk} split {split}"
+        try:
+            gemv = compile_for_hopper(dg._dense_gemv_kernel, gemv_sig, gemv_consts, warps)
+            route = compile_for_hopper(rt._route_kernel, route_sig, route_consts, rt.ROUTE_WARPS)
+            fused = compile_for_hopper(mr._router_route_kernel, fused_sig, fused_consts, warps)
+        except Exception as exc:  # reported: the script fails
+            failed += 1
+            print(f"FAIL router epilogue {name}: {type(exc).__name__}: {exc}")
+            continue
+        want = float_reductions(gemv.asm["ttgir"]) + float_reductions(route.asm["ttgir"])
+        got = float_reductions(fused.asm["ttgir"])
+        usage = {kernel: _spills(c) for kernel, c in (("gemv", gemv), ("route", route), ("fused", fused))}
+        problems = [f"{kernel} spills {spills} bytes" for kernel, (_, spills) in usage.items() if spills]
+        if not want or got != want:
+            problems.append(f"float reductions differ: {want} vs {got}")
+        regs = ", ".join(f"{kernel} {r} registers" for kernel, (r, _) in usage.items())
+        print(f"{'FAIL' if problems else 'ok  '} router epilogue {name}: {len(want)} float reductions alike; {regs}"
+              f"{': ' + '; '.join(problems) if problems else ''}")
+        failed += int(bool(problems))
+    return failed
+
+
+def check_expert_pipelining() -> int:
+    """The MoE expert kernels (``fused_moe_triton``) at the Qwen3-30B-A3B decode tiles, sorted and
+    direct, as Triton's launcher specializes them (``stride_wk`` == 1): with whole K tiles
+    (``EVEN_K``) the weight loads are software-pipelined (cp.async into shared memory), and no
+    variant spills registers."""
+    from loom.layers import fused_moe_triton as f
+
+    failed = 0
+    ptrs = dict(w_ptr="*bf16", out_ptr="*bf16", sorted_ptr="*i32", block_expert_ptr="*i32", num_padded_ptr="*i32")
+    kernels = (("gate_up", f._gate_up_kernel,
+                dict(x_ptr="*bf16", **ptrs, N="i32", K="i32", INTER="i32", stride_xt="i32", stride_we="i32",
+                     stride_wn="i32", stride_ot="i32"), {"TOP_K": 8}),
+               ("down", f._down_kernel,
+                dict(a_ptr="*bf16", **ptrs, N="i32", K="i32", H="i32", stride_at="i32", stride_we="i32",
+                     stride_wn="i32", stride_ot="i32"), {}))
+    cfg = f.block_config(8, 128, torch_bf16())
+    for name, fn, sig, extra in kernels:
+        for direct in (False, True):
+            consts: dict[str, Any] = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                                          PRECISION="tf32", DIRECT=direct, EVEN_K=True, stride_wk=1, **extra)
+            label = f"{name} {'direct' if direct else 'sorted'} {cfg}"
+            try:
+                compiled = compile_for_hopper_staged(fn, sig, consts, cfg.num_warps, cfg.num_stages)
+            except Exception as exc:  # reported: the script fails
+                failed += 1
+                print(f"FAIL experts {label}: {type(exc).__name__}: {exc}")
+                continue
+            copies = compiled.asm["ttgir"].count("async_copy_global_to_local")
+            regs, spills = _spills(compiled)
+            ok = copies > 0 and spills == 0
+            print(f"{'ok  ' if ok else 'FAIL'} experts {label}: {copies} cp.async in the loop, {regs} registers, "
+                  f"{spills} bytes spilled")
+            failed += int(not ok)
+    return failed
+
+
+def torch_bf16() -> Any:
+    import torch
+
+    return torch.bfloat16
+
+
+def compile_for_hopper_staged(fn: Any, sig: dict[str, str], consts: dict[str, Any], num_warps: int,
+                              num_stages: int) -> Any:
+    """:func:`compile_for_hopper` with a number of pipeline stages."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(fn.arg_names)  # positions in the kernel's own argument order
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in sig if n.endswith("_ptr") or n.startswith("stride")}
+    full = {n: sig.get(n, "constexpr") for n in names}
+    return triton.compile(ASTSource(fn, full, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
 def main(group: str) -> int:
     sys.path.insert(0, str(ROOT / "tests"))
     from helpers.source_tree import make_importable
 
     make_importable()
-    checks = {"routing": check_routing, "qk_norm_rotary": check_qk_norm_rotary, "combine_norm": check_combine_norm}
+    checks = {"routing": check_routing, "qk_norm_rotary": check_qk_norm_rotary, "combine_norm": check_combine_norm,
+              "router_epilogue": check_router_epilogue, "expert_pipelining": check_expert_pipelining}
     if group not in checks:
         raise SystemExit(f"unknown group {group!r}: one of {', '.join(checks)}")
     return 1 if checks[group]() else 0

@@ -13,7 +13,9 @@ expert taking every row, and more rows than a program's tile; and the grouped GE
 the router's softmax and top-k in one kernel (``route``) choose the torch path's experts; and
 the decode path's routing and sort in one launch (``route_and_sort``) gives exactly what
 ``route`` then ``align_rows_by_expert`` give (weights bit for bit, ids, the layout), over random
-logits with and without ties.
+logits with and without ties; and the one-token experts indexed straight from the routing's ids
+(``direct_experts``: no sort) give the sorted layout's bits; the router's GEMV with the routing
+in its epilogue (``moe_router_gemv``) gives the dense GEMV then ``route``'s bits.
 bf16 is left to the GPU tests: the interpreter of triton 3.6 computes bf16 dots wrongly.
 """
 
@@ -108,6 +110,99 @@ def check_experts() -> list[str]:
         print(f"{'ok  ' if err <= tol else 'FAIL'} experts {name}: max err {err:.2e}")
         if err > tol:
             errors.append(f"{name}: max error {err:.2e} > {tol}")
+    return errors
+
+
+def check_direct_experts() -> list[str]:
+    """The experts run straight from the routing's ids (no sort: ``direct``) against the sorted
+    layout: the same bits at one token (the layouts hold the same blocks), and within float32
+    rounding of the torch path past it (where a shared expert is read once a row); the default
+    takes the direct path at one token only, and without the switch never."""
+    import torch
+
+    from loom import kernel_switches
+    from loom.layers import fused_moe_triton
+    from loom.layers.fused_moe import fused_experts_torch, select_experts
+    from loom.layers.fused_moe_triton import MoeBlockConfig, fused_experts_triton
+
+    errors: list[str] = []
+    gen = torch.Generator().manual_seed(5)
+    cases = [  # (T, H, I, E, k, dtype, block config or None)
+        (1, 64, 48, 16, 4, torch.float32, None),  # a decode step
+        (1, 40, 24, 8, 3, torch.float16, MoeBlockConfig(16, 16, 16, 4, 1)),  # ragged tiles
+        (3, 32, 16, 4, 3, torch.float32, None),  # forced past one token: experts shared by rows
+    ]
+    for T, H, inter, E, k, dtype, cfg in cases:
+        x = torch.randn(T, H, generator=gen).to(dtype)
+        w13 = (torch.randn(E, 2 * inter, H, generator=gen) / H**0.5).to(dtype)
+        w2 = (torch.randn(E, H, inter, generator=gen) / inter**0.5).to(dtype)
+        weights, ids = select_experts(torch.randn(T, E, generator=gen), k, renormalize=True)
+        ref = fused_experts_torch(x.float(), w13.float(), w2.float(), weights, ids)
+        sorted_rows = fused_moe_triton.expert_outputs_triton(x, w13, w2, weights, ids, cfg, direct=False).rows
+        direct_rows = fused_moe_triton.expert_outputs_triton(x, w13, w2, weights, ids, cfg, direct=True).rows
+        got = fused_experts_triton(x, w13, w2, weights, ids, cfg, direct=True).float()
+        err = (got - ref).abs().max().item()
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        same = torch.equal(direct_rows, sorted_rows)
+        ok = err <= tol and (same or T > 1)
+        print(f"{'ok  ' if ok else 'FAIL'} direct experts T={T} E={E} k={k} {dtype}: max err {err:.2e}, "
+              f"{'same bits as' if same else 'differs from'} the sorted layout")
+        if not ok:
+            errors.append(f"direct experts T={T}: max err {err:.2e}, same bits {same}")
+    before = kernel_switches.moe_direct_experts
+    try:
+        default = [fused_moe_triton.direct_experts(t) for t in (0, 1, 2, 8)]
+        kernel_switches.moe_direct_experts = False
+        off = fused_moe_triton.direct_experts(1)
+    finally:
+        kernel_switches.moe_direct_experts = before
+    ok = default == [False, True, False, False] and not off
+    print(f"{'ok  ' if ok else 'FAIL'} direct experts at one token only ({default}), off with the switch ({off})")
+    if not ok:
+        errors.append(f"direct_experts: {default} for 0, 1, 2, 8 tokens; switched off: {off}")
+    return errors
+
+
+def check_router_epilogue() -> list[str]:
+    """The router's GEMV with the routing in its epilogue (``moe_router_gemv.route_from_hidden``,
+    one launch) against the dense GEMV with the same plan then ``route`` (two): the same weights
+    bit for bit and the same ids, the split-K counters left zero; ragged K, several tokens,
+    every expert chosen."""
+    import torch
+
+    from loom.layers import dense_gemv
+    from loom.layers.dense_gemv import GemvPlan
+    from loom.layers.moe_router_gemv import fused_router_supported, route_from_hidden
+    from loom.layers.moe_routing_triton import route
+    from loom.layers.split_k import counters
+
+    errors: list[str] = []
+    gen = torch.Generator().manual_seed(6)
+    cases = [  # (T, H, E, k, renormalize, dtype, weights dtype, plan)
+        (1, 256, 128, 8, True, torch.float32, None, GemvPlan(16, 64, 4, 4, 2, True)),  # Qwen3-30B-A3B-like
+        (3, 200, 60, 4, False, torch.float16, torch.float16, GemvPlan(16, 64, 4, 4, 1, True)),  # ragged K and E
+        (4, 128, 16, 16, True, torch.float32, None, GemvPlan(16, 32, 2, 4, 2, True)),  # every expert chosen
+    ]
+    for T, H, E, k, renorm, dtype, wdtype, plan in cases:
+        name = f"T={T} H={H} E={E} k={k} renormalize={renorm} {dtype} -> {wdtype} {plan}"
+        x = torch.randn(T, H, generator=gen).to(dtype)
+        w = (torch.randn(E, H, generator=gen) / H**0.5).to(dtype)
+        if not fused_router_supported(x, w, k, plan):
+            errors.append(f"{name}: not served")
+            continue
+        want_w, want_ids = route(dense_gemv.dense_gemv(x, w, None, plan), k, renorm, wdtype)
+        got_w, got_ids = route_from_hidden(x, w, k, renorm, wdtype, plan)
+        ctr = counters(x.device)
+        ok = (got_w.dtype == want_w.dtype and torch.equal(got_w, want_w) and torch.equal(got_ids, want_ids)
+              and ctr is not None and int(ctr.abs().sum()) == 0)
+        print(f"{'ok  ' if ok else 'FAIL'} router epilogue {name}")
+        if not ok:
+            errors.append(f"{name}: weights equal {torch.equal(got_w, want_w)}, ids equal "
+                          f"{torch.equal(got_ids, want_ids)}")
+    no_split = GemvPlan(16, 256, 1, 4, 2, True)
+    if fused_router_supported(torch.zeros(1, 256), torch.zeros(128, 256), 8, no_split):
+        errors.append("a plan without split K is served (the routing rides on the split merge)")
+    print(f"{'FAIL' if errors else 'ok  '} router epilogue: plans without split K refused")
     return errors
 
 
@@ -219,7 +314,7 @@ def check_block() -> list[str]:
     import torch
 
     from loom import kernel_switches
-    from loom.layers import fused_moe, fused_ops, moe_routing_triton
+    from loom.layers import fused_moe, fused_moe_triton, fused_ops, moe_routing_triton
     from loom.layers.fused_moe_triton import ExpertOutputs
     from loom.layers.norm import RMSNorm
 
@@ -230,20 +325,28 @@ def check_block() -> list[str]:
         p.data.normal_(0, 0.1)
     norm = RMSNorm(64)
     norm.weight.data = 1 + 0.3 * torch.randn(64)
-    calls = {"route_and_sort": 0}
-    original = moe_routing_triton.route_and_sort
+    calls = {"route_and_sort": 0, "align_rows_by_expert": 0}
+    originals = {"route_and_sort": moe_routing_triton.route_and_sort,
+                 "align_rows_by_expert": fused_moe_triton.align_rows_by_expert}
 
-    def counting(*args: object, **kwargs: object) -> object:
-        calls["route_and_sort"] += 1
-        return original(*args, **kwargs)  # type: ignore[arg-type]
+    def counting(name: str) -> object:
+        def call(*args: object, **kwargs: object) -> object:
+            calls[name] += 1
+            return originals[name](*args, **kwargs)  # type: ignore[operator]
+        return call
 
     fused_moe.triton_experts_supported = lambda x: kernel_switches.fused_kernels  # type: ignore[assignment]
     fused_ops.enabled = lambda x: kernel_switches.fused_kernels  # type: ignore[assignment]
-    moe_routing_triton.route_and_sort = counting  # type: ignore[assignment]
+    moe_routing_triton.route_and_sort = counting("route_and_sort")  # type: ignore[assignment]
+    fused_moe_triton.align_rows_by_expert = counting("align_rows_by_expert")  # type: ignore[assignment]
     moe_routing_triton.ONE_LAUNCH_ROUTING = True  # (off by default: measured slower on the H200)
-    for T, fused in ((1, True), (8, True), (9, False)):
+    # (T, routed and sorted in one launch, sorted by the three launches' last two); one token:
+    # neither, the experts index the routing's ids (direct_experts); then the same with that off.
+    for T, fused, sorts, direct in ((1, False, False, True), (8, True, False, True), (9, False, True, True),
+                                    (1, True, False, False)):
+        kernel_switches.moe_direct_experts = direct
         x, residual = torch.randn(T, 64), torch.randn(T, 64)
-        calls["route_and_sort"] = 0
+        calls["route_and_sort"] = calls["align_rows_by_expert"] = 0
         with torch.no_grad():
             got = block(x)
             rows = block.forward_uncombined(x)
@@ -253,12 +356,14 @@ def check_block() -> list[str]:
                 want = block(x)
         err = (got - want).abs().max().item()
         same = isinstance(rows, ExpertOutputs) and all(torch.equal(a, b) for a, b in zip(folded, separate, strict=True))
-        ok = err <= 1e-5 and calls["route_and_sort"] == 2 * int(fused) and same
-        print(f"{'ok  ' if ok else 'FAIL'} block T={T} (routing and sort in one launch: {fused}): max err {err:.2e}, "
+        ok = (err <= 1e-5 and calls["route_and_sort"] == 2 * int(fused)
+              and calls["align_rows_by_expert"] == 2 * int(sorts) and same)
+        print(f"{'ok  ' if ok else 'FAIL'} block T={T} (routing and sort in one launch: {fused}, sorted apart: "
+              f"{sorts}, direct switch {direct}): max err {err:.2e}, "
               f"combine folded into the norm: {'same bits' if same else 'DIFFERENT'}")
         if not ok:
-            errors.append(f"block T={T}: max err {err:.2e}, route_and_sort calls {calls['route_and_sort']}, "
-                          f"folded combine the same: {same}")
+            errors.append(f"block T={T}: max err {err:.2e}, calls {calls}, folded combine the same: {same}")
+    kernel_switches.moe_direct_experts = True
     return errors
 
 
@@ -317,10 +422,10 @@ def check_model() -> list[str]:
 
 def main() -> int:
     _setup()
-    routing_errors = check_routing() + check_fused_routing()
+    routing_errors = check_routing() + check_fused_routing() + check_router_epilogue()
     errors = check_alignment()
     print(f"{'FAIL' if errors else 'ok  '} sort by expert: {'; '.join(errors) or 'as expected'}")
-    expert_errors = check_experts() + check_block() + check_model()
+    expert_errors = check_experts() + check_direct_experts() + check_block() + check_model()
     return 1 if errors or expert_errors or routing_errors else 0
 
 

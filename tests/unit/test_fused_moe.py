@@ -93,8 +93,9 @@ def test_triton_kernels_match_the_torch_path_in_the_interpreter() -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "moe_interpret_check.py")],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    # 6 routing, 8 fused routing and sort, 1 sort, 4 experts, 3 layers, 1 model
-    assert "FAIL" not in proc.stdout and proc.stdout.count("ok  ") == 23, proc.stdout
+    # 6 routing, 8 fused routing and sort, 3 + 1 router epilogue, 1 sort, 4 experts, 3 + 1 direct
+    # experts, 4 layers, 1 model
+    assert "FAIL" not in proc.stdout and proc.stdout.count("ok  ") == 32, proc.stdout
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -106,6 +107,29 @@ def test_routing_kernels_compile_for_hopper_and_reduce_alike() -> None:
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0 and "FAIL" not in proc.stdout, proc.stdout + proc.stderr
     assert proc.stdout.count("ok  ") == 5, proc.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_router_epilogue_compiles_for_hopper_and_reduces_as_the_two_launches() -> None:
+    """The router's GEMV with the routing in its epilogue compiled for sm_90 (no GPU needed): no
+    spills, and its float32 reductions (the split sums, the softmax, the top-k, the
+    renormalisation) in the layouts of the dense GEMV's and ``_route_kernel``'s: the same bits."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "layout_compile_check.py"),
+                           "router_epilogue"], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0 and "FAIL" not in proc.stdout, proc.stdout + proc.stderr
+    assert proc.stdout.count("ok  ") == 2, proc.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_expert_kernels_pipeline_their_loads_on_hopper() -> None:
+    """The expert kernels compiled for sm_90 at the decode tiles: with whole K tiles their loads go
+    through cp.async (pipelined), sorted and direct, with no spills."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "layout_compile_check.py"),
+                           "expert_pipelining"], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0 and "FAIL" not in proc.stdout, proc.stdout + proc.stderr
+    assert proc.stdout.count("ok  ") == 4, proc.stdout
 
 
 def test_the_layer_imports_and_runs_without_triton() -> None:

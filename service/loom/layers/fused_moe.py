@@ -14,7 +14,8 @@ run grouped by expert, and their outputs are summed with the routing weights.
 * :class:`SparseMoeBlock`: the router (``gate``, a dense linear layer) and the experts.
 
 The dense experts run on CUDA as the Triton kernels of ``fused_moe_triton`` (one launch for
-every expert's gate/up GEMM and one for the down GEMM, CUDA-graph capturable), elsewhere as
+every expert's gate/up GEMM and one for the down GEMM, CUDA-graph capturable; at one token
+straight from the routing's ids, with no sort: ``fused_moe_triton.direct_experts``), elsewhere as
 :func:`fused_experts_torch`: the (token, expert) rows are sorted by expert and each expert with
 rows runs once on all of them, in the same order of operations as transformers.
 
@@ -33,10 +34,16 @@ from torch import nn
 from loom import kernel_switches
 from loom.distributed.parallel_state import all_reduce, get_tp_rank, get_tp_size
 from loom.plugin_api.moe import FusedMoEMethod
-from loom.plugin_api.quantization import QuantizationConfig, WeightLoader, set_weight_attrs
+from loom.plugin_api.quantization import (
+    QuantizationConfig,
+    UnquantizedLinearMethod,
+    WeightLoader,
+    set_weight_attrs,
+)
 
-from . import fused_moe_triton, moe_routing_triton
+from . import fused_moe_triton, moe_router_gemv, moe_routing_triton
 from .activation import SiluAndMul
+from .dense_gemv import GemvPlan
 from .linear import ReplicatedLinear, WeightShapeError, default_weight_loader, divide, load_slice
 
 
@@ -312,21 +319,45 @@ class SparseMoeBlock(nn.Module):
         tensor as :meth:`forward`. The sum is the same either way, bit for bit."""
         return self._forward(x, uncombined=True)
 
+    def _fused_router_plan(self, x: torch.Tensor) -> GemvPlan | None:
+        """The dense GEMV plan on which the router runs with the routing in its epilogue
+        (``moe_router_gemv``: one launch where two run), or None: the router is a plain dense
+        layer here (no quantization, bias or adapter), and the pieces fit."""
+        gate = self.gate
+        if (gate.bias is not None or gate.lora is not None
+                or type(gate.quant_method) is not UnquantizedLinearMethod):
+            return None
+        return moe_router_gemv.fused_router_plan(x, gate.weight, self.top_k)  # type: ignore[arg-type]
+
     def _forward(self, x: torch.Tensor, uncombined: bool) -> torch.Tensor | fused_moe_triton.ExpertOutputs:
-        router_logits = self.gate(x)  # [T, E], in the model's dtype
-        weights_dtype = router_logits.dtype if self.weights_in_logits_dtype else None
-        if not self.experts.sorts_in_routing(x):
-            weights, ids = select_experts(router_logits, self.top_k, self.renormalize, weights_dtype)
-            out = self.experts(x, weights, ids)
-            return out if self.experts.tp_size == 1 else all_reduce(out)
+        sorts = self.experts.sorts_in_routing(x)
+        # Decode sizes with LOOM_MOE_ONE_LAUNCH_ROUTING=1: the routing also sorts, from the logits.
+        sorts_in_routing = (sorts and moe_routing_triton.ONE_LAUNCH_ROUTING
+                            and not fused_moe_triton.direct_experts(x.shape[0]))
+        plan = None if sorts_in_routing else self._fused_router_plan(x)
         layout = None
-        if moe_routing_triton.ONE_LAUNCH_ROUTING and moe_routing_triton.fused_route_supported(router_logits, self.top_k):
-            # Decode sizes: route and sort the rows by expert in one launch (where three run).
-            block_m = fused_moe_triton.block_config(x.shape[0] * self.top_k, self.experts.num_experts, x.dtype).block_m
-            weights, ids, layout = moe_routing_triton.route_and_sort(router_logits, self.top_k, self.renormalize,
-                                                                     block_m, weights_dtype)
+        if plan is not None:  # router and routing in one launch
+            weights_dtype = x.dtype if self.weights_in_logits_dtype else None  # (the logits' dtype)
+            weights, ids = moe_router_gemv.route_from_hidden(x, self.gate.weight,  # type: ignore[arg-type]
+                                                             self.top_k, self.renormalize, weights_dtype, plan)
+            if not sorts:
+                out = self.experts(x, weights, ids)
+                return out if self.experts.tp_size == 1 else all_reduce(out)
         else:
-            weights, ids = select_experts(router_logits, self.top_k, self.renormalize, weights_dtype)
+            router_logits = self.gate(x)  # [T, E], in the model's dtype
+            weights_dtype = router_logits.dtype if self.weights_in_logits_dtype else None
+            if not sorts:
+                weights, ids = select_experts(router_logits, self.top_k, self.renormalize, weights_dtype)
+                out = self.experts(x, weights, ids)
+                return out if self.experts.tp_size == 1 else all_reduce(out)
+            if sorts_in_routing and moe_routing_triton.fused_route_supported(router_logits, self.top_k):
+                # Route and sort the rows by expert in one launch (where three run).
+                block_m = fused_moe_triton.block_config(x.shape[0] * self.top_k, self.experts.num_experts,
+                                                        x.dtype).block_m
+                weights, ids, layout = moe_routing_triton.route_and_sort(router_logits, self.top_k, self.renormalize,
+                                                                         block_m, weights_dtype)
+            else:
+                weights, ids = select_experts(router_logits, self.top_k, self.renormalize, weights_dtype)
         if uncombined and self.experts.tp_size == 1:  # the ranks' sum needs the combined output
             return self.experts.forward_uncombined(x, weights, ids, layout)
         out = self.experts(x, weights, ids, layout)

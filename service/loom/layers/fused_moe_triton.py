@@ -15,6 +15,12 @@ per layer whatever the number of experts:
    on one rank), the layer hands back the rows unsummed (:class:`ExpertOutputs`) and the norm
    kernel does this sum, rounded the same way, before its add: one launch fewer.
 
+A one-token step (:func:`direct_experts`) skips the sort: its ``k`` experts are distinct, so
+block ``b`` is row ``b`` alone and its expert is ``ids[b]``, read straight from the routing's ids
+(the kernels' ``DIRECT``): the same blocks and rows the sorted layout gives, so the same bits,
+with two launches fewer a layer. Its tiles may come from a measured table per kernel
+(``moe_plan_table``: tilings that leave every row's reduction order as it is).
+
 Shapes depend only on ``T`` (and the model): ``NB`` blocks (``num_blocks_bound``) hold any
 routing, the grids are fixed, and the device-side ``num_padded`` tells programs
 past the real blocks to return. No host sync, no data-dependent allocation: the layer can be
@@ -32,15 +38,23 @@ Triton is optional: without it this module imports (kernels stay plain functions
 # (Triton kernels take untyped pointer arguments; annotations there would change their meaning.)
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
+from loom import kernel_switches
+
+from . import moe_plan_table
 from .moe_routing_triton import HAS_TRITON as HAS_TRITON  # the layer asks this module
 from .moe_routing_triton import ExpertLayout, _cdiv, _jit, _next_pow2, align_rows_by_expert
 
 if HAS_TRITON:  # (without it the kernels stay plain functions, never launched)
     import triton.language as tl
+
+
+# Steps of at most this many tokens run their experts without the sort (direct_experts): one.
+DIRECT_MAX_TOKENS = 1
 
 
 @dataclass(frozen=True)
@@ -79,6 +93,29 @@ def block_config(num_rows: int, num_experts: int, dtype: torch.dtype) -> MoeBloc
 # ------------------------------------------------------------------------------------------------
 
 
+@_jit()
+def _block_live(num_padded_ptr, pid_m, BLOCK_M: tl.constexpr, DIRECT: tl.constexpr):
+    # Whether block pid_m holds rows (DIRECT: every block does; sorted: those below num_padded).
+    if DIRECT:  # noqa: SIM108 - a constexpr branch: only one side is compiled
+        live = pid_m >= 0
+    else:
+        live = pid_m * BLOCK_M < tl.load(num_padded_ptr)
+    return live
+
+
+@_jit()
+def _block_rows(sorted_ptr, pid_m, N, BLOCK_M: tl.constexpr, DIRECT: tl.constexpr):
+    # The rows of block pid_m (int64 [BLOCK_M]; the sentinel N marks padding). Sorted layout:
+    # read from sorted_ids. DIRECT: block b is row b alone (its expert is ids[b], read by the
+    # caller through block_expert_ptr), the other BLOCK_M - 1 places are padding.
+    if DIRECT:
+        r = tl.arange(0, BLOCK_M)
+        rows = tl.where(r == 0, pid_m, N).to(tl.int64)
+    else:
+        rows = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    return rows
+
+
 @_jit("N")
 def _gate_up_kernel(
     x_ptr,  # [T, H]
@@ -88,14 +125,14 @@ def _gate_up_kernel(
     N, K, INTER,  # INTER: I
     stride_xt, stride_we, stride_wn, stride_wk, stride_ot,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, DIRECT: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_n = tl.cdiv(INTER, BLOCK_N)
     pid_m = pid // num_n
     pid_n = pid % num_n
-    if pid_m * BLOCK_M < tl.load(num_padded_ptr):
-        rows = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # [BM]
+    if _block_live(num_padded_ptr, pid_m, BLOCK_M, DIRECT):
+        rows = _block_rows(sorted_ptr, pid_m, N, BLOCK_M, DIRECT)  # [BM]
         row_ok = rows < N
         tok = rows // TOP_K
         expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -108,10 +145,15 @@ def _gate_up_kernel(
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            k_ok = k + k0 < K
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if EVEN_K:  # every K tile whole: no mask on K, so Triton pipelines the loads (cp.async)
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                g = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
+                u = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
+            else:
+                k_ok = k + k0 < K
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
             acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
             a_ptrs += BLOCK_K
@@ -136,13 +178,14 @@ def _down_kernel(
     N, K, H,
     stride_at, stride_we, stride_wn, stride_wk, stride_ot,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    DIRECT: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_n = tl.cdiv(H, BLOCK_N)
     pid_m = pid // num_n
     pid_n = pid % num_n
-    if pid_m * BLOCK_M < tl.load(num_padded_ptr):
-        rows = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    if _block_live(num_padded_ptr, pid_m, BLOCK_M, DIRECT):
+        rows = _block_rows(sorted_ptr, pid_m, N, BLOCK_M, DIRECT)  # [BM]
         row_ok = rows < N
         expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -152,9 +195,13 @@ def _down_kernel(
         b_ptrs = w_ptr + expert * stride_we + n[None, :] * stride_wn + k[:, None] * stride_wk
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            k_ok = k + k0 < K
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if EVEN_K:  # as in _gate_up_kernel
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+            else:
+                k_ok = k + k0 < K
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K * stride_wk
@@ -206,6 +253,78 @@ class ExpertOutputs:
         return combine_rows(self.rows, self.weights)
 
 
+def direct_experts(num_tokens: int) -> bool:
+    """Whether a step of ``num_tokens`` tokens runs its experts straight from the routing's ids
+    (block ``b`` is row ``b`` alone, its expert ``ids[b]``), with no sort by expert: two launches
+    fewer a layer (``_count_kernel``, ``_place_kernel``). At one token the ``k`` experts are
+    distinct, so this is exactly the sorted layout's work (each chosen expert's weights read once,
+    a block of one row each); past one token a shared expert would be read once a row, which
+    costs more than the two launches save. ``LOOM_MOE_DIRECT_EXPERTS=0`` keeps the sort."""
+    return kernel_switches.moe_direct_experts and 1 <= num_tokens <= DIRECT_MAX_TOKENS
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
+
+
+def direct_configs(x: torch.Tensor, hidden: int, inter: int) -> tuple[MoeBlockConfig, MoeBlockConfig]:
+    """The gate/up and down kernels' tiles for a one-token (direct) step on ``x``'s device: the
+    measured table's (``moe_plan_table``) where it names the shape, else ``block_config``'s."""
+    cfg = block_config(1, 1, x.dtype)
+    if not x.is_cuda or not moe_plan_table.PLANS:
+        return cfg, cfg
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    entry = moe_plan_table.PLANS.get((_sm_count(index), hidden, inter, str(x.dtype).removeprefix("torch.")))
+    if entry is None:
+        return cfg, cfg
+    return MoeBlockConfig(cfg.block_m, *entry[0]), MoeBlockConfig(cfg.block_m, *entry[1])
+
+
+def _even_k(k: int, cfg: MoeBlockConfig, even_k: bool | None) -> bool:
+    """Whether the K loop runs without a K mask: every K tile whole (None), unless ``even_k`` says
+    (False: the masked loop, for measurements; True only where K is a multiple of the tile)."""
+    whole = k % cfg.block_k == 0
+    return whole if even_k is None else even_k and whole
+
+
+def launch_gate_up(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, sorted_ids: torch.Tensor,
+                   block_expert: torch.Tensor, num_padded: torch.Tensor, top_k: int, cfg: MoeBlockConfig,
+                   direct: bool, even_k: bool | None = None) -> None:
+    """``act [N, I] = silu(x w_gate^T) * (x w_up^T)`` for every row of the layout (``direct``:
+    ``block_expert`` is the flat ids [N] and the two others are not read). Where every K tile is
+    whole the loop has no K mask, which lets Triton pipeline its loads (with a mask that depends
+    on the loop index, triton 3.6 compiled plain register loads, no cp.async, for every stage
+    count); the same values, so the same bits."""
+    n, inter = act.shape
+    nb = n if direct else block_expert.shape[0]
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # ignored for half-precision inputs
+    _gate_up_kernel[(nb * _cdiv(inter, cfg.block_n),)](
+        x, w13, act, sorted_ids, block_expert, num_padded,
+        n, x.shape[1], inter,
+        x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0),
+        TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=precision,
+        DIRECT=direct, EVEN_K=_even_k(x.shape[1], cfg, even_k), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def launch_down(act: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, sorted_ids: torch.Tensor,
+                block_expert: torch.Tensor, num_padded: torch.Tensor, cfg: MoeBlockConfig, direct: bool,
+                even_k: bool | None = None) -> None:
+    """``y [N, H] = act w_down^T`` for every row of the layout (as :func:`launch_gate_up`)."""
+    n, hidden = y.shape
+    nb = n if direct else block_expert.shape[0]
+    precision = "ieee" if act.dtype == torch.float32 else "tf32"
+    _down_kernel[(nb * _cdiv(hidden, cfg.block_n),)](
+        act, w2, y, sorted_ids, block_expert, num_padded,
+        n, act.shape[1], hidden,
+        act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), y.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=precision,
+        DIRECT=direct, EVEN_K=_even_k(act.shape[1], cfg, even_k), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+
+
 def expert_outputs_triton(
     x: torch.Tensor,  # [T, H]
     w13: torch.Tensor,  # [E, 2I, H]
@@ -214,10 +333,13 @@ def expert_outputs_triton(
     topk_ids: torch.Tensor,  # [T, k]
     config: MoeBlockConfig | None = None,
     layout: ExpertLayout | None = None,
+    direct: bool | None = None,
 ) -> ExpertOutputs:
     """Every token's ``k`` experts, not yet summed: two launches, after the sort's two unless
     ``layout`` (``moe_routing_triton.route_and_sort``'s, for the same ids) is given with the
-    block size this step's tiles use."""
+    block size this step's tiles use, or the step runs ``direct`` (None: :func:`direct_experts`;
+    only without a layout). ``config``: both kernels' tiles (None: ``block_config``'s, or at one
+    token ``direct_configs``')."""
     T, H = x.shape
     k = topk_ids.shape[1]
     E, two_i, _ = w13.shape
@@ -228,27 +350,23 @@ def expert_outputs_triton(
         return ExpertOutputs(y, topk_weights)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    cfg = config or block_config(n, E, x.dtype)
-    if layout is None or layout.block_m != cfg.block_m:
-        layout = ExpertLayout(*align_rows_by_expert(topk_ids, E, cfg.block_m), block_m=cfg.block_m)
-    sorted_ids, block_expert, num_padded = layout.sorted_ids, layout.block_expert, layout.num_padded
-    nb = block_expert.shape[0]
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # ignored for half-precision inputs
+    if direct is None:
+        direct = layout is None and direct_experts(T)
+    if direct:
+        cfg_gu, cfg_down = (config, config) if config is not None else direct_configs(x, H, inter)
+        # Block b = row b: block_expert is the flat ids, sorted_ids and num_padded are not read.
+        block_expert = topk_ids.reshape(-1)
+        if block_expert.dtype != torch.int32:
+            block_expert = block_expert.to(torch.int32)
+        sorted_ids = num_padded = block_expert
+    else:
+        cfg_gu = cfg_down = config or block_config(n, E, x.dtype)
+        if layout is None or layout.block_m != cfg_gu.block_m:
+            layout = ExpertLayout(*align_rows_by_expert(topk_ids, E, cfg_gu.block_m), block_m=cfg_gu.block_m)
+        sorted_ids, block_expert, num_padded = layout.sorted_ids, layout.block_expert, layout.num_padded
     act = torch.empty((n, inter), dtype=x.dtype, device=x.device)
-    _gate_up_kernel[(nb * _cdiv(inter, cfg.block_n),)](
-        x, w13, act, sorted_ids, block_expert, num_padded,
-        n, H, inter,
-        x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0),
-        TOP_K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    _down_kernel[(nb * _cdiv(H, cfg.block_n),)](
-        act, w2, y, sorted_ids, block_expert, num_padded,
-        n, inter, H,
-        act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), y.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    launch_gate_up(x, w13, act, sorted_ids, block_expert, num_padded, k, cfg_gu, direct)
+    launch_down(act, w2, y, sorted_ids, block_expert, num_padded, cfg_down, direct)
     return ExpertOutputs(y, topk_weights.contiguous())
 
 
@@ -260,7 +378,8 @@ def fused_experts_triton(
     topk_ids: torch.Tensor,  # [T, k]
     config: MoeBlockConfig | None = None,
     layout: ExpertLayout | None = None,
+    direct: bool | None = None,
 ) -> torch.Tensor:  # [T, H]
     """Every token's ``k`` experts, weighted and summed: :func:`expert_outputs_triton`, then the
-    combine (three launches after the sort)."""
-    return expert_outputs_triton(x, w13, w2, topk_weights, topk_ids, config, layout).combine()
+    combine (three launches after the sort, or with none at one token: :func:`direct_experts`)."""
+    return expert_outputs_triton(x, w13, w2, topk_weights, topk_ids, config, layout, direct).combine()

@@ -122,16 +122,22 @@ def route_rows(num_experts: int) -> int:
 @_jit()
 def _route_tile(logits_ptr, t0, T, E, stride_l,
                 K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                RENORMALIZE: tl.constexpr):
+                RENORMALIZE: tl.constexpr, FROM_L2: tl.constexpr):
     # Tokens t0 .. t0 + BLOCK_T - 1 (those below T): the softmax of each one's E logits in
     # float32, its K largest (chosen on the logits, whose order the softmax keeps; equal ones
     # lowest expert first), renormalised. Returns (weights [BT, BK] float32, experts [BT, BK]
     # int32); slots past K hold junk, rows past T repeat row T - 1 (T >= 1; finite: no NaN).
+    # FROM_L2: the logits were written by other programs of this launch (moe_router_gemv): read
+    # them from L2, never from a stale L1 line.
     t = tl.minimum(t0 + tl.arange(0, BLOCK_T), T - 1)
     e = tl.arange(0, BLOCK_E)
     ok = (e < E)[None, :]
-    logits = tl.load(logits_ptr + t.to(tl.int64)[:, None] * stride_l + e[None, :], mask=ok,
-                     other=float("-inf")).to(tl.float32)  # [BT, BE]
+    if FROM_L2:
+        raw = tl.load(logits_ptr + t.to(tl.int64)[:, None] * stride_l + e[None, :], mask=ok,
+                      other=float("-inf"), cache_modifier=".cg")
+    else:
+        raw = tl.load(logits_ptr + t.to(tl.int64)[:, None] * stride_l + e[None, :], mask=ok, other=float("-inf"))
+    logits = raw.to(tl.float32)  # [BT, BE]
     ex = tl.where(ok, tl.exp(logits - tl.max(logits, axis=1)[:, None]), 0.0)
     probs = ex / tl.sum(ex, axis=1)[:, None]  # as torch.softmax(dtype=float32)
     slots = tl.arange(0, BLOCK_K)[None, :]
@@ -167,7 +173,7 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, T, E, stride_l,
                   RENORMALIZE: tl.constexpr):
     # Program p routes tokens p * BLOCK_T .. p * BLOCK_T + BLOCK_T - 1.
     t0 = tl.program_id(0) * BLOCK_T
-    chosen_p, chosen_e = _route_tile(logits_ptr, t0, T, E, stride_l, K, BLOCK_T, BLOCK_K, BLOCK_E, RENORMALIZE)
+    chosen_p, chosen_e = _route_tile(logits_ptr, t0, T, E, stride_l, K, BLOCK_T, BLOCK_K, BLOCK_E, RENORMALIZE, False)
     _store_routing(weights_ptr, ids_ptr, chosen_p, chosen_e, t0, T, K, BLOCK_T, BLOCK_K)
 
 
@@ -289,7 +295,7 @@ def _route_sort_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_ptr, block_exper
     # One program, T <= BLOCK_T: _route_kernel's tile, then _count_kernel's and _place_kernel's
     # layout computed from the chosen experts in registers. Every store below writes its own
     # addresses (rows, each expert's padding, each expert's blocks): no ordering between them.
-    chosen_p, chosen_e = _route_tile(logits_ptr, 0, T, E, stride_l, K, BLOCK_T, BLOCK_K, BLOCK_E, RENORMALIZE)
+    chosen_p, chosen_e = _route_tile(logits_ptr, 0, T, E, stride_l, K, BLOCK_T, BLOCK_K, BLOCK_E, RENORMALIZE, False)
     _store_routing(weights_ptr, ids_ptr, chosen_p, chosen_e, 0, T, K, BLOCK_T, BLOCK_K)
     BLOCK_N: tl.constexpr = BLOCK_T * BLOCK_K
     f = tl.arange(0, BLOCK_N)  # the tile's rows flattened in (t, j) order, i.e. in increasing i
