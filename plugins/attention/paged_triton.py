@@ -147,11 +147,15 @@ class PagedAttentionBackend(AttentionBackend[PagedPlan]):
         # sends it to the generic kernel's FP8 path instead.
         attend = paged_attention_fp8 if kv_fp8.is_packed(kv_cache) and kernel_switches.fp8_kv_kernel else paged_attention
         if plan.num_decode:
-            if attend is paged_attention_fp8:  # its own tiles and split cut (the plan's split count)
+            if attend is paged_attention_fp8:  # its own split cut; the plan's tile from its own table
+                # Float32 activations (tests, reference runs) keep the launcher's warps: its IEEE
+                # dots need four, a measured plan is for half-precision ones.
+                warps = plan.num_warps if q.dtype != torch.float32 else None
                 attend(q, kv_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                        num_seqs=plan.num_decode, seq_ids=plan.decode_ids, max_query_len=1,
                        num_splits=plan.num_splits, scale=scale, sliding_window=sliding_window,
-                       logits_soft_cap=logits_soft_cap)
+                       logits_soft_cap=logits_soft_cap, block_n=plan.block_n, num_warps=warps,
+                       num_stages=plan.num_stages)
             else:
                 fused = plan.fused_combine and plan.num_splits > 1
                 paged_attention(q, kv_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
