@@ -256,6 +256,7 @@ def paged_attention_fp8(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    max_registers: int | None = None,  # Triton's maxnreg: registers a thread at most (ptxas spills the rest)
 ) -> None:
     """``triton_kernels.paged_attention`` over a packed FP8 pool, through this module's kernel."""
     if num_seqs == 0:
@@ -280,6 +281,8 @@ def paged_attention_fp8(
     extra = {"num_warps": num_warps or cfg["num_warps"]}
     if num_stages is not None:
         extra["num_stages"] = num_stages
+    if max_registers is not None:  # (the interpreter ignores it)
+        extra["maxnreg"] = max_registers
     _paged_attn_fp8_kernel[(num_seqs, hkv, m_tiles * num_splits)](
         q, kc, vc, ks, vs, out, part_o, part_lse,
         query_start_loc, seq_lens, block_tables, ids,
