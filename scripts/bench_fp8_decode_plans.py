@@ -54,7 +54,7 @@ SPLITS = (1, 2, 4, 8, 16)
 # (block_n, num_warps, num_stages, max_registers); None: the launcher's / Triton's / ptxas's choice
 # (the first is the rule's tile). Why these (scripts/paged_sass.py --fp8-plans, sm_90): today's tile
 # keeps K/V in one shared buffer (20 KB a program: 11 programs a SM) at 167 registers (12); 32-key
-# tiles need 11 KB (20 a SM) and capped at 128 registers spill 8 bytes, so 16 one-warp programs
+# tiles need 11 KB (19 a SM) and capped at 128 registers spill 8 bytes, so 16 one-warp programs
 # stay resident a SM: batch 256 x 8 KV heads (2,048 programs) in one wave of 132 x 16 instead of
 # 1.4 waves of 132 x 11.
 Tile = tuple[int | None, int | None, int | None, int | None]
