@@ -6,8 +6,8 @@ launch: one warp a (sequence, KV head) program, 8 query rows, 64-key tiles, Trit
 stages, the split count of ``decode_plans.choose_num_splits``. This times, each call replayed from
 a CUDA graph with the L2 cold (``sweep_common.GraphTimer``), the launch of every candidate --
 key tile ``block_n`` (32-256: whole 16-token pages, each warp still owning whole MMA tiles of 16
-keys), ``num_warps`` (1 / 2 / 4), ``num_stages`` (1-3), a cap on registers a thread (``maxnreg``)
-and split count (1-16) -- beside
+keys), ``num_warps`` (1 / 2 / 4), ``num_stages`` (1-3), a cap on registers a thread (``maxnreg``),
+the block-table prefetch that double-buffers K/V, and split count (1-16) -- beside
 today's, for llama-8b's layout (8 KV heads of 4 query heads, head 128) and Qwen3-30B-A3B's (4, 8)
 at batch 1, 4, 16, 64, 128, 256 and contexts 512, 1024, 2048 (the rule's split count taken, as in
 a CUDA graph, from the graph's bound ``--bound``).
@@ -51,16 +51,20 @@ LAYOUTS = [("llama-8b", 8, 4, 128), ("qwen3-30b-a3b", 4, 8, 128)]
 BATCHES = (1, 4, 16, 64, 128, 256)
 CONTEXTS = (512, 1024, 2048)
 SPLITS = (1, 2, 4, 8, 16)
-# (block_n, num_warps, num_stages, max_registers); None: the launcher's / Triton's / ptxas's choice
-# (the first is the rule's tile). Why these (scripts/paged_sass.py --fp8-plans, sm_90): today's tile
+# (block_n, num_warps, num_stages, max_registers, prefetch_table); None: the launcher's / Triton's /
+# ptxas's choice (the first is the rule's tile). Why these (scripts/paged_sass.py --fp8-plans, sm_90): today's tile
 # keeps K/V in one shared buffer (20 KB a program: 11 programs a SM) at 167 registers (12); 32-key
 # tiles need 11 KB (19 a SM) and capped at 128 registers spill 8 bytes, so 16 one-warp programs
 # stay resident a SM: batch 256 x 8 KV heads (2,048 programs) in one wave of 132 x 16 instead of
-# 1.4 waves of 132 x 11.
-Tile = tuple[int | None, int | None, int | None, int | None]
-TILES: list[Tile] = [(None, None, None, None), (64, 1, 2, None), (64, 1, 1, None), (32, 1, 2, None),
-                     (32, 1, 3, None), (32, 1, 2, 128), (32, 1, 3, 128), (128, 1, 2, None), (64, 2, 2, None),
-                     (128, 2, 2, None), (128, 2, 3, None), (128, 4, 2, None), (128, 4, 3, None), (256, 4, 2, None)]
+# 1.4 waves of 132 x 11. The block-table prefetch double-buffers K/V (36 KB a program at 64 keys:
+# 6 a SM; 19 KB at 32 keys: 11 a SM): fewer resident warps, each with a tile in flight while it
+# computes the last.
+Tile = tuple[int | None, int | None, int | None, int | None, bool]
+TILES: list[Tile] = [(None, None, None, None, False), (64, 1, 2, None, False), (64, 1, 1, None, False),
+                     (32, 1, 2, None, False), (32, 1, 3, None, False), (32, 1, 2, 128, False), (32, 1, 3, 128, False),
+                     (128, 1, 2, None, False), (64, 2, 2, None, False), (128, 2, 2, None, False),
+                     (128, 2, 3, None, False), (128, 4, 2, None, False), (128, 4, 3, None, False),
+                     (256, 4, 2, None, False), (64, 1, 3, None, True), (32, 1, 3, 128, True), (32, 1, 3, None, True)]
 TILE_CTX = 1024  # the context the tiles are ranked at
 PAGE = 16
 TABLE = ROOT / "plugins" / "attention" / "fp8_decode_plan_table.py"
@@ -92,6 +96,7 @@ class Fp8Plan:
     num_warps: int | None = None
     num_stages: int | None = None
     max_registers: int | None = None
+    prefetch_table: bool = False
 
 
 class Pool:
@@ -154,7 +159,8 @@ def run(f8: Any, case: Case, plan: Fp8Plan) -> None:
     f8.paged_attention_fp8(case.q, case.kv, case.out, case.qsl, case.seq_lens, case.block_tables,
                            num_seqs=case.batch, seq_ids=None, max_query_len=1, scale=case.layout.head_dim**-0.5,
                            sliding_window=None, num_splits=plan.num_splits, block_n=plan.block_n,
-                           num_warps=plan.num_warps, num_stages=plan.num_stages, max_registers=plan.max_registers)
+                           num_warps=plan.num_warps, num_stages=plan.num_stages, max_registers=plan.max_registers,
+                           prefetch_table=plan.prefetch_table)
 
 
 def _compile_task(task: tuple[tuple[str, int, int, int], list[dict[str, Any]], int]) -> int:
@@ -222,7 +228,7 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
     if args.interpret:  # the interpreter ignores warps and stages: the tiles differ by block_n only
         layouts = [Layout("tiny", 2, 4, 32)]
         batches, contexts, bound, sms = (1, 3), (40, 100), 128, 8
-        tiles, tile_ctx, splits = [(None, None, None, None), (32, 2, 2, 128)], 100, (1, 2)
+        tiles, tile_ctx, splits = [(None, None, None, None, False), (32, 2, 2, 128, True)], 100, (1, 2)
     else:
         wanted = set(args.layouts.split(",")) if args.layouts else None
         layouts = [Layout(*lt) for lt in LAYOUTS if wanted is None or lt[0] in wanted]
@@ -327,14 +333,15 @@ def fill_table(results_path: Path, margin: float, table: Path = TABLE) -> list[s
             continue
         p = c["plan"]
         key = (data["sms"], c["hkv"], c["group"], c["head_dim"], c["batch"])
-        value = (p["num_splits"], p["block_n"], p["num_warps"], p["num_stages"], p["max_registers"])
+        value = (p["num_splits"], p["block_n"], p["num_warps"], p["num_stages"], p["max_registers"],
+                 p["prefetch_table"])
         lines.append(f"    {key!r}: {value!r},  # {c['layout']}: {c['speedup_vs_rule']:.2f}x the rule")
     text = table.read_text().splitlines(keepends=True)
     end = next(i for i, line in enumerate(text) if line.startswith(("# From ", "PLANS")))
     body = "{\n" + "\n".join(lines) + "\n}" if lines else "{}"
     source = (f"{''.join(text[:end])}# From {results_path.name} ({data.get('device', '?')}, bound {data['bound']}, "
               f"{'cold' if data.get('cold_l2', True) else 'warm'} L2), margin {margin:.0%}.\n"
-              f"PLANS: dict[tuple[int, int, int, int, int], tuple[int, int | None, int | None, int | None, int | None]] = "
+              f"PLANS: dict[tuple[int, int, int, int, int], tuple[int, int | None, int | None, int | None, int | None, bool]] = "
               f"{body}\n")
     table.write_text(source)
     return lines

@@ -54,12 +54,13 @@ def _signature(dtype: str, code: str, v_strides: tuple[str, ...], generic: bool)
 
 def count(dtype: str, pool: str, num_stages: int | None = None, block_n: int = 64, num_warps: int = 4,
           group: int = GROUP, head_dim: int = HEAD_DIM, num_splits: int = 1, fused: bool = False,
-          fp8_tile: tuple[int, int] | None = None, maxnreg: int | None = None) -> dict[str, Any]:
+          fp8_tile: tuple[int, int] | None = None, maxnreg: int | None = None,
+          prefetch_table: bool = False) -> dict[str, Any]:
     """``pool``: "dense" (the generic kernel over a pool of ``dtype``), "fp8_generic" (its FP8
     path) or "fp8_kernel" (the FP8 kernel, at its own launch configuration). ``block_n``,
     ``num_warps``, ``num_splits`` and ``fused`` (the last split merges) shape the generic kernel;
     ``fp8_tile`` (block_n, num_warps) replaces the FP8 kernel's own; ``maxnreg`` caps the registers
-    a thread (ptxas spills the rest)."""
+    a thread (ptxas spills the rest); ``prefetch_table`` is the FP8 kernel's ``PREFETCH_TABLE``."""
     sys.path.insert(0, str(ROOT / "tests"))
     from helpers.source_tree import make_importable
 
@@ -81,7 +82,7 @@ def count(dtype: str, pool: str, num_stages: int | None = None, block_n: int = 6
         kernel = f8._paged_attn_fp8_kernel
         sig = _signature(dtype, "*fp8e4nv", ("stride_vcb", "stride_vch", "stride_vcd"), generic=False)
         consts: dict[str, Any] = dict(TILE_PAGES=max(1, block_n // PAGE), TILE_W=min(block_n, PAGE),
-                                      F32_DOTS=False)
+                                      F32_DOTS=False, PREFETCH_TABLE=prefetch_table)
         num_splits, fused = 1, False
     else:
         block_m = max(16, 1 << (group - 1).bit_length())
@@ -113,7 +114,8 @@ def count(dtype: str, pool: str, num_stages: int | None = None, block_n: int = 6
     total = sum(ops.values())
     return {"kernel": "fp8" if pool == "fp8_kernel" else "generic", "activations": dtype,
             "pool": dtype if pool == "dense" else "fp8_e4m3", "block_m": block_m, "block_n": block_n,
-            "num_warps": num_warps, "num_stages": num_stages or "default", "maxnreg": maxnreg, "group": group, "head_dim": head_dim,
+            "num_warps": num_warps, "num_stages": num_stages or "default", "maxnreg": maxnreg,
+            "prefetch_table": prefetch_table, "group": group, "head_dim": head_dim,
             "num_splits": num_splits, "fused_combine": fused and num_splits > 1, "loop_instructions": total,
             "kv_elements_per_thread": elements, "instructions_per_kv_element": round(total / elements, 2),
             "instructions_per_kv_byte": round(total / kv_bytes, 2),
@@ -182,9 +184,10 @@ def fp8_plans(out: str | None) -> None:
 
     results = []
     for group in (4, 8):
-        for block_n, warps, stages, maxnreg in TILES:
+        for block_n, warps, stages, maxnreg, prefetch in TILES:
             tile = None if block_n is None else (block_n, warps or 1)
-            results.append(count("bf16", "fp8_kernel", stages, group=group, fp8_tile=tile, maxnreg=maxnreg))
+            results.append(count("bf16", "fp8_kernel", stages, group=group, fp8_tile=tile, maxnreg=maxnreg,
+                                 prefetch_table=prefetch))
     for r in results:
         regs = r["registers"]
         warps_by_regs = 65536 // (32 * (-(-regs // 8) * 8)) if regs else 0  # registers are allotted 8 at a time
@@ -192,7 +195,7 @@ def fp8_plans(out: str | None) -> None:
         progs_by_smem = (228 << 10) // max(1, r["shared_bytes"] + 1024)  # 1 KB a block reserved by the driver
         r["programs_per_sm"] = min(progs_by_regs, progs_by_smem, 32, 64 // r["num_warps"])
         print(f"G {r['group']} BLOCK_N {r['block_n']:3d} warps {r['num_warps']} stages {r['num_stages']!s:7s} "
-              f"maxnreg {r['maxnreg']!s:4s}: "
+              f"maxnreg {r['maxnreg']!s:4s} prefetch {r['prefetch_table']!s:5s}: "
               f"{r['instructions_per_kv_element']:5.2f} a K/V element ({r['loop_instructions']} in the loop), "
               f"{r['instructions_outside_loop']} outside it, {regs} registers, {r['spill_bytes']} spill bytes, "
               f"{r['shared_bytes']} shared bytes; resident programs a SM: {progs_by_regs} by registers, "

@@ -49,6 +49,7 @@ class DecodePlan:
     num_stages: int | None = None  # None: Triton's default
     fused_combine: bool = False  # the last piece to finish merges the pieces (no second launch)
     max_registers: int | None = None  # the FP8 kernel's cap on registers a thread (None: ptxas's choice)
+    prefetch_table: bool = False  # the FP8 kernel loads a tile's block-table entries one iteration ahead
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
@@ -93,8 +94,8 @@ def plan_decode(num_seqs: int, num_kv_heads: int, group: int, head_dim: int, max
     elif kernel_switches.paged_decode_table and kernel_switches.fp8_kv_kernel:
         entry = fp8_decode_plans.measured_fp8_plan(num_sms, num_kv_heads, group, head_dim, num_seqs)
         if entry is not None:
-            splits, block_n, warps, stages, max_registers = entry
-            plan = DecodePlan(splits, 0, block_n, warps, stages, False, max_registers)
+            splits, block_n, warps, stages, max_registers, prefetch = entry
+            plan = DecodePlan(splits, 0, block_n, warps, stages, False, max_registers, prefetch)
     if plan is None:
         return DecodePlan(choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms))
     tile = plan.block_n or (32 if head_dim > 128 else 64)
@@ -103,4 +104,4 @@ def plan_decode(num_seqs: int, num_kv_heads: int, group: int, head_dim: int, max
     if cap >= plan.num_splits:
         return plan
     return DecodePlan(cap, plan.min_keys, plan.block_n, plan.num_warps, plan.num_stages,
-                      plan.fused_combine and cap > 1, plan.max_registers)
+                      plan.fused_combine and cap > 1, plan.max_registers, plan.prefetch_table)

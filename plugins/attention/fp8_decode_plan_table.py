@@ -8,12 +8,14 @@ an FP8 pool then keeps the rule (``decode_plans.choose_num_splits`` with
 ``triton_fp8_attention.fp8_launch_config``'s tile).
 
 Key: (SMs of the GPU, KV heads, query heads per KV head, head size, batch size).
-Value: (num_splits, block_n, num_warps, num_stages, max_registers); None: the launcher's, Triton's
-or ptxas's choice. ``max_registers`` (Triton's ``maxnreg``) caps a thread's registers so that more
+Value: (num_splits, block_n, num_warps, num_stages, max_registers, prefetch_table); None: the
+launcher's, Triton's or ptxas's choice. ``max_registers`` (Triton's ``maxnreg``) caps a thread's registers so that more
 one-warp programs stay resident on a SM (65,536 registers a SM: 167 a thread allow 12 warps, 128
 allow 16), at the price of a few spilled bytes (``scripts/paged_sass.py --fp8-plans``).
+``prefetch_table`` loads each key tile's block-table entries one iteration ahead, so that Triton's
+pipeliner double-buffers the K/V tiles (twice the shared memory a program).
 """
 
 from __future__ import annotations
 
-PLANS: dict[tuple[int, int, int, int, int], tuple[int, int | None, int | None, int | None, int | None]] = {}
+PLANS: dict[tuple[int, int, int, int, int], tuple[int, int | None, int | None, int | None, int | None, bool]] = {}

@@ -28,9 +28,9 @@ def table_batch(num_seqs: int) -> int | None:
 
 
 def measured_fp8_plan(num_sms: int, num_kv_heads: int, group: int, head_dim: int,
-                      num_seqs: int) -> tuple[int, int | None, int | None, int | None, int | None] | None:
-    """The table's (num_splits, block_n, num_warps, num_stages, max_registers) for this GPU, layout
-    and batch, or None."""
+                      num_seqs: int) -> tuple[int, int | None, int | None, int | None, int | None, bool] | None:
+    """The table's (num_splits, block_n, num_warps, num_stages, max_registers, prefetch_table) for
+    this GPU, layout and batch, or None."""
     batch = table_batch(num_seqs)
     if batch is None:
         return None

@@ -59,6 +59,7 @@ class PagedPlan:
     num_stages: int | None = None
     fused_combine: bool = False
     max_registers: int | None = None  # the FP8 kernel's register cap a thread (decode_plans.DecodePlan)
+    prefetch_table: bool = False  # the FP8 kernel's block-table prefetch (decode_plans.DecodePlan)
 
 
 @functools.lru_cache(maxsize=8)
@@ -110,7 +111,7 @@ class PagedAttentionBackend(AttentionBackend[PagedPlan]):
             d = plan_decode(n, self.num_kv_heads, self.group_size, self.head_dim, meta.max_seq_len, self._sms,
                             self.fp8_kv_cache)
             return PagedPlan(None, n, None, 0, 0, d.num_splits, d.min_keys, d.block_n, d.num_warps, d.num_stages,
-                             d.fused_combine, d.max_registers)
+                             d.fused_combine, d.max_registers, d.prefetch_table)
         if meta.slot_mapping.shape[0] == n * meta.max_query_len:  # every sequence has max_query_len tokens
             return PagedPlan(None, 0, None, n, meta.max_query_len, 1)
         dec = [i for i, ql in enumerate(meta.query_lens_cpu) if ql == 1]
@@ -157,7 +158,8 @@ class PagedAttentionBackend(AttentionBackend[PagedPlan]):
                        num_seqs=plan.num_decode, seq_ids=plan.decode_ids, max_query_len=1,
                        num_splits=plan.num_splits, scale=scale, sliding_window=sliding_window,
                        logits_soft_cap=logits_soft_cap, block_n=plan.block_n, num_warps=warps,
-                       num_stages=plan.num_stages, max_registers=None if f32 else plan.max_registers)
+                       num_stages=plan.num_stages, max_registers=None if f32 else plan.max_registers,
+                       prefetch_table=plan.prefetch_table)
             else:
                 fused = plan.fused_combine and plan.num_splits > 1
                 paged_attention(q, kv_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,

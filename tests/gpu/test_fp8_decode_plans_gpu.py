@@ -28,15 +28,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 CUDA = torch.device("cuda")
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench_fp8_decode_plans import TILES  # noqa: E402
+from bench_fp8_decode_plans import TILES, Tile  # noqa: E402
 
 LAYOUTS = [(8, 4, 128), (4, 8, 128)]  # KV heads, query heads each, head size: llama-8b, Qwen3-30B-A3B
 
 
 @pytest.mark.parametrize("tile", TILES, ids=str)
 @pytest.mark.parametrize(("hkv", "group", "d"), LAYOUTS)
-def test_every_swept_tile_matches_the_reference_and_todays_launch(tile: tuple[int | None, ...], hkv: int,
-                                                                  group: int, d: int) -> None:
+def test_every_swept_tile_matches_the_reference_and_todays_launch(tile: Tile, hkv: int, group: int, d: int) -> None:
     rng = random.Random(f"fp8plan{tile}{hkv}")
     seqs = [(rng.choice([0, 15, 16, 100, 511, 777, 2047]), 1) for _ in range(24)]
     hq = hkv * group
@@ -46,11 +45,11 @@ def test_every_swept_tile_matches_the_reference_and_todays_launch(tile: tuple[in
     backend = PagedAttentionBackend(hq, hkv, d, torch.bfloat16, CUDA)
     backend.use_fp8_kv_cache()
     base = backend.prepare(step.meta)
-    block_n, warps, stages, max_registers = tile
+    block_n, warps, stages, max_registers, prefetch = tile
     for splits in (1, 4):
         outs = []
         for plan in (dataclasses.replace(base, num_splits=splits, block_n=block_n, num_warps=warps,
-                                         num_stages=stages, max_registers=max_registers),
+                                         num_stages=stages, max_registers=max_registers, prefetch_table=prefetch),
                      dataclasses.replace(base, num_splits=splits)):
             runs = []
             for _ in range(2):

@@ -37,21 +37,21 @@ def test_without_a_table_entry_the_fp8_plan_is_todays_rule(monkeypatch: pytest.M
 @pytest.fixture
 def llama_entries(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fp8_decode_plan_table, "PLANS", {
-        (132, *LLAMA, 1): (16, 128, 2, 2, None),
-        (132, *LLAMA, 64): (2, 32, 1, 2, 128),
-        (132, *LLAMA, 256): (1, 32, 1, 3, 128),
+        (132, *LLAMA, 1): (16, 128, 2, 2, None, False),
+        (132, *LLAMA, 64): (2, 32, 1, 2, 128, False),
+        (132, *LLAMA, 256): (1, 32, 1, 3, 128, True),
     })
 
 
 @pytest.mark.usefixtures("llama_entries")
 def test_an_entry_serves_its_batch_up_to_the_next_and_the_last_every_larger_one() -> None:
-    assert plan_decode(1, *LLAMA, 4096, 132, fp8_pool=True) == DecodePlan(16, 0, 128, 2, 2, False, None)
-    assert plan_decode(3, *LLAMA, 4096, 132, fp8_pool=True) == DecodePlan(16, 0, 128, 2, 2, False, None)
+    assert plan_decode(1, *LLAMA, 4096, 132, fp8_pool=True) == DecodePlan(16, 0, 128, 2, 2, False, None, False)
+    assert plan_decode(3, *LLAMA, 4096, 132, fp8_pool=True) == DecodePlan(16, 0, 128, 2, 2, False, None, False)
     rule4 = DecodePlan(choose_num_splits(4, 8, 4096, 132))
     assert plan_decode(4, *LLAMA, 4096, 132, fp8_pool=True) == rule4  # no entry of 4: the rule
-    assert plan_decode(100, *LLAMA, 4096, 132, fp8_pool=True) == DecodePlan(2, 0, 32, 1, 2, False, 128)
-    assert plan_decode(256, *LLAMA, 4096, 132, fp8_pool=True) == DecodePlan(1, 0, 32, 1, 3, False, 128)
-    assert plan_decode(512, *LLAMA, 4096, 132, fp8_pool=True) == DecodePlan(1, 0, 32, 1, 3, False, 128)
+    assert plan_decode(100, *LLAMA, 4096, 132, fp8_pool=True) == DecodePlan(2, 0, 32, 1, 2, False, 128, False)
+    assert plan_decode(256, *LLAMA, 4096, 132, fp8_pool=True) == DecodePlan(1, 0, 32, 1, 3, False, 128, True)
+    assert plan_decode(512, *LLAMA, 4096, 132, fp8_pool=True) == DecodePlan(1, 0, 32, 1, 3, False, 128, True)
     assert plan_decode(256, *LLAMA, 4096, 108, fp8_pool=True) == DecodePlan(1)  # another GPU: the rule
     # the bf16 pool's planner never reads the FP8 table
     assert plan_decode(256, *LLAMA, 4096, 132) == DecodePlan(choose_num_splits(256, 8, 4096, 132))
@@ -60,8 +60,8 @@ def test_an_entry_serves_its_batch_up_to_the_next_and_the_last_every_larger_one(
 @pytest.mark.usefixtures("llama_entries")
 def test_a_short_bound_keeps_only_the_splits_its_longest_sequence_fills() -> None:
     # 16 splits of 128-key tiles: 600 keys fill 5 -> 8 (a power of two at or above); 100 keys one
-    assert plan_decode(1, *LLAMA, 600, 132, fp8_pool=True) == DecodePlan(8, 0, 128, 2, 2, False, None)
-    assert plan_decode(1, *LLAMA, 100, 132, fp8_pool=True) == DecodePlan(1, 0, 128, 2, 2, False, None)
+    assert plan_decode(1, *LLAMA, 600, 132, fp8_pool=True) == DecodePlan(8, 0, 128, 2, 2, False, None, False)
+    assert plan_decode(1, *LLAMA, 100, 132, fp8_pool=True) == DecodePlan(1, 0, 128, 2, 2, False, None, False)
 
 
 @pytest.mark.usefixtures("llama_entries")
@@ -81,7 +81,8 @@ def test_the_backend_hands_the_fp8_plan_to_the_decode_launch() -> None:
     backend = PagedAttentionBackend(32, 8, 128, torch.bfloat16, torch.device("cpu"))  # 132 SMs off CUDA
     backend.use_fp8_kv_cache()
     plan = backend.prepare(step.meta)
-    assert (plan.num_splits, plan.block_n, plan.num_warps, plan.num_stages, plan.max_registers) == (2, 32, 1, 2, 128)
+    got = (plan.num_splits, plan.block_n, plan.num_warps, plan.num_stages, plan.max_registers, plan.prefetch_table)
+    assert got == (2, 32, 1, 2, 128, False)
 
 
 def _sweep() -> object:
@@ -93,7 +94,8 @@ def _sweep() -> object:
 
 def _cand(splits: int, s: float, block_n: int | None = None, ok: bool = True) -> dict[str, object]:
     return {"plan": {"num_splits": splits, "block_n": block_n, "num_warps": None if block_n is None else 1,
-                     "num_stages": None, "max_registers": None if block_n is None else 128}, "s": s, "ok": ok}
+                     "num_stages": None, "max_registers": None if block_n is None else 128,
+                     "prefetch_table": block_n is not None}, "s": s, "ok": ok}
 
 
 def test_sweep_choice_and_table(tmp_path: Path) -> None:
@@ -124,7 +126,7 @@ def test_sweep_choice_and_table(tmp_path: Path) -> None:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert module.PLANS == {(132, 8, 4, 128, 256): (1, 32, 1, None, 128)}
+    assert module.PLANS == {(132, 8, 4, 128, 256): (1, 32, 1, None, 128, True)}
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
