@@ -35,6 +35,12 @@ instructions a K/V element and 167 registers, against 8.37 and 195 for the gener
 the token-major pool of 2026-12-02 and 3.63 and 126 over bf16: per *byte* read, what the bf16
 kernel issues (1.85 against 1.82).
 
+Launch plans (``fp8_decode_plans``, a measured table; today's launch while it is empty): the key
+tile, warps, stages, a register cap (``maxnreg``) and ``PREFETCH_TABLE``, which loads each tile's
+block-table entries one iteration ahead: Triton's pipeliner otherwise keeps the K/V tiles in one
+shared buffer (their addresses depend on a load of the same iteration), and with it gives them
+two. None of these changes the arithmetic.
+
 Scales: each key's scale times the row's query scale multiplies its score; each value's scale,
 divided by a power of two at or above the tile's largest, multiplies its column of
 probabilities before the fp16 rounding (so the rounded values stay in ``[0, 1]``), and the
