@@ -13,6 +13,7 @@
 #   bash scripts/gpu_round.sh quantize8b       # loom quantize --method gptq random:llama-8b on the GPU, then W1 served from it
 #   bash scripts/gpu_round.sh moeprof          # where a Qwen3-30B-A3B-shaped decode step goes (#22: 3.4 of 4.8 ms outside the experts)
 #   bash scripts/gpu_round.sh sweep-fill       # the batch-1 fusions, decode plans and dense GEMV swept; tables filled; Loom reinstalled
+#   bash scripts/gpu_round.sh fp8-plans        # the FP8 attention kernel's decode launches swept (#20); its table filled; Loom reinstalled
 #
 # What is owed (2026-12-03): docs/benchmarks.md's list at its end ("What is owed to the next round"):
 # the GPU tests added since, W5 b with LOOM_DRAFT_CATCH_UP_GRAPHS=1 (#16), the FP8 kernel's microbench,
@@ -101,6 +102,15 @@ sweep-fill)  # the batch-1 sweeps, their tables filled and Loom reinstalled with
   [ -f "$OUT/dense-gemv-h200.json" ] && python3 scripts/bench_dense_gemv.py --fill-table "$OUT/dense-gemv-h200.json"
   tar cf "$OUT/tables.tar" plugins/attention/decode_plan_table.py service/loom/layers/dense_gemv_table.py
   rm -f "$OUT/fusions.log" "$OUT/decode-plans.log" "$OUT/dense-gemv.log"
+  python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/loomsite . || exit 1
+  ;;
+fp8-plans)  # #20: the FP8 kernel's decode launches swept, its table filled, Loom reinstalled with it
+  timeout 110 python3 scripts/bench_fp8_decode_plans.py --budget-s 80 --out "$OUT/fp8-decode-plans-h200.json" \
+    > "$OUT/fp8-decode-plans.log" 2>&1
+  grep -E "b[0-9]+ *:|compiled|budget" "$OUT/fp8-decode-plans.log" | cut -c1-400
+  [ -f "$OUT/fp8-decode-plans-h200.json" ] && python3 scripts/bench_fp8_decode_plans.py \
+    --fill-table "$OUT/fp8-decode-plans-h200.json"
+  tar cf "$OUT/fp8-table.tar" plugins/attention/fp8_decode_plan_table.py
   python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/loomsite . || exit 1
   ;;
 pending-smollm2)

@@ -53,10 +53,14 @@ def _signature(dtype: str, code: str, v_strides: tuple[str, ...], generic: bool)
 
 
 def count(dtype: str, pool: str, num_stages: int | None = None, block_n: int = 64, num_warps: int = 4,
-          group: int = GROUP, head_dim: int = HEAD_DIM, num_splits: int = 1, fused: bool = False) -> dict[str, Any]:
+          group: int = GROUP, head_dim: int = HEAD_DIM, num_splits: int = 1, fused: bool = False,
+          fp8_tile: tuple[int, int] | None = None, maxnreg: int | None = None,
+          prefetch_table: bool = False) -> dict[str, Any]:
     """``pool``: "dense" (the generic kernel over a pool of ``dtype``), "fp8_generic" (its FP8
     path) or "fp8_kernel" (the FP8 kernel, at its own launch configuration). ``block_n``,
-    ``num_warps``, ``num_splits`` and ``fused`` (the last split merges) shape the generic kernel."""
+    ``num_warps``, ``num_splits`` and ``fused`` (the last split merges) shape the generic kernel;
+    ``fp8_tile`` (block_n, num_warps) replaces the FP8 kernel's own; ``maxnreg`` caps the registers
+    a thread (ptxas spills the rest); ``prefetch_table`` is the FP8 kernel's ``PREFETCH_TABLE``."""
     sys.path.insert(0, str(ROOT / "tests"))
     from helpers.source_tree import make_importable
 
@@ -70,11 +74,15 @@ def count(dtype: str, pool: str, num_stages: int | None = None, block_n: int = 6
 
     if pool == "fp8_kernel":
         cfg = f8.fp8_launch_config(group, head_dim, 1)
-        block_m, block_n, num_warps = cfg["block_m"], cfg["block_n"], cfg["num_warps"]
+        block_m = cfg["block_m"]
+        if fp8_tile is None:
+            block_n, num_warps = cfg["block_n"], cfg["num_warps"]
+        else:  # a decode plan's tile (scripts/bench_fp8_decode_plans.py)
+            block_n, num_warps = fp8_tile
         kernel = f8._paged_attn_fp8_kernel
         sig = _signature(dtype, "*fp8e4nv", ("stride_vcb", "stride_vch", "stride_vcd"), generic=False)
         consts: dict[str, Any] = dict(TILE_PAGES=max(1, block_n // PAGE), TILE_W=min(block_n, PAGE),
-                                      F32_DOTS=False)
+                                      F32_DOTS=False, PREFETCH_TABLE=prefetch_table)
         num_splits, fused = 1, False
     else:
         block_m = max(16, 1 << (group - 1).bit_length())
@@ -95,6 +103,8 @@ def count(dtype: str, pool: str, num_stages: int | None = None, block_n: int = 6
     options: dict[str, Any] = {"num_warps": num_warps}
     if num_stages is not None:
         options["num_stages"] = num_stages
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
     compiled = triton.compile(ASTSource(kernel, {n: sig[n] for n in names}, consts, attrs),
                               target=GPUTarget("cuda", 90, 32), options=options)
     sass, regs, spills = disassemble(compiled)
@@ -104,7 +114,8 @@ def count(dtype: str, pool: str, num_stages: int | None = None, block_n: int = 6
     total = sum(ops.values())
     return {"kernel": "fp8" if pool == "fp8_kernel" else "generic", "activations": dtype,
             "pool": dtype if pool == "dense" else "fp8_e4m3", "block_m": block_m, "block_n": block_n,
-            "num_warps": num_warps, "num_stages": num_stages or "default", "group": group, "head_dim": head_dim,
+            "num_warps": num_warps, "num_stages": num_stages or "default", "maxnreg": maxnreg,
+            "prefetch_table": prefetch_table, "group": group, "head_dim": head_dim,
             "num_splits": num_splits, "fused_combine": fused and num_splits > 1, "loop_instructions": total,
             "kv_elements_per_thread": elements, "instructions_per_kv_element": round(total / elements, 2),
             "instructions_per_kv_byte": round(total / kv_bytes, 2),
@@ -117,9 +128,14 @@ def main() -> None:
     parser.add_argument("--out", help="write the counts as JSON here")
     parser.add_argument("--decode-plans", action="store_true",
                         help="count the decode plans scripts/bench_decode_plans.py sweeps (bf16 pool) instead")
+    parser.add_argument("--fp8-plans", action="store_true",
+                        help="count the FP8 kernel's decode tiles scripts/bench_fp8_decode_plans.py sweeps instead")
     args = parser.parse_args()
     if args.decode_plans:
         decode_plans(args.out)
+        return
+    if args.fp8_plans:
+        fp8_plans(args.out)
         return
     results = [count(d, pool, st) for d in ("bf16", "fp16") for pool in ("dense", "fp8_generic")
                for st in (None, 1)]
@@ -154,6 +170,36 @@ def decode_plans(out: str | None) -> None:
               f"{r['num_stages']!s:7s} {split:17s}: {r['instructions_per_kv_element']:5.2f} a K/V element "
               f"({r['loop_instructions']} in the loop), {r['instructions_outside_loop']} outside it, "
               f"{r['registers']} registers, {r['spill_bytes']} spill bytes", flush=True)
+    if out:
+        Path(out).write_text(json.dumps({"target": "sm_90 (triton 3.6, bundled ptxas)", "results": results},
+                                        indent=1) + "\n")
+
+
+def fp8_plans(out: str | None) -> None:
+    """The FP8 kernel's decode tiles (block_n, warps, stages) at llama-8b's (G 4) and
+    Qwen3-30B-A3B's (G 8) layouts, bf16 activations, unsplit: the loop's instructions a K/V
+    element, registers (a warp's 32 threads each hold them: 65,536 a SM bound the resident
+    warps), spills and shared memory a program (the stages' K and V tiles: the other bound)."""
+    from bench_fp8_decode_plans import TILES
+
+    results = []
+    for group in (4, 8):
+        for block_n, warps, stages, maxnreg, prefetch in TILES:
+            tile = None if block_n is None else (block_n, warps or 1)
+            results.append(count("bf16", "fp8_kernel", stages, group=group, fp8_tile=tile, maxnreg=maxnreg,
+                                 prefetch_table=prefetch))
+    for r in results:
+        regs = r["registers"]
+        warps_by_regs = 65536 // (32 * (-(-regs // 8) * 8)) if regs else 0  # registers are allotted 8 at a time
+        progs_by_regs = warps_by_regs // r["num_warps"]
+        progs_by_smem = (228 << 10) // max(1, r["shared_bytes"] + 1024)  # 1 KB a block reserved by the driver
+        r["programs_per_sm"] = min(progs_by_regs, progs_by_smem, 32, 64 // r["num_warps"])
+        print(f"G {r['group']} BLOCK_N {r['block_n']:3d} warps {r['num_warps']} stages {r['num_stages']!s:7s} "
+              f"maxnreg {r['maxnreg']!s:4s} prefetch {r['prefetch_table']!s:5s}: "
+              f"{r['instructions_per_kv_element']:5.2f} a K/V element ({r['loop_instructions']} in the loop), "
+              f"{r['instructions_outside_loop']} outside it, {regs} registers, {r['spill_bytes']} spill bytes, "
+              f"{r['shared_bytes']} shared bytes; resident programs a SM: {progs_by_regs} by registers, "
+              f"{progs_by_smem} by shared memory", flush=True)
     if out:
         Path(out).write_text(json.dumps({"target": "sm_90 (triton 3.6, bundled ptxas)", "results": results},
                                         indent=1) + "\n")

@@ -19,9 +19,11 @@ reads in under a microsecond (bench/results/profile-random-*-b1.txt). A plan say
 :func:`plan_decode` looks the plan up in the measured table
 (:mod:`loom_plugins.attention.decode_plan_table`, filled by ``scripts/bench_decode_plans.py
 --fill-table`` from a sweep on the GPU the numbers are for) by the GPU's SM count, the head
-layout and the batch size; without an entry (or with ``LOOM_PAGED_DECODE_TABLE=0``, or over an
-FP8 pool, whose inner loop differs) it keeps the rule written before measurement,
-:func:`choose_num_splits`, with the launcher's default tile: today's plan, bit for bit.
+layout and the batch size; without an entry (or with ``LOOM_PAGED_DECODE_TABLE=0``) it keeps the rule written before measurement,
+:func:`choose_num_splits`, with the launcher's default tile: today's plan, bit for bit. An FP8
+pool served by its own kernel has a table of its own (:mod:`loom_plugins.attention.fp8_decode_plans`:
+split count, tile, warps, stages; no ``min_keys`` or fused merge); under
+``LOOM_FP8_KV_KERNEL=0`` (the generic kernel's FP8 path) it keeps the rule.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 
 from loom import kernel_switches
 
-from . import decode_plan_table
+from . import decode_plan_table, fp8_decode_plans
 
 # Split-K only pays when each split keeps at least this many keys to read (the rule's guess).
 _MIN_KEYS_PER_SPLIT = 256
@@ -46,6 +48,8 @@ class DecodePlan:
     num_warps: int | None = None  # None: Triton's default
     num_stages: int | None = None  # None: Triton's default
     fused_combine: bool = False  # the last piece to finish merges the pieces (no second launch)
+    max_registers: int | None = None  # the FP8 kernel's cap on registers a thread (None: ptxas's choice)
+    prefetch_table: bool = False  # the FP8 kernel loads a tile's block-table entries one iteration ahead
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
@@ -87,6 +91,11 @@ def plan_decode(num_seqs: int, num_kv_heads: int, group: int, head_dim: int, max
     plan = None
     if kernel_switches.paged_decode_table and not fp8_pool:
         plan = measured_plan(num_sms, num_kv_heads, group, head_dim, num_seqs)
+    elif kernel_switches.paged_decode_table and kernel_switches.fp8_kv_kernel:
+        entry = fp8_decode_plans.measured_fp8_plan(num_sms, num_kv_heads, group, head_dim, num_seqs)
+        if entry is not None:
+            splits, block_n, warps, stages, max_registers, prefetch = entry
+            plan = DecodePlan(splits, 0, block_n, warps, stages, False, max_registers, prefetch)
     if plan is None:
         return DecodePlan(choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms))
     tile = plan.block_n or (32 if head_dim > 128 else 64)
@@ -95,4 +104,4 @@ def plan_decode(num_seqs: int, num_kv_heads: int, group: int, head_dim: int, max
     if cap >= plan.num_splits:
         return plan
     return DecodePlan(cap, plan.min_keys, plan.block_n, plan.num_warps, plan.num_stages,
-                      plan.fused_combine and cap > 1)
+                      plan.fused_combine and cap > 1, plan.max_registers, plan.prefetch_table)

@@ -58,6 +58,8 @@ class PagedPlan:
     num_warps: int | None = None
     num_stages: int | None = None
     fused_combine: bool = False
+    max_registers: int | None = None  # the FP8 kernel's register cap a thread (decode_plans.DecodePlan)
+    prefetch_table: bool = False  # the FP8 kernel's block-table prefetch (decode_plans.DecodePlan)
 
 
 @functools.lru_cache(maxsize=8)
@@ -109,7 +111,7 @@ class PagedAttentionBackend(AttentionBackend[PagedPlan]):
             d = plan_decode(n, self.num_kv_heads, self.group_size, self.head_dim, meta.max_seq_len, self._sms,
                             self.fp8_kv_cache)
             return PagedPlan(None, n, None, 0, 0, d.num_splits, d.min_keys, d.block_n, d.num_warps, d.num_stages,
-                             d.fused_combine)
+                             d.fused_combine, d.max_registers, d.prefetch_table)
         if meta.slot_mapping.shape[0] == n * meta.max_query_len:  # every sequence has max_query_len tokens
             return PagedPlan(None, 0, None, n, meta.max_query_len, 1)
         dec = [i for i, ql in enumerate(meta.query_lens_cpu) if ql == 1]
@@ -147,11 +149,17 @@ class PagedAttentionBackend(AttentionBackend[PagedPlan]):
         # sends it to the generic kernel's FP8 path instead.
         attend = paged_attention_fp8 if kv_fp8.is_packed(kv_cache) and kernel_switches.fp8_kv_kernel else paged_attention
         if plan.num_decode:
-            if attend is paged_attention_fp8:  # its own tiles and split cut (the plan's split count)
+            if attend is paged_attention_fp8:  # its own split cut; the plan's tile from its own table
+                # Float32 activations (tests, reference runs) keep the launcher's warps: its IEEE
+                # dots need four, a measured plan is for half-precision ones.
+                f32 = q.dtype == torch.float32
+                warps = None if f32 else plan.num_warps
                 attend(q, kv_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                        num_seqs=plan.num_decode, seq_ids=plan.decode_ids, max_query_len=1,
                        num_splits=plan.num_splits, scale=scale, sliding_window=sliding_window,
-                       logits_soft_cap=logits_soft_cap)
+                       logits_soft_cap=logits_soft_cap, block_n=plan.block_n, num_warps=warps,
+                       num_stages=plan.num_stages, max_registers=None if f32 else plan.max_registers,
+                       prefetch_table=plan.prefetch_table)
             else:
                 fused = plan.fused_combine and plan.num_splits > 1
                 paged_attention(q, kv_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,

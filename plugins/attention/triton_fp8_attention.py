@@ -35,6 +35,12 @@ instructions a K/V element and 167 registers, against 8.37 and 195 for the gener
 the token-major pool of 2026-12-02 and 3.63 and 126 over bf16: per *byte* read, what the bf16
 kernel issues (1.85 against 1.82).
 
+Launch plans (``fp8_decode_plans``, a measured table; today's launch while it is empty): the key
+tile, warps, stages, a register cap (``maxnreg``) and ``PREFETCH_TABLE``, which loads each tile's
+block-table entries one iteration ahead: Triton's pipeliner otherwise keeps the K/V tiles in one
+shared buffer (their addresses depend on a load of the same iteration), and with it gives them
+two. None of these changes the arithmetic.
+
 Scales: each key's scale times the row's query scale multiplies its score; each value's scale,
 divided by a power of two at or above the tile's largest, multiplies its column of
 probabilities before the fp16 rounding (so the rounded values stay in ``[0, 1]``), and the
@@ -88,6 +94,7 @@ def _paged_attn_fp8_kernel(
     TILE_PAGES: tl.constexpr, TILE_W: tl.constexpr,  # a key tile: TILE_PAGES pages of TILE_W keys
     NUM_SPLITS: tl.constexpr, HAS_SEQ_IDS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SOFT_CAP: tl.constexpr, F32_DOTS: tl.constexpr,
+    PREFETCH_TABLE: tl.constexpr = False,  # load each tile's block-table entries one iteration ahead
 ):
     i = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -133,9 +140,21 @@ def _paged_attn_fp8_kernel(
         bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
         pg = tl.arange(0, TILE_PAGES)
         w = tl.arange(0, TILE_W)
+        if PREFETCH_TABLE:  # the first tile's pages; each iteration then loads the next tile's
+            blk_next = tl.load(bt_row + s_lo // PAGE + pg, mask=s_lo + pg * TILE_W < s_hi, other=0).to(tl.int64)
+        else:
+            blk_next = tl.zeros([TILE_PAGES], tl.int64)
         for start in range(s_lo, s_hi, BLOCK_N):
             page_ok = start + pg * TILE_W < s_hi  # [TILE_PAGES]
-            blk = tl.load(bt_row + start // PAGE + pg, mask=page_ok, other=0).to(tl.int64)  # [TILE_PAGES]
+            if PREFETCH_TABLE:
+                # The tile's pages came from the last iteration, so its K/V addresses depend on no
+                # load of this one: Triton's pipeliner then gives K/V num_stages - 1 buffers (one
+                # otherwise). The next tile's entries past the keys are masked (not read).
+                blk = blk_next
+                nxt = start + BLOCK_N
+                blk_next = tl.load(bt_row + nxt // PAGE + pg, mask=nxt + pg * TILE_W < s_hi, other=0).to(tl.int64)
+            else:
+                blk = tl.load(bt_row + start // PAGE + pg, mask=page_ok, other=0).to(tl.int64)  # [TILE_PAGES]
             if TILE_PAGES > 1:  # noqa: SIM108 (a constexpr branch) whole pages: a tile starts on one
                 slot = w  # [TILE_W] token within its page
             else:  # a part of one page; tiles start on multiples of BLOCK_N (the hint keeps the
@@ -256,6 +275,8 @@ def paged_attention_fp8(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    max_registers: int | None = None,  # Triton's maxnreg: registers a thread at most (ptxas spills the rest)
+    prefetch_table: bool = False,  # the kernel's PREFETCH_TABLE (same loads, same results)
 ) -> None:
     """``triton_kernels.paged_attention`` over a packed FP8 pool, through this module's kernel."""
     if num_seqs == 0:
@@ -280,6 +301,8 @@ def paged_attention_fp8(
     extra = {"num_warps": num_warps or cfg["num_warps"]}
     if num_stages is not None:
         extra["num_stages"] = num_stages
+    if max_registers is not None:  # (the interpreter ignores it)
+        extra["maxnreg"] = max_registers
     _paged_attn_fp8_kernel[(num_seqs, hkv, m_tiles * num_splits)](
         q, kc, vc, ks, vs, out, part_o, part_lse,
         query_start_loc, seq_lens, block_tables, ids,
@@ -293,7 +316,7 @@ def paged_attention_fp8(
         TILE_PAGES=max(1, block_n // page), TILE_W=min(block_n, page),
         NUM_SPLITS=num_splits, HAS_SEQ_IDS=seq_ids is not None,
         HAS_WINDOW=sliding_window is not None, HAS_SOFT_CAP=logits_soft_cap is not None,
-        F32_DOTS=q.dtype == torch.float32,
+        F32_DOTS=q.dtype == torch.float32, PREFETCH_TABLE=prefetch_table,
         **extra,
     )
     if num_splits > 1:

@@ -172,6 +172,99 @@ def run_fp8_unrounded_case() -> float:
     return (out - expected).abs().max().item()
 
 
+# The FP8 kernel's decode plans (fp8_decode_plans: the split count, key tile, warps and stages a
+# measured table may choose; the interpreter runs warps and stages as one): (sequences, Hq, Hkv,
+# D, dtype, window, page, (num_splits, block_n, num_warps, num_stages, max_registers, prefetch_table)).
+FP8_PLAN_CASES: list[tuple[list[tuple[int, int]], int, int, int, str, int | None, int,
+                           tuple[int, int | None, int | None, int | None, int | None, bool]]] = [
+    ([(150, 1), (70, 1), (0, 1), (300, 1)], 16, 4, 32, "float16", None, 16, (1, 128, 2, 2, None, False)),  # 8 pages a tile
+    ([(150, 1), (70, 1), (0, 1), (300, 1)], 32, 4, 32, "float16", None, 16, (2, 256, 4, 3, None, True)),  # 16 pages, G 8
+    ([(300, 1), (33, 1)], 8, 2, 32, "float32", None, 16, (4, 128, 4, 2, None, False)),  # float32: the launcher's warps
+    ([(260, 1), (90, 1), (5, 1)], 16, 4, 32, "float16", 100, 16, (2, 32, 1, 2, 128, True)),  # window mid-tile, split, 32-key tiles
+    ([(200, 1), (90, 1)], 16, 4, 32, "float16", None, 32, (1, 128, 1, 2, None, True)),  # pages of 32: 4 a tile
+    ([(200, 1), (90, 1)], 8, 2, 32, "float16", None, 8, (1, 32, 1, 3, 128, False)),  # pages of 8: 4 a tile, registers capped
+]
+
+
+def run_fp8_plan_case(seqs: list[tuple[int, int]], hq: int, hkv: int, d: int, dtype_name: str,
+                      window: int | None, page: int,
+                      plan_args: tuple[int, int | None, int | None, int | None, int | None, bool]) -> list[str]:
+    """An FP8 decode plan through the backend against the reference, and against today's plan
+    (the rule) at the same split count: a tile changes where partial sums are taken, not the
+    kernel's numerics, so the two agree to a few ulps of the output."""
+    import torch
+
+    from helpers.fp8_kv_cases import pack, reference
+    from helpers.paged_cases import make_step
+    from loom_plugins.attention.paged_triton import PagedAttentionBackend
+
+    dtype = getattr(torch, dtype_name)
+    splits, block_n, warps, stages, max_registers, prefetch = plan_args
+    step = make_step(seqs, num_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=page, dtype=dtype,
+                     seed=len(seqs) * 13 + d + splits)
+    expected, _ = reference(step, d**-0.5, window)
+    backend = PagedAttentionBackend(hq, hkv, d, dtype, torch.device("cpu"))
+    backend.use_fp8_kv_cache()
+    base = dataclasses.replace(backend.prepare(step.meta), num_splits=splits)
+    outs = []
+    for plan in (dataclasses.replace(base, block_n=block_n, num_warps=warps, num_stages=stages,
+                                     max_registers=max_registers, prefetch_table=prefetch), base):
+        pool = pack(step.kv_cache.float())
+        outs.append(backend.forward(step.q, step.k, step.v, pool, step.meta, plan, d**-0.5, window).float())
+    tol = {"float32": 1e-5, "float16": 5e-3}[dtype_name]
+    errors = []
+    err = (outs[0] - expected).abs().max().item()
+    if err > tol:
+        errors.append(f"out err {err:.2e}")
+    diff = (outs[0] - outs[1]).abs().max().item()
+    if diff > tol:
+        errors.append(f"differs from the rule's tile by {diff:.2e}")
+    return errors
+
+
+def run_fp8_table_case() -> list[str]:
+    """A measured FP8 plan picked from its table by ``prepare`` (and capped at the pieces the
+    longest sequence fills), served by the FP8 kernel, equal to the reference; under
+    ``LOOM_FP8_KV_KERNEL=0`` (the generic kernel's FP8 path) the table is not read."""
+    import torch
+
+    from helpers.fp8_kv_cases import pack, reference
+    from helpers.paged_cases import make_step
+    from loom import kernel_switches
+    from loom_plugins.attention import fp8_decode_plan_table
+    from loom_plugins.attention.paged_triton import PagedAttentionBackend
+
+    seqs = [(300, 1), (40, 1), (0, 1), (170, 1)]
+    key = (132, 4, 4, 32, 4)  # 16 / 4 heads of 32 at 4 sequences
+    fp8_decode_plan_table.PLANS[key] = (4, 128, 2, 3, 128, True)
+    errors = []
+    try:
+        step = make_step(seqs, num_heads=16, num_kv_heads=4, head_dim=32, block_size=16, dtype=torch.float16,
+                         seed=11)
+        expected, _ = reference(step, 32**-0.5, None)
+        backend = PagedAttentionBackend(16, 4, 32, torch.float16, torch.device("cpu"))
+        backend.use_fp8_kv_cache()
+        plan = backend.prepare(step.meta)
+        # 301 keys at most: 3 tiles of 128, so the table's 4 splits are capped at 4 (a power of two)
+        got = (plan.num_splits, plan.block_n, plan.num_warps, plan.num_stages, plan.max_registers, plan.prefetch_table)
+        if got != (4, 128, 2, 3, 128, True):
+            errors.append(f"the table's plan was not used: {plan}")
+        out = backend.forward(step.q, step.k, step.v, pack(step.kv_cache.float()), step.meta, plan, 32**-0.5, None)
+        err = (out.float() - expected).abs().max().item()
+        if err > 5e-3:
+            errors.append(f"out err {err:.2e}")
+        before, kernel_switches.fp8_kv_kernel = kernel_switches.fp8_kv_kernel, False
+        try:
+            generic = backend.prepare(step.meta)
+        finally:
+            kernel_switches.fp8_kv_kernel = before
+        if generic.block_n is not None or generic.num_warps is not None:
+            errors.append(f"the generic kernel's FP8 path read the FP8 table: {generic}")
+    finally:
+        del fp8_decode_plan_table.PLANS[key]
+    return errors
+
+
 # Decode plans (decode_plans.DecodePlan) on the head layouts the table is measured for, shrunk:
 # (sequences, Hq, Hkv, D, dtype, window, (num_splits, min_keys, block_n, fused_combine)).
 PLAN_CASES: list[tuple[list[tuple[int, int]], int, int, int, str, int | None, tuple[int, int, int, bool]]] = [
@@ -327,6 +420,15 @@ def main() -> int:
     unrounded = run_fp8_unrounded_case()
     failures += unrounded > 2e-3
     print(f"{'ok  ' if unrounded <= 2e-3 else 'FAIL'} fp8 kernel, bf16 queries, float32 output: err {unrounded:.2e}")
+    for fp8_plan_case in FP8_PLAN_CASES:
+        errors = run_fp8_plan_case(*fp8_plan_case)
+        failures += bool(errors)
+        print(f"{'FAIL' if errors else 'ok  '} fp8 decode plan {fp8_plan_case}: "
+              f"{'; '.join(errors) or 'equal to the reference and the rule'}")
+    errors = run_fp8_table_case()
+    failures += bool(errors)
+    print(f"{'FAIL' if errors else 'ok  '} fp8 decode plan from the measured table: "
+          f"{'; '.join(errors) or 'used, equal to the reference'}")
     for plan_case in PLAN_CASES:
         errors = run_plan_case(*plan_case)
         failures += bool(errors)
