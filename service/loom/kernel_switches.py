@@ -19,6 +19,10 @@ Two narrower switches, read the same way:
   built): its catch-up steps replay CUDA graphs of 16 to 128 rows a sequence
   (``loom_plugins.speculative.draft_catch_up``) instead of running eagerly. Off by default
   until the H200 has run it (written and tested on the CPU, 2026-12-03; docs/speculative.md).
+- ``LOOM_GRAMMAR_FAST_ROWS=0`` (:data:`grammar_fast_rows`, read when the structured-output
+  driver is built): its bitmask rows and accepted tokens take the plain path (a fill per row
+  set, an ``is_terminated`` query per row, no sharing of masks between matchers in the same
+  state), the reference the fast path is tested against (docs/structured-output.md).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ def _dense_gemv_mode(value: str) -> str:
 dense_gemv: str = _dense_gemv_mode(os.environ.get("LOOM_DENSE_GEMV", "table"))
 paged_decode_table: bool = os.environ.get("LOOM_PAGED_DECODE_TABLE", "1") != "0"
 draft_catch_up_graphs: bool = os.environ.get("LOOM_DRAFT_CATCH_UP_GRAPHS", "0") == "1"
+grammar_fast_rows: bool = os.environ.get("LOOM_GRAMMAR_FAST_ROWS", "1") != "0"
 
 
 @contextlib.contextmanager
