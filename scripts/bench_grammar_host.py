@@ -196,7 +196,8 @@ def bench_grammar(steps: int, rows: int, warmup: int, profile_top: int, compare:
     for _ in range(warmup):
         for loop in loops.values():
             loop.step(None)
-    timings = {name: {"total": [], "rows": [], "processor": [], "accept": []} for name in loops}
+    timings: dict[str, dict[str, list[float]]] = {
+        name: {"total": [], "rows": [], "processor": [], "accept": []} for name in loops}
     for _ in range(steps):
         for name, loop in loops.items():
             loop.step(timings[name])

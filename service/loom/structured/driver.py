@@ -333,9 +333,9 @@ class StructuredOutput:
                 copies.append((g, src))
             if entry.holds_back_stops:
                 holds.append(g)
-        if handles:
-            self._batch_matcher()._handle.batch_fill_next_token_bitmask(
-                handles, bitmask, None if len(filled) == len(rows) else filled, False)
+        if handles:  # xgrammar's own object: its wrapper would build the handle list again
+            batcher: Any = self._batch_matcher()._handle
+            batcher.batch_fill_next_token_bitmask(handles, bitmask, None if len(filled) == len(rows) else filled, False)
         words = bitmask.numpy()  # the same memory
         for g, src in copies:
             words[g] = words[src]
