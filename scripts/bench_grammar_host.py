@@ -148,7 +148,9 @@ class GrammarLoop:
         matched = driver.any_matched(seqs)
         rows = driver.bitmask_rows(seqs)
         t1 = time.perf_counter()
-        processor = token_bitmask(rows, self.stager) if rows is not None else None
+        # the worker's call (its step's N rows; the plain path's code had no num_rows)
+        processor = token_bitmask(rows, self.stager, len(seqs) if self.driver.fast_rows else None) \
+            if rows is not None else None
         t2 = time.perf_counter()
         # the output processor: the placeholders are replaced by the tokens, then accepted
         refusals = driver.accept_step([(s, [t]) for s, t in zip(seqs, tokens, strict=True)

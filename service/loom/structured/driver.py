@@ -337,21 +337,33 @@ class StructuredOutput:
             batcher: Any = self._batch_matcher()._handle
             batcher.batch_fill_next_token_bitmask(handles, bitmask, None if len(filled) == len(rows) else filled, False)
         words = bitmask.numpy()  # the same memory
-        for g, src in copies:
-            words[g] = words[src]
-        for g in ended:
-            words[g] = -1
+        # Rows that allow no token (rare): only a filled row can be one (a copy is as empty as its
+        # source, an open row is all ones, and clearing stop ids never empties a row: see
+        # _hold_back_stops), so the check reads the filled rows only, before the copies.
+        if filled:
+            allows = words.any(axis=1) if len(filled) == len(rows) else words[filled].any(axis=1)
+            empty = {filled[k] for k in np.flatnonzero(~allows).tolist()}
+        else:
+            empty = set()
+        if copies:  # one gather for all of them (a row assignment each cost ~1 us)
+            words[[g for g, _ in copies]] = words[[src for _, src in copies]]
+        if ended:
+            words[ended] = -1
         for g in holds:
             seq = entries[g].seq
             if seq.num_known_tokens - seq.num_prompt_tokens < seq.stopping.min_new_tokens:
                 self._hold_back_stops(bitmask[g], seq)
-        for g in np.flatnonzero(~words.any(axis=1)).tolist():  # rows that allow no token: rare
+        if empty:
+            self._mark_dead_ends(words, entries, sorted([*empty, *(g for g, src in copies if src in empty)]))
+        return TokenBitmaskRows(rows, self.words, bitmask)
+
+    def _mark_dead_ends(self, words: np.ndarray, entries: list[_Matched], empty: list[int]) -> None:
+        for g in empty:
             seq = entries[g].seq
             self._dead_ends[seq.seq_id] = (
                 f"no token of the model's vocabulary continues the constraint after "
                 f"{seq.num_known_tokens - seq.num_prompt_tokens} generated tokens")
             words[g] = -1  # sample anything: the token is refused in accept()
-        return TokenBitmaskRows(rows, self.words, bitmask)
 
     def _rows_buffer(self, n: int) -> torch.Tensor:
         """[n, ceil(V / 32)] int32 host rows: the other of the two buffers than last step's."""
