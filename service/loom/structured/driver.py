@@ -71,9 +71,11 @@ class _Matched:
     terminated: bool = False  # matcher.is_terminated(), kept by every accept (only a stop token changes it)
 
 
-# (state id, token) -> state id entries kept for sharing masks; past this many the map starts
-# again (ids are never reused, so a cleared map only stops matchers from meeting again).
+# (state id, token) -> state id entries, and grammar texts' start states, kept for sharing masks;
+# past this many a map starts again (ids are never reused, so a cleared map only stops matchers
+# from meeting again; the texts are not held without bound).
 _MAX_STATE_STEPS = 1 << 16
+_MAX_ROOTS = 1 << 10
 
 
 @dataclass(frozen=True)
@@ -177,6 +179,8 @@ class StructuredOutput:
         kind, text, field = spec.kind, spec.text, spec.field
         root = self._roots.get((kind, text))
         if root is None:
+            if len(self._roots) >= _MAX_ROOTS:
+                self._roots.clear()
             root = self._roots[(kind, text)] = self._new_state()
         for seq in seqs:  # one matcher per completion: each follows its own tokens
             matcher = xg.GrammarMatcher(compiled, override_stop_tokens=list(self.eos_token_ids))
