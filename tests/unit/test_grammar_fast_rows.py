@@ -93,7 +93,7 @@ def test_fast_rows_equal_the_plain_path_on_random_streams(
         add(SPECS[i % len(SPECS)])
     for i in range(6):  # identical twins: one state, one fill on the fast path
         add(SPECS[i % len(SPECS)], follow=seqs[i])
-    plain_rows = constrained_steps = shared = ended = 0
+    plain_rows = constrained_steps = shared = ended = lagging = 0
     for _step in range(40):
         other = new_seq(f"u{_step}", SPECS[0], 0)  # a row without a grammar, somewhere in the batch
         batch = list(seqs)
@@ -128,15 +128,20 @@ def test_fast_rows_equal_the_plain_path_on_random_streams(
         for seq in seqs:
             assert fast.terminated(seq) == plain.terminated(seq)
             entry = fast._matchers.get(seq.seq_id)  # None: finished, and forgotten by a later admission
-            assert entry is None or entry.terminated == entry.matcher.is_terminated()
+            if entry is not None and entry.pending:  # in step with another matcher, which accepted for it
+                lagging += 1
+            elif entry is not None:
+                assert entry.terminated == entry.matcher.is_terminated()
             if not seq.is_finished and (fast.terminated(seq) or rng.random() < 0.03):  # ended by EOS, or aborted
                 ended += fast.terminated(seq)
                 seq.status = SequenceStatus.FINISHED
         for seq in gone:
             seqs.remove(seq)
             add(rng.choice(SPECS))
-    # every branch met: shared states, matchers ended by EOS, open rows of finished sequences
-    assert constrained_steps == 40 and plain_rows > 40 * 12 and shared > 10 and ended > 3, (plain_rows, shared, ended)
+    # every branch met: shared states, matchers ended by EOS, open rows of finished sequences,
+    # matchers whose tokens another accepted (caught up when they part or fill alone)
+    assert constrained_steps == 40 and plain_rows > 40 * 12 and shared > 10 and ended > 3 and lagging > 10, (
+        plain_rows, shared, ended, lagging)
 
 
 def test_a_refused_token_in_a_batch_is_refused_on_both_paths(

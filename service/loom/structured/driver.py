@@ -28,6 +28,7 @@ grammar allows nothing else (a complete match that cannot grow), where the gramm
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -69,6 +70,10 @@ class _Matched:
     state: int  # the id of its (grammar, accepted tokens): matchers with the same id fill the same mask
     holds_back_stops: bool  # min_new_tokens > 0: EOS and stop ids may need clearing from its rows
     terminated: bool = False  # matcher.is_terminated(), kept by every accept (only a stop token changes it)
+    # Tokens in its state id that its own matcher has not accepted yet: a matcher in the same state
+    # accepted them for it (the same state and token give the same state), so while matchers keep
+    # in step one accepts for all; the matcher catches up when it is needed alone (_sync).
+    pending: list[int] = dataclasses.field(default_factory=list)
 
 
 # (state id, token) -> state id entries, and grammar texts' start states, kept for sharing masks;
@@ -251,7 +256,7 @@ class StructuredOutput:
         batch_seqs: list[Sequence] = []
         j = 0
         for seq, guess in entries:
-            matcher = self._matchers[seq.seq_id].matcher
+            matcher = self._sync(self._matchers[seq.seq_id])
             if seq.is_finished or matcher.is_terminated():
                 bitmask[j : j + 1 + len(guess)].fill_(-1)
                 j += 1 + len(guess)
@@ -331,6 +336,7 @@ class StructuredOutput:
                 continue
             src = first_of.setdefault(entry.state, g)
             if src == g:
+                self._sync(entry)
                 handles.append(entry.handle)
                 filled.append(g)
             else:
@@ -405,7 +411,7 @@ class StructuredOutput:
         dead_end = self._dead_ends.pop(seq.seq_id, None)
         if dead_end is not None:  # the vocabulary cannot spell what the grammar needs next
             return Refusal(seq.request_id, dead_end, Rejection("FAILED_PRECONDITION", entry.field, "GRAMMAR_DEAD_END"))
-        if not entry.matcher.accept_token(token):  # the mask allowed it: a fault of ours
+        if not self._sync(entry).accept_token(token):  # the mask allowed it: a fault of ours
             return Refusal(seq.request_id, f"token {token} does not match the constraint after "
                            f"{seq.num_output_tokens - 1} generated tokens",
                            Rejection("INTERNAL", entry.field, "GRAMMAR_TOKEN_REJECTED"))
@@ -457,33 +463,55 @@ class StructuredOutput:
 
         refusals: dict[int, Refusal] = {}
         matchers, dead_ends = self._matchers, self._dead_ends
-        handles: list[Any] = []
-        tokens: list[int] = []
-        batch: list[_Matched] = []
+        # Rows in one state given one token are one group: a matcher of the group that is up to date
+        # accepts for all; the others take the token as pending.
+        groups: dict[tuple[int, int], list[_Matched]] = {}
         for seq, toks in items:
             entry = matchers.get(seq.seq_id)
             if entry is None:
                 continue
             if len(toks) == 1 and not entry.terminated and not (dead_ends and seq.seq_id in dead_ends):
-                handles.append(entry.handle)
-                tokens.append(toks[0])
-                batch.append(entry)
+                groups.setdefault((entry.state, toks[0]), []).append(entry)
                 continue
             refusal = self.accept_tokens(seq, toks)
             if refusal is not None:
                 refusals[seq.seq_id] = refusal
-        if not handles:
+        if not groups:
             return refusals
+        handles: list[Any] = []
+        tokens: list[int] = []
+        leads: list[_Matched] = []
+        for (_, token), members in groups.items():
+            lead = next((m for m in members if not m.pending), members[0])
+            self._sync(lead)
+            handles.append(lead.handle)
+            tokens.append(token)
+            leads.append(lead)
         ok = _core.BatchGrammarMatcher.batch_accept_token(handles, tokens, False)
         # xgrammar's Array compares structurally with a list: all accepted in one comparison; any
         # other answer (a refusal, or another element type) is read element by element.
         every = ok == [1] * len(handles)
-        for k, (entry, token) in enumerate(zip(batch, tokens, strict=True)):
+        for k, (lead, token, members) in enumerate(zip(leads, tokens, groups.values(), strict=True)):
             if every or ok[k]:
-                self._accepted(entry, token)
-            else:  # the mask allowed it: a fault of ours
-                refusals[entry.seq.seq_id] = self._rejected(entry.seq, entry, token)
+                self._accepted(lead, token)
+                for m in members:
+                    if m is not lead:
+                        m.pending.append(token)
+                        m.state, m.terminated = lead.state, lead.terminated
+            else:  # the mask allowed it: a fault of ours (and the same for every row in that state)
+                for m in members:
+                    refusals[m.seq.seq_id] = self._rejected(m.seq, m, token)
         return refusals
+
+    def _sync(self, entry: _Matched) -> xgrammar.GrammarMatcher:
+        """``entry``'s matcher, given the tokens another matcher in its state accepted for it."""
+        if entry.pending:
+            for token in entry.pending:
+                if not entry.matcher.accept_token(token):  # another matcher in this state accepted it
+                    raise RuntimeError(f"a grammar matcher refused token {token} that a matcher in the same "
+                                       "state accepted")
+            entry.pending.clear()
+        return entry.matcher
 
     @staticmethod
     def _rejected(seq: Sequence, entry: _Matched, token: int) -> Refusal:
