@@ -30,6 +30,10 @@ Two narrower switches, read the same way:
 - ``LOOM_MOE_ROUTER_EPILOGUE=0`` (:data:`moe_router_epilogue`): an MoE layer's router and its
   routing stay two launches (the dense GEMV, then ``moe_routing_triton.route``) where the
   router's GEMV would route in its last program (``loom.layers.moe_router_gemv``; the same bits).
+- ``LOOM_GRAMMAR_FAST_ROWS=0`` (:data:`grammar_fast_rows`, read when the structured-output
+  driver is built): its bitmask rows and accepted tokens take the plain path (a fill per row
+  set, an ``is_terminated`` query per row, no sharing of masks between matchers in the same
+  state), the reference the fast path is tested against (docs/structured-output.md).
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ paged_decode_table: bool = os.environ.get("LOOM_PAGED_DECODE_TABLE", "1") != "0"
 draft_catch_up_graphs: bool = os.environ.get("LOOM_DRAFT_CATCH_UP_GRAPHS", "1") != "0"
 moe_direct_experts: bool = os.environ.get("LOOM_MOE_DIRECT_EXPERTS", "1") != "0"
 moe_router_epilogue: bool = os.environ.get("LOOM_MOE_ROUTER_EPILOGUE", "1") != "0"
+grammar_fast_rows: bool = os.environ.get("LOOM_GRAMMAR_FAST_ROWS", "1") != "0"
 
 
 @contextlib.contextmanager

@@ -106,6 +106,9 @@ def add_bench_command(sub: Any) -> None:
                    help="S1 most new tokens per request; unset: 128 (16 with --quick)")
     g.add_argument("--s1-variants", type=int, default=None,
                    help="S1 renamed copies of each schema compiled cold; unset: 8 (2 with --quick)")
+    g.add_argument("--s1-shared-prompts", action="store_true",
+                   help="S1: the requests of one schema share one prompt (so their greedy outputs are "
+                        "identical), as S1 ran before 2026-12-03; default: each request its own prompt")
     g.add_argument("--s1-repeats", type=int, default=1,
                    help="S1: time the with/without-grammar pair this many times (after an untimed pair)")
     g.add_argument("--speculate", type=int, default=None,
@@ -404,7 +407,7 @@ def _run_structured(args: argparse.Namespace, device: torch.device, result: dict
     variants = args.s1_variants or (2 if args.quick else 8)
     placeholder = Workload("S1", [([0] * 80, new)] * requests, "")  # sizes the pool for 80-token prompts
     cfg = engine_config(args, device, [placeholder])
-    entry = run_s1(cfg, requests, new, variants, args.s1_repeats)
+    entry = run_s1(cfg, requests, new, variants, args.s1_repeats, shared_prompts=args.s1_shared_prompts)
     entry["engine_config"] = dataclasses.asdict(cfg)
     result["workloads"]["S1"] = entry
     c, t, v = entry["compile"], entry["throughput"], entry["validity"]

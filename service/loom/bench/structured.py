@@ -6,7 +6,8 @@
   10 optional properties, is reported on its own.
 - Mask cost per step: filling the bitmask rows of 64 matchers and applying them to [64, V] logits
   on the engine's device.
-- Throughput: 64 chat requests, request i asking for schema i % 8, all submitted at once with
+- Throughput: 64 chat requests, request i asking for schema i % 8 (for its own example, so no
+  two requests are alike; ``--s1-shared-prompts``: the 8 of a schema identical), all submitted at once with
   their grammars (compiled beforehand: steady state), greedy, EOS honoured; then the same
   requests without a grammar, each generating exactly as many tokens as its constrained twin
   did (EOS ignored), so the two runs do the same arithmetic and differ only by the grammar's
@@ -256,7 +257,15 @@ def _validity(tokenizer: Any, names: list[str], results: list[_Result]) -> dict[
             "failures": failures[:5]}
 
 
-def run_s1(cfg: EngineConfig, requests: int, new_tokens: int, variants: int, repeats: int) -> dict[str, Any]:
+def request_prompt(name: str, i: int, shared: bool) -> str:
+    """Request ``i``'s user message for schema ``name``. Unless ``shared``, each request asks for
+    its own example, so no two greedy outputs (and no two grammar matchers) move in lockstep, as
+    in real traffic; shared, the requests of one schema are identical (S1 before 2026-12-03)."""
+    return PROMPTS[name] if shared else f"{PROMPTS[name]} Example {i // len(SCHEMAS) + 1}."
+
+
+def run_s1(cfg: EngineConfig, requests: int, new_tokens: int, variants: int, repeats: int,
+           shared_prompts: bool = False) -> dict[str, Any]:
     from loom.frontend.tokenizer import Tokenizer
     from loom.model_loader import eos_token_ids, load_hf_config, model_dims, resolve_model_dir
     from loom.worker.worker import resolve_device
@@ -265,13 +274,17 @@ def run_s1(cfg: EngineConfig, requests: int, new_tokens: int, variants: int, rep
     tokenizer = Tokenizer.from_model_dir(model_dir)
     names = [list(SCHEMAS)[i % len(SCHEMAS)] for i in range(requests)]
     prompts = [tokenizer.encode_chat([{"role": "system", "content": "Answer with JSON only."},
-                                      {"role": "user", "content": PROMPTS[n]}]) for n in names]
+                                      {"role": "user", "content": request_prompt(n, i, shared_prompts)}])
+               for i, n in enumerate(names)]
     vocab = model_dims(load_hf_config(model_dir)).vocab_size
     compiles = measure_compiles(model_dir, vocab, eos_token_ids(model_dir), variants, resolve_device(cfg.device))
     runs, constrained = asyncio.run(_throughput(cfg, prompts, names, new_tokens, repeats))
     return {
         "description": f"{requests} requests over {len(SCHEMAS)} JSON schemas, greedy, up to {new_tokens} new tokens; "
-                       "the same requests without a grammar generate as many tokens each",
+                       "the same requests without a grammar generate as many tokens each; "
+                       + ("the requests of one schema share a prompt" if shared_prompts else
+                          "each request its own prompt"),
+        "shared_prompts": shared_prompts,
         "compile": compiles,
         "throughput": {"runs": runs, "ratio_mean": statistics.fmean(r["ratio"] for r in runs),
                        "ratio_median": statistics.median(r["ratio"] for r in runs),

@@ -44,19 +44,41 @@ class SamplingBatch:
 SAMPLE, TOP_K, TOP_P, TYPICAL, MIN_P, REPETITION, FREQUENCY = (1 << i for i in range(7))
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class TokenBitmaskRows:
     """Structured output's masks for a step, as plain data: the bitmask rows of the sampling rows
-    in ``rows`` (ascending), ``words`` int32 words each (bit j of word w: token 32w + j allowed),
-    in ``data`` as bytes (native order); the worker makes them a :class:`TokenBitmask`."""
+    in ``rows`` (ascending), ``words`` int32 words each (bit j of word w: token 32w + j allowed);
+    the worker makes them a :class:`TokenBitmask`.
+
+    ``data`` is the [G, words] int32 rows: in the engine's process the driver's host tensor
+    itself (no copy: 64 rows are 393 KB, and two copies of them cost ~40 us a step on the
+    project's VM; the driver does not write it again before its next step but one), and native
+    order bytes once pickled (a tensor-parallel rank's command), which is also what equality
+    compares."""
 
     rows: list[int]  # [G] sampling rows that have a grammar
     words: int  # ceil(V / 32)
-    data: bytes  # [G, words] int32
+    data: bytes | torch.Tensor  # [G, words] int32
 
     def tensor(self) -> torch.Tensor:
         """The rows as a [G, words] int32 host tensor."""
+        if isinstance(self.data, torch.Tensor):
+            return self.data
         return torch.frombuffer(bytearray(self.data), dtype=torch.int32).view(len(self.rows), self.words)
+
+    def to_bytes(self) -> bytes:
+        return self.data.numpy().tobytes() if isinstance(self.data, torch.Tensor) else self.data
+
+    def __getstate__(self) -> tuple[list[int], int, bytes]:
+        return self.rows, self.words, self.to_bytes()
+
+    def __setstate__(self, state: tuple[list[int], int, bytes]) -> None:
+        self.rows, self.words, self.data = state
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TokenBitmaskRows):
+            return NotImplemented
+        return self.rows == other.rows and self.words == other.words and self.to_bytes() == other.to_bytes()
 
 
 @dataclass(slots=True)
@@ -104,7 +126,7 @@ def build_sampling_batch(plan: SamplingPlan, vocab_size: int, device: torch.devi
     ints = stage.to_device(plan.ints, torch.int64).view(n, 3) if sampled else None
     processors: list[LogitsProcessor] = []
     if plan.bitmask is not None:  # first: the penalties and temperature see the constrained rows
-        processors.append(token_bitmask(plan.bitmask, stage))
+        processors.append(token_bitmask(plan.bitmask, stage, n))
     if plan.banned:
         processors.append(Suppression(stage.to_device(plan.banned, torch.int64)))
     if flags & REPETITION:
@@ -141,10 +163,13 @@ def build_sampling_batch(plan: SamplingPlan, vocab_size: int, device: torch.devi
     )
 
 
-def token_bitmask(masks: TokenBitmaskRows, stage: Stager) -> TokenBitmask:
-    """The grammar rows as a processor on the stager's device (the first of a step's processors)."""
-    return TokenBitmask(stage.to_device(masks.tensor(), torch.int32), stage.to_device(masks.rows, torch.int64),
-                        masks.rows)
+def token_bitmask(masks: TokenBitmaskRows, stage: Stager, num_rows: int | None = None) -> TokenBitmask:
+    """The grammar rows as a processor on the stager's device (the first of a step's processors).
+    With ``num_rows`` (the step's sampling rows) and a grammar on every row, the row indices are
+    not staged: the processor masks all rows in order without reading them."""
+    every = num_rows is not None and len(masks.rows) == num_rows  # rows ascending and distinct: 0..N-1
+    rows = None if every else stage.to_device(masks.rows, torch.int64)
+    return TokenBitmask(stage.to_device(masks.tensor(), torch.int32), rows, masks.rows)
 
 
 def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:

@@ -76,9 +76,11 @@ class TokenBitmask:
     and the reported logprobs are those of the constrained distribution.
     """
 
-    def __init__(self, bitmask: torch.Tensor, rows: torch.Tensor, row_list: list[int]) -> None:
+    def __init__(self, bitmask: torch.Tensor, rows: torch.Tensor | None, row_list: list[int]) -> None:
         self.bitmask = bitmask  # [G, ceil(V / 32)] int32, on the logits' device
-        self.rows = rows  # [G] int64 on the device: the logits row of each bitmask row, ascending
+        # [G] int64 on the device: the logits row of each bitmask row, ascending; None when the
+        # rows are every logits row (0..N-1), which the masking then does not read
+        self.rows = rows
         self.row_list = row_list  # the same on the host
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
@@ -88,6 +90,7 @@ class TokenBitmask:
             return logits
         # xgrammar's kernels read the bitmask row of each logits row they mask: spread the G rows
         # into an [N, W] bitmask (N x W int32: small next to the logits).
+        assert self.rows is not None, "the row indices are left out only when every row is masked"
         full = torch.full((n, words), -1, dtype=torch.int32, device=logits.device)
         full.index_copy_(0, self.rows, self.bitmask)
         bitmask_inplace(logits, full, self.rows, self.row_list)

@@ -28,15 +28,18 @@ grammar allows nothing else (a complete match that cannot grow), where the gramm
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
+from loom import kernel_switches
 from loom.engine.sequence import Sequence
 from loom.engine.types import Rejection
 from loom.sample.batch import TokenBitmaskRows
@@ -63,6 +66,21 @@ class _Matched:
     seq: Sequence
     matcher: xgrammar.GrammarMatcher
     field: str  # the request field of its constraint
+    handle: Any  # matcher._handle, xgrammar's object: its batch calls take these
+    state: int  # the id of its (grammar, accepted tokens): matchers with the same id fill the same mask
+    holds_back_stops: bool  # min_new_tokens > 0: EOS and stop ids may need clearing from its rows
+    terminated: bool = False  # matcher.is_terminated(), kept by every accept (only a stop token changes it)
+    # Tokens in its state id that its own matcher has not accepted yet: a matcher in the same state
+    # accepted them for it (the same state and token give the same state), so while matchers keep
+    # in step one accepts for all; the matcher catches up when it is needed alone (_sync).
+    pending: list[int] = dataclasses.field(default_factory=list)
+
+
+# (state id, token) -> state id entries, and grammar texts' start states, kept for sharing masks;
+# past this many a map starts again (ids are never reused, so a cleared map only stops matchers
+# from meeting again; the texts are not held without bound).
+_MAX_STATE_STEPS = 1 << 16
+_MAX_ROOTS = 1 << 10
 
 
 @dataclass(frozen=True)
@@ -77,7 +95,8 @@ class Refusal:
 
 class StructuredOutput:
     def __init__(self, pool: GrammarCompilerPool, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 compile_timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+                 compile_timeout_s: float, clock: Callable[[], float] = time.monotonic,
+                 fast_rows: bool | None = None) -> None:
         self.pool = pool
         self.vocab_size = vocab_size
         self.words = -(-vocab_size // 32)  # int32 words per bitmask row
@@ -90,6 +109,18 @@ class StructuredOutput:
         self._dead_ends: dict[int, str] = {}  # seq_id -> why no token could follow
         self._bitmask = torch.empty(0, self.words, dtype=torch.int32)  # host rows, grown on demand
         self._batcher: xgrammar.BatchGrammarMatcher | None = None  # fills many rows on its threads
+        # The fast path (LOOM_GRAMMAR_FAST_ROWS, on by default): see _fast_rows and _fast_accept.
+        self.fast_rows = kernel_switches.grammar_fast_rows if fast_rows is None else fast_rows
+        self._stops = frozenset(eos_token_ids)  # the matchers' stop tokens: the only ones that terminate
+        # Matcher states by identity: a matcher's state is a function of its grammar's text and the
+        # tokens it accepted, so matchers with one id fill one mask. Roots per (kind, text).
+        self._roots: dict[tuple[str, str], int] = {}
+        self._state_steps: dict[tuple[int, int], int] = {}  # (state id, token) -> state id after it
+        self._num_states = 0
+        # [rows, ceil(V / 32)] int32 host rows, two used in turn: a step's rows are handed to the
+        # worker without a copy, and stay untouched while the next step's are filled
+        self._buffers = [torch.empty(0, self.words, dtype=torch.int32) for _ in range(2)]
+        self._turn = 0
 
     # -- requests -----------------------------------------------------------------------------------
     def hold(self, request_id: str, spec: GrammarSpec, seqs: list[Sequence]) -> None:
@@ -113,7 +144,7 @@ class StructuredOutput:
                 del self._held[request_id]
                 error = held.future.exception()
                 if error is None:
-                    self._attach(held.seqs, held.future.result(), held.spec.field)
+                    self._attach(held.seqs, held.future.result(), held.spec)
                     ready.append(held.seqs)
                 else:
                     refused.append(self._refusal(request_id, held.spec, error))
@@ -147,12 +178,35 @@ class StructuredOutput:
         return Refusal(request_id, f"compiling the constraint failed: {type(error).__name__}: {error}",
                        Rejection("INTERNAL", spec.field, "GRAMMAR_COMPILE_FAILED"))
 
-    def _attach(self, seqs: list[Sequence], compiled: xgrammar.CompiledGrammar, field: str) -> None:
+    def _attach(self, seqs: list[Sequence], compiled: xgrammar.CompiledGrammar, spec: GrammarSpec) -> None:
         import xgrammar as xg
 
+        kind, text, field = spec.kind, spec.text, spec.field
+        root = self._roots.get((kind, text))
+        if root is None:
+            if len(self._roots) >= _MAX_ROOTS:
+                self._roots.clear()
+            root = self._roots[(kind, text)] = self._new_state()
         for seq in seqs:  # one matcher per completion: each follows its own tokens
             matcher = xg.GrammarMatcher(compiled, override_stop_tokens=list(self.eos_token_ids))
-            self._matchers[seq.seq_id] = _Matched(seq, matcher, field)
+            self._matchers[seq.seq_id] = _Matched(seq, matcher, field, matcher._handle, root,
+                                                  seq.stopping.min_new_tokens > 0)
+
+    def _new_state(self) -> int:
+        self._num_states += 1
+        return self._num_states
+
+    def _accepted(self, entry: _Matched, token: int) -> None:
+        """``entry``'s matcher has accepted ``token``: its state id and terminated flag follow."""
+        key = (entry.state, token)
+        state = self._state_steps.get(key)
+        if state is None:
+            if len(self._state_steps) >= _MAX_STATE_STEPS:
+                self._state_steps.clear()
+            state = self._state_steps[key] = self._new_state()
+        entry.state = state
+        if token in self._stops:
+            entry.terminated = entry.matcher.is_terminated()
 
     def _sweep(self) -> None:
         done = [sid for sid, m in self._matchers.items() if m.seq.is_finished]
@@ -178,6 +232,8 @@ class StructuredOutput:
         The rows may be filled after the step was launched (the engine fills them while the
         forward runs): a sequence's tokens then end with the placeholder of the token these rows
         choose, and a sequence the previous step finished (its row is dropped) gets open rows."""
+        if self.fast_rows and (drafts is None or not any(drafts)):
+            return self._fast_rows(seqs)
         rows: list[int] = []
         entries: list[tuple[Sequence, Seq[int]]] = []
         row = 0
@@ -200,7 +256,7 @@ class StructuredOutput:
         batch_seqs: list[Sequence] = []
         j = 0
         for seq, guess in entries:
-            matcher = self._matchers[seq.seq_id].matcher
+            matcher = self._sync(self._matchers[seq.seq_id])
             if seq.is_finished or matcher.is_terminated():
                 bitmask[j : j + 1 + len(guess)].fill_(-1)
                 j += 1 + len(guess)
@@ -245,6 +301,88 @@ class StructuredOutput:
                 bitmask[g].fill_(-1)
         return TokenBitmaskRows(rows, self.words, bitmask.numpy().tobytes())
 
+    def _fast_rows(self, seqs: Seq[Sequence]) -> TokenBitmaskRows | None:
+        """:meth:`bitmask_rows` without drafts, filling what the plain path fills with less work:
+
+        - one batch fill over the rows' xgrammar handles, and only one row per matcher state: rows
+          whose matchers share a state id (the same grammar text and the same accepted tokens,
+          e.g. the completions of a request before they diverge, or identical requests) are
+          copies of the first (a matcher's mask is a function of its state);
+        - a finished matcher is known from the flag its accepts keep (no query per row);
+        - min_new_tokens is looked at only for sequences that have one;
+        - the empty-row check is one numpy pass; the rows are handed over as the driver's own
+          tensor (:class:`TokenBitmaskRows`), not copied to bytes.
+        """
+        matchers = self._matchers
+        rows: list[int] = []
+        entries: list[_Matched] = []
+        for i, seq in enumerate(seqs):
+            entry = matchers.get(seq.seq_id)
+            if entry is not None:
+                rows.append(i)
+                entries.append(entry)
+        if not rows:
+            return None
+        bitmask = self._rows_buffer(len(rows))  # [G, ceil(V / 32)]
+        handles: list[Any] = []
+        filled: list[int] = []  # bitmask rows xgrammar fills
+        copies: list[tuple[int, int]] = []  # (row, the filled row of the same state)
+        first_of: dict[int, int] = {}  # state id -> its filled row
+        holds: list[int] = []  # filled or copied rows whose sequence has a min_new_tokens
+        ended: list[int] = []  # rows of finished sequences and terminated matchers: left open
+        for g, entry in enumerate(entries):
+            if entry.terminated or entry.seq.is_finished:
+                ended.append(g)
+                continue
+            src = first_of.setdefault(entry.state, g)
+            if src == g:
+                self._sync(entry)
+                handles.append(entry.handle)
+                filled.append(g)
+            else:
+                copies.append((g, src))
+            if entry.holds_back_stops:
+                holds.append(g)
+        if handles:  # xgrammar's own object: its wrapper would build the handle list again
+            batcher: Any = self._batch_matcher()._handle
+            batcher.batch_fill_next_token_bitmask(handles, bitmask, None if len(filled) == len(rows) else filled, False)
+        words = bitmask.numpy()  # the same memory
+        # Rows that allow no token (rare): only a filled row can be one (a copy is as empty as its
+        # source, an open row is all ones, and clearing stop ids never empties a row: see
+        # _hold_back_stops), so the check reads the filled rows only, before the copies.
+        if filled:
+            allows = words.any(axis=1) if len(filled) == len(rows) else words[filled].any(axis=1)
+            empty = {filled[k] for k in np.flatnonzero(~allows).tolist()}
+        else:
+            empty = set()
+        if copies:  # one gather for all of them (a row assignment each cost ~1 us)
+            words[[g for g, _ in copies]] = words[[src for _, src in copies]]
+        if ended:
+            words[ended] = -1
+        for g in holds:
+            seq = entries[g].seq
+            if seq.num_known_tokens - seq.num_prompt_tokens < seq.stopping.min_new_tokens:
+                self._hold_back_stops(bitmask[g], seq)
+        if empty:
+            self._mark_dead_ends(words, entries, sorted([*empty, *(g for g, src in copies if src in empty)]))
+        return TokenBitmaskRows(rows, self.words, bitmask)
+
+    def _mark_dead_ends(self, words: np.ndarray, entries: list[_Matched], empty: list[int]) -> None:
+        for g in empty:
+            seq = entries[g].seq
+            self._dead_ends[seq.seq_id] = (
+                f"no token of the model's vocabulary continues the constraint after "
+                f"{seq.num_known_tokens - seq.num_prompt_tokens} generated tokens")
+            words[g] = -1  # sample anything: the token is refused in accept()
+
+    def _rows_buffer(self, n: int) -> torch.Tensor:
+        """[n, ceil(V / 32)] int32 host rows: the other of the two buffers than last step's."""
+        self._turn ^= 1
+        buf = self._buffers[self._turn]
+        if buf.shape[0] < n:
+            buf = self._buffers[self._turn] = torch.empty(max(n, 2 * buf.shape[0]), self.words, dtype=torch.int32)
+        return buf[:n]
+
     def _batch_matcher(self) -> xgrammar.BatchGrammarMatcher:
         if self._batcher is None:
             import xgrammar as xg
@@ -273,10 +411,11 @@ class StructuredOutput:
         dead_end = self._dead_ends.pop(seq.seq_id, None)
         if dead_end is not None:  # the vocabulary cannot spell what the grammar needs next
             return Refusal(seq.request_id, dead_end, Rejection("FAILED_PRECONDITION", entry.field, "GRAMMAR_DEAD_END"))
-        if not entry.matcher.accept_token(token):  # the mask allowed it: a fault of ours
+        if not self._sync(entry).accept_token(token):  # the mask allowed it: a fault of ours
             return Refusal(seq.request_id, f"token {token} does not match the constraint after "
                            f"{seq.num_output_tokens - 1} generated tokens",
                            Rejection("INTERNAL", entry.field, "GRAMMAR_TOKEN_REJECTED"))
+        self._accepted(entry, token)
         return None
 
     def accept_tokens(self, seq: Sequence, tokens: Seq[int]) -> Refusal | None:
@@ -291,6 +430,8 @@ class StructuredOutput:
     def accept_step(self, items: Seq[tuple[Sequence, Seq[int]]]) -> dict[int, Refusal]:
         """:meth:`accept_tokens` for a step's sequences and tokens; the refusals by seq_id. The
         common case, one token for a sequence with a matcher, goes to xgrammar in one call."""
+        if self.fast_rows:
+            return self._fast_accept(items)
         refusals: dict[int, Refusal] = {}
         single: list[tuple[Sequence, _Matched, int]] = []
         for seq, tokens in items:
@@ -309,16 +450,79 @@ class StructuredOutput:
             ok = xg.BatchGrammarMatcher.batch_accept_token([m.matcher for _, m, _ in single], [t for *_, t in single])
             for (seq, entry, token), accepted in zip(single, ok, strict=True):
                 if not accepted:  # the mask allowed it: a fault of ours
-                    refusals[seq.seq_id] = Refusal(
-                        seq.request_id, f"token {token} does not match the constraint after "
-                        f"{seq.num_known_tokens - seq.num_prompt_tokens} generated tokens",
-                        Rejection("INTERNAL", entry.field, "GRAMMAR_TOKEN_REJECTED"))
+                    refusals[seq.seq_id] = self._rejected(seq, entry, token)
+                else:
+                    self._accepted(entry, token)
         return refusals
+
+    def _fast_accept(self, items: Seq[tuple[Sequence, Seq[int]]]) -> dict[int, Refusal]:
+        """:meth:`accept_step` with the flags instead of a query per matcher, xgrammar's handles
+        passed directly, and its answer compared whole (converting it element by element cost
+        ~90 us for 64 rows, more than the accepting itself)."""
+        from xgrammar.base import _core
+
+        refusals: dict[int, Refusal] = {}
+        matchers, dead_ends = self._matchers, self._dead_ends
+        # Rows in one state given one token are one group: a matcher of the group that is up to date
+        # accepts for all; the others take the token as pending.
+        groups: dict[tuple[int, int], list[_Matched]] = {}
+        for seq, toks in items:
+            entry = matchers.get(seq.seq_id)
+            if entry is None:
+                continue
+            if len(toks) == 1 and not entry.terminated and not (dead_ends and seq.seq_id in dead_ends):
+                groups.setdefault((entry.state, toks[0]), []).append(entry)
+                continue
+            refusal = self.accept_tokens(seq, toks)
+            if refusal is not None:
+                refusals[seq.seq_id] = refusal
+        if not groups:
+            return refusals
+        handles: list[Any] = []
+        tokens: list[int] = []
+        leads: list[_Matched] = []
+        for (_, token), members in groups.items():
+            lead = next((m for m in members if not m.pending), members[0])
+            self._sync(lead)
+            handles.append(lead.handle)
+            tokens.append(token)
+            leads.append(lead)
+        ok = _core.BatchGrammarMatcher.batch_accept_token(handles, tokens, False)
+        # xgrammar's Array compares structurally with a list: all accepted in one comparison; any
+        # other answer (a refusal, or another element type) is read element by element.
+        every = ok == [1] * len(handles)
+        for k, (lead, token, members) in enumerate(zip(leads, tokens, groups.values(), strict=True)):
+            if every or ok[k]:
+                self._accepted(lead, token)
+                for m in members:
+                    if m is not lead:
+                        m.pending.append(token)
+                        m.state, m.terminated = lead.state, lead.terminated
+            else:  # the mask allowed it: a fault of ours (and the same for every row in that state)
+                for m in members:
+                    refusals[m.seq.seq_id] = self._rejected(m.seq, m, token)
+        return refusals
+
+    def _sync(self, entry: _Matched) -> xgrammar.GrammarMatcher:
+        """``entry``'s matcher, given the tokens another matcher in its state accepted for it."""
+        if entry.pending:
+            for token in entry.pending:
+                if not entry.matcher.accept_token(token):  # another matcher in this state accepted it
+                    raise RuntimeError(f"a grammar matcher refused token {token} that a matcher in the same "
+                                       "state accepted")
+            entry.pending.clear()
+        return entry.matcher
+
+    @staticmethod
+    def _rejected(seq: Sequence, entry: _Matched, token: int) -> Refusal:
+        return Refusal(seq.request_id, f"token {token} does not match the constraint after "
+                       f"{seq.num_known_tokens - seq.num_prompt_tokens} generated tokens",
+                       Rejection("INTERNAL", entry.field, "GRAMMAR_TOKEN_REJECTED"))
 
     def terminated(self, seq: Sequence) -> bool:
         """Whether ``seq``'s matcher has matched a whole sentence and accepted its EOS."""
         entry = self._matchers.get(seq.seq_id)
-        return entry is not None and entry.matcher.is_terminated()
+        return entry is not None and (entry.terminated if self.fast_rows else entry.matcher.is_terminated())
 
     def has_matcher(self, seq: Sequence) -> bool:
         return seq.seq_id in self._matchers

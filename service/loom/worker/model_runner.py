@@ -180,7 +180,7 @@ class ModelRunner:
         if bitmask is not None:
             assert plan.sampling.bitmask is None, "a step's grammar rows come once"
             plan.sampling.bitmask = bitmask
-            batch.processors.insert(0, token_bitmask(bitmask, self.stager))
+            batch.processors.insert(0, token_bitmask(bitmask, self.stager, plan.sampling.num_rows))
         out = self.sampler(step.logits, batch)
         prompt = self._prompt_logprobs(step.hidden, plan)
         results = [out.token_ids, out.logprobs, out.finite]  # a NaN row fails only its request

@@ -1,0 +1,268 @@
+"""Host work of structured output per engine step, at 64 constrained rows (S1's shape), on the CPU.
+
+Builds the engine's :class:`loom.structured.driver.StructuredOutput` with real xgrammar, the
+bundled SmolLM2's vocabulary and S1's eight JSON schemas (``loom.bench.structured.SCHEMAS``),
+then times, step after step, exactly the calls the engine makes for a constrained step:
+
+- ``any_matched`` (the engine's launch, and again the output processor's),
+- ``bitmask_rows`` (the step's rows, filled on the host while the forward runs),
+- ``token_bitmask`` (the worker turns the rows into the processor; on the CPU nothing is staged),
+- ``accept_step`` and ``terminated`` on EOS (the output processor's, the step's tokens).
+
+Each of the 64 sequences follows a valid JSON document of its schema (request i: schema i % 8),
+tokenised by SmolLM2's tokenizer and ended by EOS, started at staggered offsets; a sequence that
+ends is replaced by a new request of the same schema (between timed steps), as continuous
+batching does. The masks are checked to allow each next token, and their bytes are hashed
+(``mask_sha256``): two versions of the code that fill the same masks print the same digest.
+
+``--engine-step`` also times the engine's whole step without a grammar at 64 decode rows on a
+tiny random model (a 1,024-token vocabulary, 2 layers of 64: the forward and the sampler are a
+small part), the like-for-like denominator for a ratio. ``--profile N`` prints cProfile's top N
+functions of the grammar loop.
+
+    .venv/bin/python scripts/bench_grammar_host.py --compare --steps 300 --profile 25 --out x.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import hashlib
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# One valid instance of each S1 schema: properties in the schema's order, as xgrammar lays JSON
+# out (one line, ", " and ": " separators: json.dumps's defaults).
+DOCUMENTS: dict[str, Any] = {
+    "optional10": {"make": "Toyota", "model": "Corolla", "color": "red", "fuel": "petrol", "owner": "Ada"},
+    "nested_arrays": {"matrix": [[1, 2, 3], [4, 5]], "labels": ["small", "digits"]},
+    "enums": {"sentiment": "positive", "language": "fr", "confidence": "high"},
+    "person": {"name": "Ada Lovelace", "age": 36, "email": "ada@example.com"},
+    "address": {"street": "11 Rue de Rivoli", "city": "Paris", "zip": "75001", "geo": {"lat": 48.86, "lon": 2.34}},
+    "event": {"title": "Summer Jazz Night", "date": "2026-07-14", "attendees": 250, "online": False},
+    "product": {"sku": "ABC-1234", "price": 19.99, "tags": ["red", "cotton"], "stock": 12},
+    "recipe": {"dish": "Tomato soup", "steps": [{"order": 1, "text": "Chop the tomatoes"},
+                                                {"order": 2, "text": "Simmer for twenty minutes"}],
+               "vegetarian": True},
+}
+
+
+def _pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
+
+
+def _summary_us(seconds: list[float]) -> dict[str, float]:
+    return {"median_us": 1e6 * statistics.median(seconds), "p90_us": 1e6 * _pct(seconds, 0.9),
+            "mean_us": 1e6 * statistics.fmean(seconds)}
+
+
+class GrammarLoop:
+    """64 constrained sequences following their documents through the driver's step calls."""
+
+    def __init__(self, rows: int, fast: bool, duplicates: bool) -> None:
+        from loom.bench.structured import SCHEMAS
+        from loom.frontend.tokenizer import Tokenizer
+        from loom.model_loader import eos_token_ids, load_hf_config, model_dims, resolve_model_dir
+        from loom.structured.compiler_pool import GrammarCompilerPool
+        from loom.structured.driver import StructuredOutput
+        from loom.structured.spec import GrammarSpec
+        from loom.structured.vocabulary import vocabulary_from_model_dir
+        from loom.worker.staging import Stager
+
+        model_dir = Path(resolve_model_dir(None))
+        self.vocab = model_dims(load_hf_config(model_dir)).vocab_size
+        self.eos = eos_token_ids(model_dir)
+        tok = Tokenizer.from_model_dir(model_dir)
+        self.names = list(SCHEMAS)
+        self.specs = {n: GrammarSpec("json_schema", json.dumps(SCHEMAS[n]), "parameters.constraint.json_schema")
+                      for n in self.names}
+        # [schema] -> token ids of its document, then EOS
+        self.docs = {n: [*tok.encode(json.dumps(DOCUMENTS[n]), add_special_tokens=False), self.eos[0]]
+                     for n in self.names}
+        pool = GrammarCompilerPool(lambda: vocabulary_from_model_dir(model_dir, self.vocab, self.eos), workers=1)
+        self.driver = StructuredOutput(pool, self.vocab, self.eos, compile_timeout_s=600.0, fast_rows=fast)
+        self.stager = Stager(torch.device("cpu"))
+        self.rows = rows
+        self.next_id = 0
+        self.seqs: list[Any] = []
+        self.pos: list[int] = []  # [rows] next token of each sequence's document
+        self.schema: list[str] = []
+        for i in range(rows):
+            name = self.names[i % len(self.names)]
+            seq = self._new_sequence(name)
+            # staggered: row i starts i * 7 tokens into its document (accepted before timing); with
+            # duplicates, as in S1 (8 identical greedy requests per schema), the rows of a schema
+            # follow the same stream in step
+            start = ((i % len(self.names) if duplicates else i) * 7) % (len(self.docs[name]) - 1)
+            for t in self.docs[name][:start]:
+                self._push(seq, t)
+            assert not self.driver.accept_step([(seq, self.docs[name][:start])]) if start else True
+            self.seqs.append(seq)
+            self.pos.append(start)
+            self.schema.append(name)
+        self.digest = hashlib.sha256()
+        self.replaced = 0
+
+    def _new_sequence(self, name: str) -> Any:
+        from loom.engine.sequence import Sequence, SequenceStatus
+        from loom.engine.types import EngineRequest, SamplingParams, StoppingParams
+
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        req = EngineRequest(rid, (1, 504, 3458, 28, 253), SamplingParams(constraint=self.specs[name]),
+                            StoppingParams(max_new_tokens=512))
+        seq = Sequence(req, 0, None)
+        seq.status = SequenceStatus.RUNNING
+        self.driver.hold(rid, self.specs[name], [seq])
+        while True:
+            ready, refused = self.driver.take_ready()
+            assert not refused, refused
+            if ready:
+                return seq
+            time.sleep(0.001)
+
+    @staticmethod
+    def _push(seq: Any, token: int) -> None:
+        seq.token_ids.append(token)
+
+    def step(self, timings: dict[str, list[float]] | None) -> None:
+        """One engine step's grammar calls: accept the previous step's tokens (done at the end of
+        the previous call here), then this step's rows, the processor, and the tokens accepted."""
+        from loom.engine.sequence import PENDING_TOKEN
+        from loom.sample.batch import token_bitmask
+
+        driver, seqs = self.driver, self.seqs
+        for seq in seqs:  # the engine's commit: a placeholder for the token this step samples
+            seq.token_ids.append(PENDING_TOKEN)
+            seq.num_pending_tokens += 1
+        tokens = [self.docs[n][p] for n, p in zip(self.schema, self.pos, strict=True)]
+        t0 = time.perf_counter()
+        matched = driver.any_matched(seqs)
+        rows = driver.bitmask_rows(seqs)
+        t1 = time.perf_counter()
+        # the worker's call (its step's N rows; the plain path's code had no num_rows)
+        processor = token_bitmask(rows, self.stager, len(seqs) if self.driver.fast_rows else None) \
+            if rows is not None else None
+        t2 = time.perf_counter()
+        # the output processor: the placeholders are replaced by the tokens, then accepted
+        refusals = driver.accept_step([(s, [t]) for s, t in zip(seqs, tokens, strict=True)
+                                       if not s.is_finished]) if driver.any_matched(seqs) else {}
+        ended = [s for s, t in zip(seqs, tokens, strict=True) if t in self.eos and driver.terminated(s)]
+        t3 = time.perf_counter()
+        assert matched and rows is not None and processor is not None and not refusals, refusals
+        if timings is not None:
+            timings["total"].append(t3 - t0)
+            timings["rows"].append(t1 - t0)
+            timings["processor"].append(t2 - t1)
+            timings["accept"].append(t3 - t2)
+        self._check(rows, tokens)
+        self._advance(tokens, {s.seq_id for s in ended})
+
+    def _check(self, rows: Any, tokens: list[int]) -> None:
+        mask = rows.tensor()  # [G, W] int32
+        for g, t in enumerate(tokens):
+            assert (int(mask[g, t // 32]) >> (t % 32)) & 1, f"row {g} forbids its document's token {t}"
+        self.digest.update(rows.to_bytes())
+        self.digest.update(json.dumps(rows.rows).encode())
+
+    def _advance(self, tokens: list[int], ended: set[int]) -> None:
+        from loom.engine.sequence import SequenceStatus
+
+        for i, (seq, t) in enumerate(zip(self.seqs, tokens, strict=True)):
+            seq.token_ids[-1] = t
+            seq.num_pending_tokens -= 1
+            self.pos[i] += 1
+            if seq.seq_id in ended:
+                assert self.pos[i] == len(self.docs[self.schema[i]])
+                seq.status = SequenceStatus.FINISHED
+                self.seqs[i] = self._new_sequence(self.schema[i])
+                self.pos[i] = 0
+                self.replaced += 1
+
+
+def bench_grammar(steps: int, rows: int, warmup: int, profile_top: int, compare: bool,
+                  duplicates: bool) -> dict[str, Any]:
+    """The fast path (and with ``compare`` the plain one, LOOM_GRAMMAR_FAST_ROWS=0, a step of
+    each in turn over the same streams, so both see the same load) timed per step."""
+    loops = {"fast": GrammarLoop(rows, True, duplicates)}
+    if compare:
+        loops["plain"] = GrammarLoop(rows, False, duplicates)
+    for _ in range(warmup):
+        for loop in loops.values():
+            loop.step(None)
+    timings: dict[str, dict[str, list[float]]] = {
+        name: {"total": [], "rows": [], "processor": [], "accept": []} for name in loops}
+    for _ in range(steps):
+        for name, loop in loops.items():
+            loop.step(timings[name])
+    out: dict[str, Any] = {"num_rows": rows, "steps": steps, "duplicates": duplicates}
+    for name, loop in loops.items():
+        out[name] = {"requests_replaced": loop.replaced, "mask_sha256": loop.digest.hexdigest(),
+                     **{k: _summary_us(v) for k, v in timings[name].items()}}
+    if compare:
+        out["identical_masks"] = out["fast"]["mask_sha256"] == out["plain"]["mask_sha256"]
+        out["plain_over_fast_median"] = out["plain"]["total"]["median_us"] / out["fast"]["total"]["median_us"]
+    for name, loop in loops.items() if profile_top else ():
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(steps):
+            loop.step(None)
+        prof.disable()
+        print(f"-- cProfile of {steps} steps, {name} path (the loop's checks and bookkeeping included) --")
+        pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(profile_top)
+    return out
+
+
+def bench_engine_step(rows: int, steps: int) -> dict[str, Any]:
+    """The engine's step at ``rows`` decode rows without a grammar (tiny random model, CPU)."""
+    from loom.config import EngineConfig
+    from loom.engine.llm_engine import LLMEngine
+    from loom.engine.types import EngineRequest, SamplingParams, StoppingParams
+
+    engine = LLMEngine(EngineConfig(model_id="random:tiny-llama", max_batch_total_tokens=8192, warmup=False))
+    for i in range(rows):
+        engine.add_request(EngineRequest(f"u{i}", tuple(range(3, 3 + 8 + i % 5)), SamplingParams(),
+                                         StoppingParams(max_new_tokens=steps + 40, ignore_eos=True)))
+    for _ in range(20):  # the prefills, then decodes
+        engine.step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    return {"rows": rows, "steps": steps, "model": "random:tiny-llama", **_summary_us(times)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--warmup", type=int, default=40)
+    ap.add_argument("--profile", type=int, default=0, metavar="N", help="print cProfile's top N functions")
+    ap.add_argument("--engine-step", action="store_true", help="also time the engine's step without a grammar")
+    ap.add_argument("--compare", action="store_true", help="also run the plain path, a step of each in turn")
+    ap.add_argument("--duplicates", action="store_true",
+                    help="S1's layout: the 8 rows of a schema follow one stream (identical greedy requests)")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    result: dict[str, Any] = {"grammar": bench_grammar(args.steps, args.rows, args.warmup, args.profile,
+                                                         args.compare, args.duplicates)}
+    if args.engine_step:
+        result["engine_step_without_grammar"] = bench_engine_step(args.rows, args.steps)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""The structured-output driver's fast path (the default) against its plain path
+(``LOOM_GRAMMAR_FAST_ROWS=0``) on random token streams: the same bitmask rows byte for byte, the
+same refusals, the same terminated matchers, step after step. The streams share prefixes (rows
+in one state share one fill on the fast path), end by EOS, finish mid-run and have
+min_new_tokens, so every branch of the fast path meets its plain twin."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from loom.engine.sequence import Sequence, SequenceStatus
+from loom.engine.types import EngineRequest, SamplingParams, StoppingParams
+from loom.sample.batch import TokenBitmaskRows, token_bitmask
+from loom.structured.compiler_pool import GrammarCompilerPool
+from loom.structured.driver import StructuredOutput
+from loom.structured.grammars import choice_to_ebnf
+from loom.structured.spec import GrammarSpec
+from loom.worker.staging import Stager
+
+xg = pytest.importorskip("xgrammar")
+
+SCHEMA = {"type": "object", "properties": {
+    "ok": {"type": "boolean"},
+    "n": {"type": "integer", "minimum": 0, "maximum": 99},
+    "color": {"enum": ["red", "green", "blue"]},
+    "name": {"type": "string", "maxLength": 6},
+    "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+}, "required": ["ok", "n", "color"]}
+SPECS = [GrammarSpec("json_schema", json.dumps(SCHEMA), "parameters.constraint.json_schema"),
+         GrammarSpec("regex", "[a-c]{1,6}", "parameters.constraint.regex"),
+         GrammarSpec("ebnf", choice_to_ebnf(["yes", "no", "maybe"]), "parameters.constraint.choice")]
+
+
+@pytest.fixture(scope="module")
+def pool(default_model_dir: Path) -> tuple[GrammarCompilerPool, int, tuple[int, ...]]:
+    """A compiler with SmolLM2's real vocabulary (49,152 tokens)."""
+    from loom.model_loader import eos_token_ids, load_hf_config, model_dims
+    from loom.structured.vocabulary import vocabulary_from_model_dir
+
+    vocab = model_dims(load_hf_config(default_model_dir)).vocab_size
+    eos = eos_token_ids(default_model_dir)
+    return GrammarCompilerPool(lambda: vocabulary_from_model_dir(default_model_dir, vocab, eos), workers=1), vocab, eos
+
+
+def new_seq(rid: str, spec: GrammarSpec, min_new: int) -> Sequence:
+    seq = Sequence(EngineRequest(rid, (1, 2, 3), SamplingParams(constraint=spec),
+                                 StoppingParams(max_new_tokens=64, min_new_tokens=min_new)), 0, None)
+    seq.status = SequenceStatus.RUNNING
+    return seq
+
+
+def admit(drivers: list[StructuredOutput], seq: Sequence, spec: GrammarSpec) -> None:
+    for driver in drivers:
+        driver.hold(seq.request_id, spec, [seq])
+        while not driver.take_ready()[0]:
+            pass
+
+
+def allowed_tokens(mask: torch.Tensor, vocab: int) -> np.ndarray:
+    """[W] int32 row -> the token ids whose bit is set."""
+    bits = np.unpackbits(mask.numpy().view(np.uint8), bitorder="little")[:vocab]
+    return np.flatnonzero(bits)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fast_rows_equal_the_plain_path_on_random_streams(
+        pool: tuple[GrammarCompilerPool, int, tuple[int, ...]], seed: int) -> None:
+    compiler, vocab, eos = pool
+    fast = StructuredOutput(compiler, vocab, eos, compile_timeout_s=60, fast_rows=True)
+    plain = StructuredOutput(compiler, vocab, eos, compile_timeout_s=60, fast_rows=False)
+    rng = random.Random(seed)
+    seqs: list[Sequence] = []
+    leader: dict[int, Sequence] = {}  # a copy follows its leader's tokens while both live
+    count = 0
+
+    def add(spec: GrammarSpec, follow: Sequence | None = None) -> None:
+        nonlocal count
+        seq = new_seq(f"r{count}", spec, rng.choice([0, 0, 3]))
+        count += 1
+        admit([fast, plain], seq, spec)
+        seqs.append(seq)
+        if follow is not None:
+            leader[seq.seq_id] = follow
+
+    for i in range(12):
+        add(SPECS[i % len(SPECS)])
+    for i in range(6):  # identical twins: one state, one fill on the fast path
+        add(SPECS[i % len(SPECS)], follow=seqs[i])
+    plain_rows = constrained_steps = shared = ended = lagging = 0
+    for _step in range(40):
+        other = new_seq(f"u{_step}", SPECS[0], 0)  # a row without a grammar, somewhere in the batch
+        batch = list(seqs)
+        batch.insert(rng.randrange(len(batch) + 1), other)
+        a, b = fast.bitmask_rows(batch), plain.bitmask_rows(batch)
+        assert a is not None and b is not None
+        assert a.rows == b.rows and a.to_bytes() == b.to_bytes(), f"step {_step}: masks differ"
+        constrained_steps += 1
+        plain_rows += len(b.rows)
+        states = [fast._matchers[s.seq_id].state for s in seqs if not s.is_finished and s.seq_id in fast._matchers]
+        shared += len(states) - len(set(states))  # rows the fast path copied instead of filling
+        mask = a.tensor()
+        chosen: dict[int, int] = {}
+        row_of = {r: g for g, r in enumerate(a.rows)}
+        assert batch.index(other) not in row_of
+        for i, seq in enumerate(batch):
+            if seq is other or seq.is_finished:
+                continue
+            g = row_of[i]
+            follow = leader.get(seq.seq_id)
+            if follow is not None and follow.seq_id in chosen:
+                chosen[seq.seq_id] = chosen[follow.seq_id]
+                continue
+            ids = allowed_tokens(mask[g], vocab)
+            ends = [t for t in ids.tolist() if t in eos]
+            chosen[seq.seq_id] = ends[0] if ends and rng.random() < 0.3 else int(rng.choice(ids.tolist()))
+        items = [(s, [chosen[s.seq_id]]) for s in seqs if not s.is_finished]
+        for seq, (token,) in items:
+            seq.token_ids.append(token)
+        assert fast.accept_step(items) == plain.accept_step(items)
+        gone = [s for s in seqs if s.is_finished]  # finished last step: its open row was compared above
+        for seq in seqs:
+            assert fast.terminated(seq) == plain.terminated(seq)
+            entry = fast._matchers.get(seq.seq_id)  # None: finished, and forgotten by a later admission
+            if entry is not None and entry.pending:  # in step with another matcher, which accepted for it
+                lagging += 1
+            elif entry is not None:
+                assert entry.terminated == entry.matcher.is_terminated()
+            if not seq.is_finished and (fast.terminated(seq) or rng.random() < 0.03):  # ended by EOS, or aborted
+                ended += fast.terminated(seq)
+                seq.status = SequenceStatus.FINISHED
+        for seq in gone:
+            seqs.remove(seq)
+            add(rng.choice(SPECS))
+    # every branch met: shared states, matchers ended by EOS, open rows of finished sequences,
+    # matchers whose tokens another accepted (caught up when they part or fill alone)
+    assert constrained_steps == 40 and plain_rows > 40 * 12 and shared > 10 and ended > 3 and lagging > 10, (
+        plain_rows, shared, ended, lagging)
+
+
+def test_a_refused_token_in_a_batch_is_refused_on_both_paths(
+        pool: tuple[GrammarCompilerPool, int, tuple[int, ...]]) -> None:
+    compiler, vocab, eos = pool
+    fast = StructuredOutput(compiler, vocab, eos, compile_timeout_s=60, fast_rows=True)
+    plain = StructuredOutput(compiler, vocab, eos, compile_timeout_s=60, fast_rows=False)
+    seqs = [new_seq(f"x{i}", SPECS[1], 0) for i in range(4)]
+    for seq in seqs:
+        admit([fast, plain], seq, SPECS[1])
+    a = 81  # "a" in SmolLM2's vocabulary
+    z = 106  # "z": the regex [a-c]{1,6} refuses it
+    items = [(seqs[0], [a]), (seqs[1], [z]), (seqs[2], [a]), (seqs[3], [a])]
+    got, want = fast.accept_step(items), plain.accept_step(items)
+    assert got == want and list(got) == [seqs[1].seq_id]
+    assert got[seqs[1].seq_id].rejection.reason == "GRAMMAR_TOKEN_REJECTED"
+
+
+def test_token_bitmask_rows_pickle_as_bytes_and_every_row_stages_no_indices() -> None:
+    data = torch.randint(-2**31, 2**31 - 1, (3, 5), dtype=torch.int32)
+    rows = TokenBitmaskRows([0, 1, 2], 5, data)
+    back = pickle.loads(pickle.dumps(rows))
+    assert isinstance(back.data, bytes) and back == rows and torch.equal(back.tensor(), data)
+    stage = Stager(torch.device("cpu"))
+    every = token_bitmask(rows, stage, num_rows=3)
+    assert every.rows is None  # masks rows 0..2 in order without reading indices
+    some = token_bitmask(TokenBitmaskRows([0, 2], 5, data[:2]), stage, num_rows=3)
+    assert some.rows is not None and some.rows.tolist() == [0, 2]
+    logits = torch.randn(3, 5 * 32)
+    assert torch.equal(every(logits.clone()), token_bitmask(rows, stage)(logits.clone()))
