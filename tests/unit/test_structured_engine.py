@@ -191,3 +191,11 @@ def test_speculation_drafts_are_masked_per_row_and_change_no_token(model_dir: Pa
     assert sum(o.num_draft_tokens for o in drafted[("g", 0)]) > 0  # the constrained request verified drafts
     assert re.fullmatch("(ab|ba|a|b){4,40}", text(tok, drafted[("g", 0)])) or finish(drafted[("g", 0)]) is not \
         FinishReason.EOS_TOKEN
+
+
+def test_finished_matchers_are_dropped_when_constrained_traffic_stops(engine: LLMEngine) -> None:
+    """A finished sequence's matcher goes at the next step even when no constrained request is
+    waiting for its grammar (it used to stay until the next constrained request arrived)."""
+    run(engine, [request("json", JSON_SPEC, n=2, do_sample=True, seed=3), request("plain", None, new=4)])
+    run(engine, [request("plain-after", None, new=2)])  # steps with nothing held
+    assert engine._structured is not None and engine._structured.num_matched == 0

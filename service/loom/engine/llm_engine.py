@@ -521,7 +521,10 @@ class LLMEngine:
 
     def _admit_constrained(self) -> list[EngineOutput]:
         """Requests whose grammar compiled join the scheduler; refused ones fail (at step start)."""
-        if self._structured is None or not self._structured.num_held:
+        if self._structured is None:
+            return []
+        if not self._structured.num_held:
+            self._structured.forget_finished()  # (take_ready does it otherwise)
             return []
         ready, refused = self._structured.take_ready()
         for seqs in ready:

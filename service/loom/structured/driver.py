@@ -134,7 +134,7 @@ class StructuredOutput:
     def take_ready(self) -> tuple[list[list[Sequence]], list[Refusal]]:
         """Requests whose grammar is ready (their sequences, each now with a matcher) and requests
         refused; held requests aborted meanwhile are dropped. Also forgets finished sequences."""
-        self._sweep()
+        self.forget_finished()
         ready: list[list[Sequence]] = []
         refused: list[Refusal] = []
         for request_id, held in list(self._held.items()):
@@ -208,7 +208,16 @@ class StructuredOutput:
         if token in self._stops:
             entry.terminated = entry.matcher.is_terminated()
 
-    def _sweep(self) -> None:
+    @property
+    def num_matched(self) -> int:
+        """Sequences that have a matcher (finished ones until the next :meth:`forget_finished`)."""
+        return len(self._matchers)
+
+    def forget_finished(self) -> None:
+        """Drop the matchers of finished sequences (the engine calls this at every step start
+        while any are held, so a server whose constrained traffic stops keeps none)."""
+        if not self._matchers:
+            return
         done = [sid for sid, m in self._matchers.items() if m.seq.is_finished]
         for sid in done:
             del self._matchers[sid]
