@@ -15,10 +15,9 @@
 #   bash scripts/gpu_round.sh sweep-fill       # the batch-1 fusions, decode plans and dense GEMV swept; tables filled; Loom reinstalled
 #   bash scripts/gpu_round.sh fp8-plans        # the FP8 attention kernel's decode launches swept (#20); its table filled; Loom reinstalled
 #
-# What is owed (2026-12-03): docs/benchmarks.md's list at its end ("What is owed to the next round"):
-# the GPU tests added since, W5 b with LOOM_DRAFT_CATCH_UP_GRAPHS=1 (#16), the FP8 kernel's microbench,
-# W2 profiles and FP8 weights + FP8 KV (#20), the Qwen3-30B-A3B profile after the fusions and W2 with
-# the peer alone in a call (#22), the W4A16 GEMM plans at 16-256 tokens and W2 int4 / FP8 (#15).
+# What is owed: docs/benchmarks.md's list at its end ("What is owed to the next round"): the whole GPU
+# suite, FP8 weights + FP8 KV and a W2 profile with FP8 KV (#20), the MoE fusion pairs and expert tile
+# sweep (#22), the W4A16 GEMM plans at 16-256 tokens and W2 int4 / FP8 (#15), an S1 host profile (#17).
 # Wheels and GGUF halves: docs/benchmarks.md ("Running on the H200").
 #
 # Every step has a time limit, and BUDGET_END (epoch seconds) makes later steps skip themselves
