@@ -90,8 +90,12 @@ def _candidates(wt: Any, m: int, n: int, k: int, group: int, quick: bool) -> lis
         warps, stages, per_sm = [4, 8] if quick else [2, 4, 8], [2] if quick else [1, 2, 3, 4], [4, 8, 16, 32]
         kind = "gemv"
     else:
-        bms = [b for b in (16, 32, 64, 128) if b <= max(16, 2 * m)]
+        # 256-row tiles from 256 tokens: each weight dequantized once a step instead of once per
+        # 128-row tile (W2's GEMMs dequantize every weight twice with 128; docs/quantization.md)
+        bms = [b for b in (16, 32, 64, 128, 256) if b <= max(16, 2 * m) and (b < 256 or m >= 256)]
         shapes = [(bm, bn) for bm in bms for bn in (64, 128)] if not quick else [(min(64, max(16, m)), 64)]
+        if quick and m >= 256:
+            shapes += [(128, 128), (256, 64), (256, 128)]
         warps, stages, per_sm = [4, 8], [2, 3, 4] if not quick else [3], [1, 2, 4]
         kind = "gemm"
     sms = wt.sm_count(torch.device("cuda")) if torch.cuda.is_available() else 8
