@@ -42,14 +42,17 @@ def qwen3_entries(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.usefixtures("qwen3_entries")
-def test_a_table_entry_serves_its_layout_from_its_batch_up_to_the_next() -> None:
+def test_a_table_entry_serves_its_layout_from_its_batch_up_to_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
+    from loom_plugins.attention import fp8_decode_plan_table
+
+    monkeypatch.setattr(fp8_decode_plan_table, "PLANS", {})  # FP8 pools' own table: test_fp8_decode_plans.py
     assert plan_decode(1, *QWEN3, 4096, 132) == DecodePlan(32, 128, 32, 2, 2, True)
     assert plan_decode(2, *QWEN3, 4096, 132) == DecodePlan(16)
     assert plan_decode(3, *QWEN3, 4096, 132) == DecodePlan(16)  # the entry of 2 serves 2-3
     assert plan_decode(4, *QWEN3, 4096, 132) == DecodePlan(choose_num_splits(4, 4, 4096, 132))  # no entry of 4
     assert plan_decode(1, *QWEN3, 4096, 108) == DecodePlan(choose_num_splits(1, 4, 4096, 108))  # another GPU
     assert plan_decode(1, 8, 4, 128, 4096, 132) == DecodePlan(choose_num_splits(1, 8, 4096, 132))  # another layout
-    assert plan_decode(1, *QWEN3, 4096, 132, fp8_pool=True) == DecodePlan(16)  # FP8 pools keep the rule
+    assert plan_decode(1, *QWEN3, 4096, 132, fp8_pool=True) == DecodePlan(16)  # FP8 pools: not this table's plans
 
 
 @pytest.mark.usefixtures("qwen3_entries")
