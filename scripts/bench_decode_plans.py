@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from sweep_common import Budget, Compiler, GraphTimer, geomean  # noqa: E402
-from sweep_tables import add_common_args, add_mode_args, rule_entries, sweep_main, write_table  # noqa: E402
+from sweep_tables import add_common_args, add_decode_args, add_mode_args, fill_rule_table, sweep_main  # noqa: E402
 
 # (name, KV heads, query heads per KV head, head size)
 LAYOUTS = [("qwen3-30b-a3b", 4, 8, 128), ("llama-8b", 8, 4, 128), ("smollm2", 3, 3, 64), ("mha-8x128", 8, 1, 128)]
@@ -55,6 +55,8 @@ TILES: list[Tile] = [(None, None, None), (64, 4, 1), (64, 4, 2), (64, 8, 2), (12
          (32, 2, 1), (16, 2, 2), (16, 1, 2), (16, 1, 1)]
 TILE_CASES = ((1, 512), (1, 4096), (8, 2048))  # (batch, context) the tiles are ranked on
 PAGE = 16
+# PLANS' type, as the table module declares it
+ANNOTATION = "dict[tuple[int, int, int, int, int], tuple[int, int, int | None, int | None, int | None, bool]]"
 TABLE = ROOT / "plugins" / "attention" / "decode_plan_table.py"
 
 
@@ -287,23 +289,16 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
 def fill_table(results_path: Path, margin: float, table: Path = TABLE) -> list[str]:
     """Write ``table`` from a sweep's JSON: the choices at least ``1 + margin`` times faster than
     the rule (geometric mean over the contexts). Returns the entries' lines."""
-    data = json.loads(results_path.read_text())
-    lines = rule_entries(data, margin, lambda p: (p["num_splits"], p["min_keys"], p["block_n"], p["num_warps"],
-                                                  p["num_stages"], p["fused_combine"]))
-    write_table(table, results_path, data, lines, margin=margin, bound=True,
-                annotation="dict[tuple[int, int, int, int, int], tuple[int, int, int | None, int | None, int | None, "
-                           "bool]]")
-    return lines
+    return fill_rule_table(results_path, margin, table, ANNOTATION,
+                           lambda p: (p["num_splits"], p["min_keys"], p["block_n"], p["num_warps"], p["num_stages"],
+                                      p["fused_combine"]))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_args(parser, what="the planner's table", table=TABLE, margin=0.03,
                     margin_help="a choice enters the table this much faster", budget_s=50.0)
-    parser.add_argument("--bound", type=int, default=4096, help="the CUDA graphs' max_seq_len (the rule's input)")
-    parser.add_argument("--layouts", help="names from LAYOUTS, comma-separated (default: all)")
-    parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
-    parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
+    add_decode_args(parser, batches=BATCHES, contexts=CONTEXTS)
     parser.add_argument("--tiles-kept", type=int, default=2, help="tiles that go on to the split sweep")
     add_mode_args(parser)
     args = parser.parse_args()

@@ -32,7 +32,6 @@ and never chosen.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -45,7 +44,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_decode_plans  # noqa: E402 (the same choice)
 from sweep_common import Budget, Compiler, GraphTimer, copy_bandwidth  # noqa: E402
-from sweep_tables import add_common_args, add_mode_args, rule_entries, sweep_main, write_table  # noqa: E402
+from sweep_tables import add_common_args, add_decode_args, add_mode_args, fill_rule_table, sweep_main  # noqa: E402
 
 # (name, KV heads, query heads per KV head, head size)
 LAYOUTS = [("llama-8b", 8, 4, 128), ("qwen3-30b-a3b", 4, 8, 128)]
@@ -68,6 +67,8 @@ TILES: list[Tile] = [(None, None, None, None, False), (64, 1, 2, None, False), (
                      (256, 4, 2, None, False), (64, 1, 3, None, True), (32, 1, 3, 128, True), (32, 1, 3, None, True)]
 TILE_CTX = 1024  # the context the tiles are ranked at
 PAGE = 16
+# PLANS' type, as the table module declares it
+ANNOTATION = "dict[tuple[int, int, int, int, int], tuple[int, int | None, int | None, int | None, int | None, bool]]"
 TABLE = ROOT / "plugins" / "attention" / "fp8_decode_plan_table.py"
 
 
@@ -311,23 +312,16 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
 def fill_table(results_path: Path, margin: float, table: Path = TABLE) -> list[str]:
     """Write ``table`` from a sweep's JSON: the choices at least ``1 + margin`` times faster than
     the rule (geometric mean over the contexts). Returns the entries' lines."""
-    data = json.loads(results_path.read_text())
-    lines = rule_entries(data, margin, lambda p: (p["num_splits"], p["block_n"], p["num_warps"], p["num_stages"],
-                                                  p["max_registers"], p["prefetch_table"]))
-    write_table(table, results_path, data, lines, margin=margin, bound=True,
-                annotation="dict[tuple[int, int, int, int, int], tuple[int, int | None, int | None, int | None, "
-                           "int | None, bool]]")
-    return lines
+    return fill_rule_table(results_path, margin, table, ANNOTATION,
+                           lambda p: (p["num_splits"], p["block_n"], p["num_warps"], p["num_stages"], p["max_registers"],
+                                      p["prefetch_table"]))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_args(parser, what="the FP8 plan table", table=TABLE, margin=0.03,
                     margin_help="a choice enters the table this much faster", budget_s=80.0)
-    parser.add_argument("--bound", type=int, default=4096, help="the CUDA graphs' max_seq_len (the rule's input)")
-    parser.add_argument("--layouts", help="names from LAYOUTS, comma-separated (default: all)")
-    parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
-    parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
+    add_decode_args(parser, batches=BATCHES, contexts=CONTEXTS)
     parser.add_argument("--tiles-kept", type=int, default=3, help="tiles of each batch that meet every split count")
     add_mode_args(parser)
     args = parser.parse_args()

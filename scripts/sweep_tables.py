@@ -34,17 +34,19 @@ def entry_line(key: tuple[Any, ...], value: tuple[Any, ...], comment: str) -> st
     return f"    {key!r}: {value!r},  # {comment}"
 
 
-def rule_entries(data: dict[str, Any], margin: float,
-                 value: Callable[[dict[str, Any]], tuple[Any, ...]]) -> list[str]:
-    """The entries of a decode-plan table (keyed by SM count, KV heads, group, head size, batch):
-    the choices at least ``1 + margin`` times faster than the rule (geometric mean over the
-    contexts), each plan written as ``value(plan)``."""
+def fill_rule_table(results_path: Path, margin: float, table: Path, annotation: str,
+                    value: Callable[[dict[str, Any]], tuple[Any, ...]]) -> list[str]:
+    """Write a decode-plan table (keyed by SM count, KV heads, group, head size, batch) from a
+    sweep's JSON: the choices at least ``1 + margin`` times faster than the rule (geometric mean
+    over the contexts), each plan written as ``value(plan)``. Returns the entries' lines."""
+    data = json.loads(results_path.read_text())
     lines = []
     for c in data["choices"]:
         if not c["speedup_vs_rule"] >= 1.0 + margin:
             continue
         key = (data["sms"], c["hkv"], c["group"], c["head_dim"], c["batch"])
         lines.append(entry_line(key, value(c["plan"]), f"{c['layout']}: {c['speedup_vs_rule']:.2f}x the rule"))
+    write_table(table, results_path, data, lines, margin=margin, annotation=annotation, bound=True)
     return lines
 
 
@@ -69,6 +71,14 @@ def add_common_args(parser: argparse.ArgumentParser, *, what: str, table: Path, 
     parser.add_argument("--margin", type=float, default=margin, help=margin_help)
     parser.add_argument("--budget-s", type=float, default=budget_s, help="stop sweeping after this long")
     parser.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="compiling processes")
+
+
+def add_decode_args(parser: argparse.ArgumentParser, *, batches: tuple[int, ...], contexts: tuple[int, ...]) -> None:
+    """The decode-plan sweeps' --bound, --layouts, --batches and --contexts."""
+    parser.add_argument("--bound", type=int, default=4096, help="the CUDA graphs' max_seq_len (the rule's input)")
+    parser.add_argument("--layouts", help="names from LAYOUTS, comma-separated (default: all)")
+    parser.add_argument("--batches", default=",".join(map(str, batches)))
+    parser.add_argument("--contexts", default=",".join(map(str, contexts)))
 
 
 def add_mode_args(parser: argparse.ArgumentParser) -> None:
