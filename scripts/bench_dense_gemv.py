@@ -125,6 +125,16 @@ def choose(rows: list[dict[str, Any]], margin: float) -> dict[str, Any] | None:
             "cublas_us": {str(r["m"]): round(r["cublas_s"] * 1e6, 2) for r in rows}}
 
 
+def split_plans(dg: Any, kept: list[dict[str, Any]], splits: tuple[int, ...], k: int) -> list[Any]:
+    """Stage 2's candidates: each kept stage-1 row's tile (block_n, block_k, warps, stages) at
+    every split count that leaves every split a K tile, merged by a second launch or by the last
+    split where it splits."""
+    tiles = [(r["plan"]["block_n"], r["plan"]["block_k"], r["plan"]["num_warps"], r["plan"]["num_stages"])
+             for r in kept]
+    return [dg.GemvPlan(bn, bk, s, wp, st, fused) for bn, bk, wp, st in tiles for s in splits
+            for fused in ((False, True) if s > 1 else (False,)) if s <= -(-k // bk)]
+
+
 def time_plans(dg: Any, timer: GraphTimer, w: torch.Tensor, x: torch.Tensor, plans: list[Any],
                ref: torch.Tensor) -> list[dict[str, Any]]:
     """Each plan's time on ``x @ w^T`` and whether its output matches cuBLAS's ``ref``."""
@@ -189,11 +199,8 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
             # Stage 1: the tiles at one row, at the rule's split count.
             ranked = sorted((r for r in time_plans(dg, timer, w, xs[1], stage1_plans(n, k), refs[1]) if r.get("ok")),
                             key=lambda r: r["s"])
-            kept = [(r["plan"]["block_n"], r["plan"]["block_k"], r["plan"]["num_warps"], r["plan"]["num_stages"])
-                    for r in ranked[: args.tiles_kept]]
             # Stage 2: every split count and merge with the kept tiles, at every M.
-            plans = [dg.GemvPlan(bn, bk, s, wp, st, fused) for bn, bk, wp, st in kept for s in splits
-                     for fused in ((False, True) if s > 1 else (False,)) if s <= -(-k // bk)]
+            plans = split_plans(dg, ranked[: args.tiles_kept], splits, k)
             plans.append(dg.default_plan(n, k, sms))
             plans = list(dict.fromkeys(plans))
             compiler.wait(compiler.submit(_compile_task, [(n, k, [m], [asdict(p) for p in plans]) for m in rows_m]))

@@ -38,7 +38,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_dense_gemv import choose, fill_table  # noqa: E402 (the same choice and table writer)
+from bench_dense_gemv import choose, fill_table, split_plans  # noqa: E402 (the same choice, table, stage 2)
 from sweep_common import Budget, Compiler, GraphTimer, copy_bandwidth  # noqa: E402
 from sweep_tables import add_common_args, add_mode_args, sweep_main  # noqa: E402
 
@@ -177,10 +177,7 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
             rule = fg.default_plan(n, k, sms)
             ranked = sorted((r for r in time_plans(fg, timer, codes, scale, xs[1], stage1_plans(n, k), refs[1])
                              if r.get("ok")), key=lambda r: r["s"])
-            kept = [(r["plan"]["block_n"], r["plan"]["block_k"], r["plan"]["num_warps"], r["plan"]["num_stages"])
-                    for r in ranked[: args.tiles_kept]]
-            plans = [dg.GemvPlan(bn, bk, s, wp, st, fused) for bn, bk, wp, st in kept for s in splits
-                     for fused in ((False, True) if s > 1 else (False,)) if s <= -(-k // bk)]
+            plans = split_plans(dg, ranked[: args.tiles_kept], splits, k)
             plans = list(dict.fromkeys([rule, *plans]))
             compiler.wait(compiler.submit(_compile_task, [(n, k, [m], [asdict(p) for p in plans]) for m in rows_m]))
             rows: list[dict[str, Any]] = [{"m": m, "cublas_s": base[m], "w8a8_s": base[m],
