@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -42,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from sweep_common import Budget, Compiler, GraphTimer, geomean  # noqa: E402
+from sweep_tables import add_common_args, add_decode_args, add_mode_args, fill_rule_table, sweep_main  # noqa: E402
 
 # (name, KV heads, query heads per KV head, head size)
 LAYOUTS = [("qwen3-30b-a3b", 4, 8, 128), ("llama-8b", 8, 4, 128), ("smollm2", 3, 3, 64), ("mha-8x128", 8, 1, 128)]
@@ -55,6 +55,8 @@ TILES: list[Tile] = [(None, None, None), (64, 4, 1), (64, 4, 2), (64, 8, 2), (12
          (32, 2, 1), (16, 2, 2), (16, 1, 2), (16, 1, 1)]
 TILE_CASES = ((1, 512), (1, 4096), (8, 2048))  # (batch, context) the tiles are ranked on
 PAGE = 16
+# PLANS' type, as the table module declares it
+ANNOTATION = "dict[tuple[int, int, int, int, int], tuple[int, int, int | None, int | None, int | None, bool]]"
 TABLE = ROOT / "plugins" / "attention" / "decode_plan_table.py"
 
 
@@ -284,63 +286,23 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def table_head(text: str) -> str:
-    """A table module's text before its generated part (the ``# From`` note and ``PLANS``)."""
-    lines = text.splitlines(keepends=True)
-    end = next(i for i, line in enumerate(lines) if line.startswith(("# From ", "PLANS")))
-    return "".join(lines[:end])
-
-
 def fill_table(results_path: Path, margin: float, table: Path = TABLE) -> list[str]:
     """Write ``table`` from a sweep's JSON: the choices at least ``1 + margin`` times faster than
     the rule (geometric mean over the contexts). Returns the entries' lines."""
-    data = json.loads(results_path.read_text())
-    lines = []
-    for c in data["choices"]:
-        if not c["speedup_vs_rule"] >= 1.0 + margin:
-            continue
-        p = c["plan"]
-        key = (data["sms"], c["hkv"], c["group"], c["head_dim"], c["batch"])
-        value = (p["num_splits"], p["min_keys"], p["block_n"], p["num_warps"], p["num_stages"], p["fused_combine"])
-        lines.append(f"    {key!r}: {value!r},  # {c['layout']}: {c['speedup_vs_rule']:.2f}x the rule")
-    head = table_head(table.read_text())
-    body = "{\n" + "\n".join(lines) + "\n}" if lines else "{}"
-    source = (f"{head}# From {results_path.name} ({data.get('device', '?')}, bound {data['bound']}, "
-              f"{'cold' if data.get('cold_l2', True) else 'warm'} L2), margin {margin:.0%}.\n"
-              f"PLANS: dict[tuple[int, int, int, int, int], tuple[int, int, int | None, int | None, int | None, bool]] = "
-              f"{body}\n")
-    table.write_text(source)
-    return lines
+    return fill_rule_table(results_path, margin, table, ANNOTATION,
+                           lambda p: (p["num_splits"], p["min_keys"], p["block_n"], p["num_warps"], p["num_stages"],
+                                      p["fused_combine"]))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", help="write every timing and the choices as JSON here")
-    parser.add_argument("--fill-table", metavar="RESULTS", help="write the planner's table from a sweep's JSON")
-    parser.add_argument("--table", default=str(TABLE), help="the table module --fill-table writes")
-    parser.add_argument("--margin", type=float, default=0.03, help="a choice enters the table this much faster")
-    parser.add_argument("--budget-s", type=float, default=50.0, help="stop sweeping after this long")
-    parser.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="compiling processes")
-    parser.add_argument("--bound", type=int, default=4096, help="the CUDA graphs' max_seq_len (the rule's input)")
-    parser.add_argument("--layouts", help="names from LAYOUTS, comma-separated (default: all)")
-    parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
-    parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
+    add_common_args(parser, what="the planner's table", table=TABLE, margin=0.03,
+                    margin_help="a choice enters the table this much faster", budget_s=50.0)
+    add_decode_args(parser, batches=BATCHES, contexts=CONTEXTS)
     parser.add_argument("--tiles-kept", type=int, default=2, help="tiles that go on to the split sweep")
-    parser.add_argument("--warm", action="store_true", help="no L2 flush between calls")
-    parser.add_argument("--interpret", action="store_true", help="a tiny CPU check of the script (TRITON_INTERPRET=1)")
+    add_mode_args(parser)
     args = parser.parse_args()
-    if args.fill_table:
-        lines = fill_table(Path(args.fill_table), args.margin, Path(args.table))
-        print(f"{args.table}: {len(lines)} entries" + "".join(f"\n{line}" for line in lines))
-        return
-    if args.interpret:
-        sys.path.insert(0, str(ROOT / "tests"))
-        from helpers import triton_interpret
-
-        triton_interpret.setup_script()
-    result = sweep(args)
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    sweep_main(args, lambda results, table: fill_table(results, args.margin, table), sweep)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -40,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from sweep_common import Budget, Compiler, GraphTimer, copy_bandwidth  # noqa: E402
+from sweep_tables import add_common_args, add_mode_args, entry_line, sweep_main, write_table  # noqa: E402
 
 # (model, layer, N out features, K in features): the dense layers a decode step runs at M rows
 SHAPES = [
@@ -125,6 +125,16 @@ def choose(rows: list[dict[str, Any]], margin: float) -> dict[str, Any] | None:
             "cublas_us": {str(r["m"]): round(r["cublas_s"] * 1e6, 2) for r in rows}}
 
 
+def split_plans(dg: Any, kept: list[dict[str, Any]], splits: tuple[int, ...], k: int) -> list[Any]:
+    """Stage 2's candidates: each kept stage-1 row's tile (block_n, block_k, warps, stages) at
+    every split count that leaves every split a K tile, merged by a second launch or by the last
+    split where it splits."""
+    tiles = [(r["plan"]["block_n"], r["plan"]["block_k"], r["plan"]["num_warps"], r["plan"]["num_stages"])
+             for r in kept]
+    return [dg.GemvPlan(bn, bk, s, wp, st, fused) for bn, bk, wp, st in tiles for s in splits
+            for fused in ((False, True) if s > 1 else (False,)) if s <= -(-k // bk)]
+
+
 def time_plans(dg: Any, timer: GraphTimer, w: torch.Tensor, x: torch.Tensor, plans: list[Any],
                ref: torch.Tensor) -> list[dict[str, Any]]:
     """Each plan's time on ``x @ w^T`` and whether its output matches cuBLAS's ``ref``."""
@@ -189,11 +199,8 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
             # Stage 1: the tiles at one row, at the rule's split count.
             ranked = sorted((r for r in time_plans(dg, timer, w, xs[1], stage1_plans(n, k), refs[1]) if r.get("ok")),
                             key=lambda r: r["s"])
-            kept = [(r["plan"]["block_n"], r["plan"]["block_k"], r["plan"]["num_warps"], r["plan"]["num_stages"])
-                    for r in ranked[: args.tiles_kept]]
             # Stage 2: every split count and merge with the kept tiles, at every M.
-            plans = [dg.GemvPlan(bn, bk, s, wp, st, fused) for bn, bk, wp, st in kept for s in splits
-                     for fused in ((False, True) if s > 1 else (False,)) if s <= -(-k // bk)]
+            plans = split_plans(dg, ranked[: args.tiles_kept], splits, k)
             plans.append(dg.default_plan(n, k, sms))
             plans = list(dict.fromkeys(plans))
             compiler.wait(compiler.submit(_compile_task, [(n, k, [m], [asdict(p) for p in plans]) for m in rows_m]))
@@ -223,13 +230,6 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def table_head(text: str) -> str:
-    """A table module's text before its generated part (the ``# From`` note and ``PLANS``)."""
-    lines = text.splitlines(keepends=True)
-    end = next(i for i, line in enumerate(lines) if line.startswith(("# From ", "PLANS")))
-    return "".join(lines[:end])
-
-
 def fill_table(results_path: Path, table: Path = TABLE) -> list[str]:
     """Write ``table`` from a sweep's JSON (its choices: each served at the row counts where it
     beat cuBLAS by the sweep's margin). Returns the entries' lines."""
@@ -237,44 +237,23 @@ def fill_table(results_path: Path, table: Path = TABLE) -> list[str]:
     lines = []
     for c in data["choices"]:
         p = c["plan"]
-        key = (data["sms"], c["n"], c["k"])
         value = (c["serve_m"], p["block_n"], p["block_k"], p["split"], p["num_warps"], p["num_stages"],
                  p["fused_reduce"])
-        lines.append(f"    {key!r}: {value!r},  # {c['model']} {c['layer']}: {c['us']} us, cuBLAS {c['cublas_us']}")
-    head = table_head(table.read_text())
-    body = "{\n" + "\n".join(lines) + "\n}" if lines else "{}"
-    source = (f"{head}# From {results_path.name} ({data.get('device', '?')}, "
-              f"{'cold' if data.get('cold_l2', True) else 'warm'} L2), margin {data.get('margin', 0):.0%}.\n"
-              f"PLANS: dict[tuple[int, int, int], tuple[int, int, int, int, int, int, bool]] = {body}\n")
-    table.write_text(source)
+        lines.append(entry_line((data["sms"], c["n"], c["k"]), value,
+                                f"{c['model']} {c['layer']}: {c['us']} us, cuBLAS {c['cublas_us']}"))
+    write_table(table, results_path, data, lines, margin=data.get("margin", 0), bound=False,
+                annotation="dict[tuple[int, int, int], tuple[int, int, int, int, int, int, bool]]")
     return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", help="write every timing and the choices as JSON here")
-    parser.add_argument("--fill-table", metavar="RESULTS", help="write the GEMV's table from a sweep's JSON")
-    parser.add_argument("--table", default=str(TABLE), help="the table module --fill-table writes")
-    parser.add_argument("--margin", type=float, default=0.05, help="the GEMV serves an M this much faster than cuBLAS")
-    parser.add_argument("--budget-s", type=float, default=50.0, help="stop sweeping after this long")
-    parser.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="compiling processes")
+    add_common_args(parser, what="the GEMV's table", table=TABLE, margin=0.05,
+                    margin_help="the GEMV serves an M this much faster than cuBLAS", budget_s=50.0)
     parser.add_argument("--models", help="models of SHAPES to sweep, comma-separated (default: all)")
     parser.add_argument("--tiles-kept", type=int, default=3, help="tiles that go on to the split sweep")
-    parser.add_argument("--warm", action="store_true", help="no L2 flush between calls")
-    parser.add_argument("--interpret", action="store_true", help="a tiny CPU check of the script (TRITON_INTERPRET=1)")
-    args = parser.parse_args()
-    if args.fill_table:
-        lines = fill_table(Path(args.fill_table), Path(args.table))
-        print(f"{args.table}: {len(lines)} entries" + "".join(f"\n{line}" for line in lines))
-        return
-    if args.interpret:
-        sys.path.insert(0, str(ROOT / "tests"))
-        from helpers import triton_interpret
-
-        triton_interpret.setup_script()
-    result = sweep(args)
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    add_mode_args(parser)
+    sweep_main(parser.parse_args(), fill_table, sweep)
 
 
 if __name__ == "__main__":

@@ -32,8 +32,6 @@ and never chosen.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -44,7 +42,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from sweep_common import Budget, Compiler, GraphTimer, copy_bandwidth, geomean  # noqa: E402
+import bench_decode_plans  # noqa: E402 (the same choice)
+from sweep_common import Budget, Compiler, GraphTimer, copy_bandwidth  # noqa: E402
+from sweep_tables import add_common_args, add_decode_args, add_mode_args, fill_rule_table, sweep_main  # noqa: E402
 
 # (name, KV heads, query heads per KV head, head size)
 LAYOUTS = [("llama-8b", 8, 4, 128), ("qwen3-30b-a3b", 4, 8, 128)]
@@ -67,6 +67,8 @@ TILES: list[Tile] = [(None, None, None, None, False), (64, 1, 2, None, False), (
                      (256, 4, 2, None, False), (64, 1, 3, None, True), (32, 1, 3, 128, True), (32, 1, 3, None, True)]
 TILE_CTX = 1024  # the context the tiles are ranked at
 PAGE = 16
+# PLANS' type, as the table module declares it
+ANNOTATION = "dict[tuple[int, int, int, int, int], tuple[int, int | None, int | None, int | None, int | None, bool]]"
 TABLE = ROOT / "plugins" / "attention" / "fp8_decode_plan_table.py"
 
 
@@ -189,31 +191,15 @@ def _chunks(layout: Layout, plans: list[Fp8Plan], bound: int, jobs: int) -> list
 
 
 def choose(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The plan with the lowest geometric mean, over the contexts, of its time over the best time
-    at that context, among plans timed (and matching the rule) at every context of ``rows``."""
-    contexts = [r["ctx"] for r in rows]
-    best_at = {r["ctx"]: min(c["s"] for c in r["candidates"] if c.get("ok")) for r in rows}
-    times: dict[str, dict[int, float]] = {}
-    plans: dict[str, dict[str, Any]] = {}
-    for r in rows:
-        for c in r["candidates"]:
-            if c.get("ok"):
-                key = json.dumps(c["plan"], sort_keys=True)
-                times.setdefault(key, {})[r["ctx"]] = c["s"]
-                plans[key] = c["plan"]
-    full = {k: v for k, v in times.items() if len(v) == len(contexts)}
-    if not full:
+    """``bench_decode_plans.choose`` (the lowest geometric mean over the contexts of a plan's time
+    over the best), with the chosen plan's TB/s at each context."""
+    choice = bench_decode_plans.choose(rows)
+    if choice is None:
         return None
-    scored = {k: geomean([v[c] / best_at[c] for c in contexts]) for k, v in full.items()}
-    key = min(scored, key=lambda k: (scored[k], sum(full[k].values())))
-    rule_key = json.dumps(rows[0]["rule"], sort_keys=True)
-    gbps = {r["ctx"]: r["kv_bytes"] for r in rows}
-    return {"plan": plans[key], "score": scored[key], "rule_score": scored.get(rule_key, float("nan")),
-            "speedup_vs_rule": geomean([full[rule_key][c] / full[key][c] for c in contexts]) if rule_key in full
-            else float("nan"),
-            "us": {str(c): round(full[key][c] * 1e6, 2) for c in contexts},
-            "rule_us": {str(c): round(full[rule_key][c] * 1e6, 2) for c in contexts} if rule_key in full else {},
-            "tb_s": {str(c): round(gbps[c] / full[key][c] / 1e12, 3) for c in contexts}}
+    chosen = {r["ctx"]: next(c["s"] for c in r["candidates"] if c.get("ok") and c["plan"] == choice["plan"])
+              for r in rows}
+    choice["tb_s"] = {str(r["ctx"]): round(r["kv_bytes"] / chosen[r["ctx"]] / 1e12, 3) for r in rows}
+    return choice
 
 
 def sweep(args: argparse.Namespace) -> dict[str, Any]:
@@ -326,55 +312,20 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
 def fill_table(results_path: Path, margin: float, table: Path = TABLE) -> list[str]:
     """Write ``table`` from a sweep's JSON: the choices at least ``1 + margin`` times faster than
     the rule (geometric mean over the contexts). Returns the entries' lines."""
-    data = json.loads(results_path.read_text())
-    lines = []
-    for c in data["choices"]:
-        if not c["speedup_vs_rule"] >= 1.0 + margin:
-            continue
-        p = c["plan"]
-        key = (data["sms"], c["hkv"], c["group"], c["head_dim"], c["batch"])
-        value = (p["num_splits"], p["block_n"], p["num_warps"], p["num_stages"], p["max_registers"],
-                 p["prefetch_table"])
-        lines.append(f"    {key!r}: {value!r},  # {c['layout']}: {c['speedup_vs_rule']:.2f}x the rule")
-    text = table.read_text().splitlines(keepends=True)
-    end = next(i for i, line in enumerate(text) if line.startswith(("# From ", "PLANS")))
-    body = "{\n" + "\n".join(lines) + "\n}" if lines else "{}"
-    source = (f"{''.join(text[:end])}# From {results_path.name} ({data.get('device', '?')}, bound {data['bound']}, "
-              f"{'cold' if data.get('cold_l2', True) else 'warm'} L2), margin {margin:.0%}.\n"
-              f"PLANS: dict[tuple[int, int, int, int, int], tuple[int, int | None, int | None, int | None, int | None, bool]] = "
-              f"{body}\n")
-    table.write_text(source)
-    return lines
+    return fill_rule_table(results_path, margin, table, ANNOTATION,
+                           lambda p: (p["num_splits"], p["block_n"], p["num_warps"], p["num_stages"], p["max_registers"],
+                                      p["prefetch_table"]))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", help="write every timing and the choices as JSON here")
-    parser.add_argument("--fill-table", metavar="RESULTS", help="write the FP8 plan table from a sweep's JSON")
-    parser.add_argument("--table", default=str(TABLE), help="the table module --fill-table writes")
-    parser.add_argument("--margin", type=float, default=0.03, help="a choice enters the table this much faster")
-    parser.add_argument("--budget-s", type=float, default=80.0, help="stop sweeping after this long")
-    parser.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="compiling processes")
-    parser.add_argument("--bound", type=int, default=4096, help="the CUDA graphs' max_seq_len (the rule's input)")
-    parser.add_argument("--layouts", help="names from LAYOUTS, comma-separated (default: all)")
-    parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
-    parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
+    add_common_args(parser, what="the FP8 plan table", table=TABLE, margin=0.03,
+                    margin_help="a choice enters the table this much faster", budget_s=80.0)
+    add_decode_args(parser, batches=BATCHES, contexts=CONTEXTS)
     parser.add_argument("--tiles-kept", type=int, default=3, help="tiles of each batch that meet every split count")
-    parser.add_argument("--warm", action="store_true", help="no L2 flush between calls")
-    parser.add_argument("--interpret", action="store_true", help="a tiny CPU check of the script (TRITON_INTERPRET=1)")
+    add_mode_args(parser)
     args = parser.parse_args()
-    if args.fill_table:
-        lines = fill_table(Path(args.fill_table), args.margin, Path(args.table))
-        print(f"{args.table}: {len(lines)} entries" + "".join(f"\n{line}" for line in lines))
-        return
-    if args.interpret:
-        sys.path.insert(0, str(ROOT / "tests"))
-        from helpers import triton_interpret
-
-        triton_interpret.setup_script()
-    result = sweep(args)
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    sweep_main(args, lambda results, table: fill_table(results, args.margin, table), sweep)
 
 
 if __name__ == "__main__":

@@ -28,8 +28,6 @@ largest magnitude); one that differs is reported and never chosen.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -40,8 +38,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_dense_gemv import choose, fill_table  # noqa: E402 (the same choice and table writer)
+from bench_dense_gemv import choose, fill_table, split_plans  # noqa: E402 (the same choice, table, stage 2)
 from sweep_common import Budget, Compiler, GraphTimer, copy_bandwidth  # noqa: E402
+from sweep_tables import add_common_args, add_mode_args, sweep_main  # noqa: E402
 
 SHAPES = [("llama-8b", "qkv_proj", 6144, 4096), ("llama-8b", "o_proj", 4096, 4096),
           ("llama-8b", "gate_up_proj", 28672, 4096), ("llama-8b", "down_proj", 4096, 14336)]
@@ -178,10 +177,7 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
             rule = fg.default_plan(n, k, sms)
             ranked = sorted((r for r in time_plans(fg, timer, codes, scale, xs[1], stage1_plans(n, k), refs[1])
                              if r.get("ok")), key=lambda r: r["s"])
-            kept = [(r["plan"]["block_n"], r["plan"]["block_k"], r["plan"]["num_warps"], r["plan"]["num_stages"])
-                    for r in ranked[: args.tiles_kept]]
-            plans = [dg.GemvPlan(bn, bk, s, wp, st, fused) for bn, bk, wp, st in kept for s in splits
-                     for fused in ((False, True) if s > 1 else (False,)) if s <= -(-k // bk)]
+            plans = split_plans(dg, ranked[: args.tiles_kept], splits, k)
             plans = list(dict.fromkeys([rule, *plans]))
             compiler.wait(compiler.submit(_compile_task, [(n, k, [m], [asdict(p) for p in plans]) for m in rows_m]))
             rows: list[dict[str, Any]] = [{"m": m, "cublas_s": base[m], "w8a8_s": base[m],
@@ -215,28 +211,11 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", help="write every timing and the choices as JSON here")
-    parser.add_argument("--fill-table", metavar="RESULTS", help="write the FP8 GEMV's table from a sweep's JSON")
-    parser.add_argument("--table", default=str(TABLE), help="the table module --fill-table writes")
-    parser.add_argument("--margin", type=float, default=0.05, help="the GEMV serves an M this much faster than W8A8")
-    parser.add_argument("--budget-s", type=float, default=50.0, help="stop sweeping after this long")
-    parser.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="compiling processes")
+    add_common_args(parser, what="the FP8 GEMV's table", table=TABLE, margin=0.05,
+                    margin_help="the GEMV serves an M this much faster than W8A8", budget_s=50.0)
     parser.add_argument("--tiles-kept", type=int, default=2, help="tiles that go on to the split sweep")
-    parser.add_argument("--warm", action="store_true", help="no L2 flush between calls")
-    parser.add_argument("--interpret", action="store_true", help="a tiny CPU check of the script (TRITON_INTERPRET=1)")
-    args = parser.parse_args()
-    if args.fill_table:
-        lines = fill_table(Path(args.fill_table), Path(args.table))
-        print(f"{args.table}: {len(lines)} entries" + "".join(f"\n{line}" for line in lines))
-        return
-    if args.interpret:
-        sys.path.insert(0, str(ROOT / "tests"))
-        from helpers import triton_interpret
-
-        triton_interpret.setup_script()
-    result = sweep(args)
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    add_mode_args(parser)
+    sweep_main(parser.parse_args(), fill_table, sweep)
 
 
 if __name__ == "__main__":

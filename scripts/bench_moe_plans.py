@@ -32,6 +32,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))
 
+from bench_fused_moe import copy_bandwidth  # the same device copy (1 GiB here)
+
 from loom.layers.fused_moe_triton import MoeBlockConfig, block_config, launch_down, launch_gate_up
 
 HIDDEN, INTER, EXPERTS, TOP_K, LAYERS = 2048, 768, 128, 8, 48
@@ -44,20 +46,6 @@ CANDIDATES: list[tuple[int, int, int, int]] = [
     (64, 128, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (128, 128, 4, 3),
     (64, 256, 4, 3), (64, 128, 4, 6), (32, 128, 2, 6), (16, 256, 4, 4), (64, 64, 4, 8),
 ]
-
-
-def copy_rate(dev: torch.device) -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * src.numel() * 10 / (start.elapsed_time(end) / 1e3)
 
 
 def per_layer_us(step: Callable[[int], Any]) -> float:
@@ -96,7 +84,7 @@ def main() -> None:
     act = torch.randn(TOP_K, INTER, device=dev, dtype=dt, generator=gen)
     y = torch.empty(TOP_K, HIDDEN, device=dev, dtype=dt)
     act_out = torch.empty(TOP_K, INTER, device=dev, dtype=dt)
-    rate = copy_rate(dev)
+    rate = copy_bandwidth(dev, 1 << 30)
     base = block_config(1, 1, dt)
     kernels: dict[str, tuple[int, Callable[[MoeBlockConfig], Callable[[int], Any]]]] = {
         "gate_up": (TOP_K * 2 * INTER * HIDDEN * 2,

@@ -101,25 +101,14 @@ def table_plan(n: int, k: int, m: int, sms: int) -> GemvPlan | None:
 
 
 @_jit
-def _dense_gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr,
-                       M, N, K, K_SPLIT, SPLIT, stride_xm, stride_wn, stride_om,
-                       HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, FUSED_REDUCE: tl.constexpr,
-                       EVEN_K: tl.constexpr, IEEE: tl.constexpr, W_SCALE: tl.constexpr, X_F16: tl.constexpr,
-                       MAX_ROWS: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_S: tl.constexpr):
-    # One program: outputs offs_n of the M token rows, over inputs [pid_s * K_SPLIT, + K_SPLIT).
-    # W_SCALE (FP8 weights, plugins/quant/fp8_gemv.py): w holds e4m3 codes, converted in registers
-    # (exactly: every e4m3 value is a bf16 and an fp16 value), and each output channel's float32
-    # scale multiplies the program's sums once, before they are stored (partial or not).
-    # X_F16 (bf16 activations with e4m3 weights): the dot runs in fp16, where e4m3 -> fp16 is one
-    # instruction a pair of codes (-> bf16 costs three more, and the conversions, not the bytes,
-    # would set the time). Each row of x is scaled by the power of two that puts its largest |x|
-    # over this program's K range in [2^14, 2^15) before the fp16 rounding: bf16's 8 bits fit
-    # fp16's 11 exactly for every value within 2^-28 of that maximum (smaller ones are off by at
-    # most 2^-39 of it), and the sums take the power of two back exactly.
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
+def gemv_tile(x_ptr, w_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, pid_n, pid_s,
+              EVEN_K: tl.constexpr, IEEE: tl.constexpr, X_F16: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Program (pid_n, pid_s)'s sums ``acc [BLOCK_N, BLOCK_M]`` (acc[n, m] = out[m, n] over inputs
+    [pid_s * K_SPLIT, + K_SPLIT)), with ``offs_n``, ``n_mask`` ([BLOCK_N]) and ``offs_m``, ``m_mask``
+    ([BLOCK_M]): the prologue and K loop of :func:`_dense_gemv_kernel` and of
+    ``moe_router_gemv._router_route_kernel`` (the same loads and dots: the same bits), inlined
+    into each by Triton. X_F16: see :func:`_dense_gemv_kernel`."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output features
     n_mask = offs_n < N
     offs_m = tl.arange(0, BLOCK_M)  # [BLOCK_M] token rows (M of them real)
@@ -157,6 +146,31 @@ def _dense_gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, cou
             acc = tl.dot(w.to(x.dtype), tl.trans(x), acc)  # [BLOCK_N, BLOCK_M]: acc[n, m] = out[m, n]
     if X_F16:
         acc = acc * down[None, :]  # exact: a power of two
+    return acc, offs_n, n_mask, offs_m, m_mask
+
+
+@_jit
+def _dense_gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr,
+                       M, N, K, K_SPLIT, SPLIT, stride_xm, stride_wn, stride_om,
+                       HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, FUSED_REDUCE: tl.constexpr,
+                       EVEN_K: tl.constexpr, IEEE: tl.constexpr, W_SCALE: tl.constexpr, X_F16: tl.constexpr,
+                       MAX_ROWS: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_S: tl.constexpr):
+    # One program: outputs offs_n of the M token rows, over inputs [pid_s * K_SPLIT, + K_SPLIT).
+    # W_SCALE (FP8 weights, plugins/quant/fp8_gemv.py): w holds e4m3 codes, converted in registers
+    # (exactly: every e4m3 value is a bf16 and an fp16 value), and each output channel's float32
+    # scale multiplies the program's sums once, before they are stored (partial or not).
+    # X_F16 (bf16 activations with e4m3 weights): the dot runs in fp16, where e4m3 -> fp16 is one
+    # instruction a pair of codes (-> bf16 costs three more, and the conversions, not the bytes,
+    # would set the time). Each row of x is scaled by the power of two that puts its largest |x|
+    # over this program's K range in [2^14, 2^15) before the fp16 rounding: bf16's 8 bits fit
+    # fp16's 11 exactly for every value within 2^-28 of that maximum (smaller ones are off by at
+    # most 2^-39 of it), and the sums take the power of two back exactly.
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    acc, offs_n, n_mask, offs_m, m_mask = gemv_tile(x_ptr, w_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, pid_n,
+                                                    pid_s, EVEN_K, IEEE, X_F16, BLOCK_N, BLOCK_K, BLOCK_M)
     if W_SCALE:  # acc[n, m] * scale[n]: one float32 rounding, in the same place whatever the split
         acc = acc * tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
     mask = n_mask[:, None] & m_mask[None, :]

@@ -32,7 +32,7 @@ import torch
 from loom import kernel_switches
 
 from . import dense_gemv
-from .dense_gemv import GemvPlan
+from .dense_gemv import GemvPlan, gemv_tile
 from .moe_routing_triton import (
     HAS_TRITON,
     ROUTE_WARPS,
@@ -62,32 +62,12 @@ def _router_route_kernel(x_ptr, w_ptr, logits_ptr, part_ptr, counter_ptr, weight
                          BLOCK_S: tl.constexpr, TOP_K: tl.constexpr, ROUTE_T: tl.constexpr,
                          BLOCK_TK: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr):
     # Program (pid_n, pid_s): dense_gemv's _dense_gemv_kernel with PARTIAL and FUSED_REDUCE and
-    # no bias (the same loads, dots, partial stores and tree sum), then the routing epilogue.
+    # no bias (its gemv_tile: the same loads and dots; the same partial stores and tree sum), then
+    # the routing epilogue. acc [BLOCK_N, BLOCK_M]: acc[n, m] = logits[m, n].
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] experts
-    n_mask = offs_n < N
-    offs_m = tl.arange(0, BLOCK_M)  # [BLOCK_M] token rows (M of them real)
-    m_mask = offs_m < M
-    offs_k = tl.arange(0, BLOCK_K)
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
-    x_rows = x_ptr + offs_m[:, None] * stride_xm  # [BLOCK_M, 1]
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    k_start = pid_s * K_SPLIT
-    k_end = tl.minimum(k_start + K_SPLIT, K)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        k = k0 + offs_k
-        if EVEN_K:
-            w = tl.load(w_rows + k[None, :], mask=n_mask[:, None], other=0.0)  # [BLOCK_N, BLOCK_K]
-            x = tl.load(x_rows + k[None, :], mask=m_mask[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
-        else:
-            k_ok = k < K
-            w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_ok[None, :], other=0.0)
-            x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_ok[None, :], other=0.0)
-        if IEEE:  # noqa: SIM108 - float32 operands (tests): no TF32 rounding
-            acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(w, tl.trans(x), acc)  # [BLOCK_N, BLOCK_M]: acc[n, m] = logits[m, n]
+    acc, offs_n, n_mask, offs_m, m_mask = gemv_tile(x_ptr, w_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, pid_n,
+                                                    pid_s, EVEN_K, IEEE, False, BLOCK_N, BLOCK_K, BLOCK_M)
     mask = n_mask[:, None] & m_mask[None, :]
     # partial sums [SPLIT, M, N]: split pid_s's at pid_s * M * N + m * N + n
     tl.store(part_ptr + pid_s * (M * N) + offs_m[None, :] * N + offs_n[:, None], acc, mask=mask)
