@@ -23,11 +23,12 @@ All launches depend on shapes only: capturable in CUDA graphs.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from loom.layers.triton_jit import jit as _jit
 
 try:
     import triton
@@ -41,9 +42,6 @@ FP8_MAX = 448.0
 _TINY = 1e-12
 MIN_CAPABILITY = (8, 9)  # Ada / Hopper: the first GPUs with e4m3 tensor cores
 
-
-def _jit(fn: Callable[..., Any]) -> Any:
-    return triton.jit(fn) if HAS_TRITON else fn
 
 
 @_jit

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +43,7 @@ from loom import kernel_switches
 from loom.layers.split_k import split_k
 from loom.layers.split_k import split_sum_kernel as _split_sum_kernel
 from loom.layers.split_k import store_gemv as _store_gemv
+from loom.layers.triton_jit import jit as _jit
 
 from .w4a16_layout import Segment, W4A16Layout
 
@@ -54,12 +54,6 @@ try:
     HAS_TRITON = True
 except ImportError:
     HAS_TRITON = False
-
-
-def _jit(fn: Callable[..., Any]) -> Any:
-    """``triton.jit``; without triton the kernels stay plain functions, never launched."""
-    return triton.jit(fn) if HAS_TRITON else fn
-
 
 # At and above this many tokens a layer dequantizes its weight once and cuBLAS multiplies.
 # Overridable for tuning on a given GPU (LOOM_W4A16_DENSE_FROM=256 ...); read once at import.

@@ -43,15 +43,14 @@ measurements), ``LOOM_FUSED_KERNELS=0`` turns it off with the other kernels. The
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from loom import kernel_switches
 from loom.layers import dense_gemv_table
 from loom.layers.split_k import counters, last_to_arrive, split_k, split_sum_kernel, store_gemv
+from loom.layers.triton_jit import jit as _jit
 
 try:
     import triton
@@ -60,12 +59,6 @@ try:
     HAS_TRITON = True
 except ImportError:
     HAS_TRITON = False
-
-
-def _jit(fn: Callable[..., Any]) -> Any:
-    """``triton.jit``; without triton the kernels stay plain functions, never launched."""
-    return triton.jit(fn) if HAS_TRITON else fn
-
 
 MAX_M = 4  # the most token rows the GEMV serves
 _TOKENS = 16  # the dot's columns: the token rows, padded

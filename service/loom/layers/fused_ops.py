@@ -27,12 +27,10 @@ Triton is optional: without it this module still imports and ``enabled`` is alwa
 # (Triton kernels take untyped pointer arguments; annotations there would change their meaning.)
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import torch
 
 from loom import kernel_switches
+from loom.layers.triton_jit import jit as _jit
 
 try:
     import triton
@@ -42,12 +40,6 @@ try:
     HAS_TRITON = True
 except ImportError:
     HAS_TRITON = False
-
-
-def _jit(fn: Callable[..., Any]) -> Any:
-    """``triton.jit``; without triton the kernels stay plain functions, never launched."""
-    return triton.jit(fn) if HAS_TRITON else fn
-
 
 # A norm row is held in registers in one block; past this, the torch path is used instead.
 _MAX_NORM_BLOCK = 32768

@@ -31,23 +31,17 @@ Triton is optional: without it this module imports, the kernels stay plain funct
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from typing import Any
 
 import torch
 
+from loom.layers.triton_jit import jit as _jit
+
 try:
-    import triton
     import triton.language as tl
 
     HAS_TRITON = True
 except ImportError:
     HAS_TRITON = False
-
-
-def _jit(fn: Callable[..., Any]) -> Any:
-    """``triton.jit``; without triton the kernels stay plain functions, never launched."""
-    return triton.jit(fn) if HAS_TRITON else fn
 
 
 def split_k(tiles: int, k: int, block_k: int, target: int, max_split: int) -> tuple[int, int]:
