@@ -376,3 +376,15 @@ def test_a_peer_out_of_time_gives_a_bound_not_a_figure(random_cache: Path) -> No
                                       w, timeout_s=0.001)
     assert out["timed_out"] is True and "out_tok_s" not in out
     assert out["out_tok_s_at_most"] == pytest.approx(12 / 0.001)
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--peer-w2-timeout-s", "0", "--peer-w2-timeout-s takes seconds > 0"),
+    ("--peer-static-batches", "64,x", "--peer-static-batches takes comma-separated integers"),
+])
+def test_bad_peer_options_are_refused_before_anything_runs(flag: str, value: str, message: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "loom.cli", "bench", "--workloads", "W2", "--model-id",
+                           "random:tiny-llama", "--device", "cpu", "--peer", "hf", flag, value],
+                          capture_output=True, text=True, env=bench_env(), timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+    assert "engine ready" not in proc.stdout + proc.stderr

@@ -529,6 +529,15 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"loom bench: unknown workload(s) {', '.join(unknown)}; choose from {', '.join(known)}",
               file=sys.stderr)
         return 2
+    if args.peer_w2_timeout_s is not None and not args.peer_w2_timeout_s > 0:
+        print(f"loom bench: --peer-w2-timeout-s takes seconds > 0, got {args.peer_w2_timeout_s:g}", file=sys.stderr)
+        return 2
+    if args.peer_static_batches not in (None, "none"):
+        try:  # refused here, not after Loom's own runs
+            _int_list(args.peer_static_batches, "--peer-static-batches")
+        except ConfigError as exc:
+            print(f"loom bench: {exc}", file=sys.stderr)
+            return 2
     result: dict[str, Any] = {
         "command": "loom bench " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),
         "loom_version": __version__,
