@@ -34,6 +34,7 @@ import fcntl
 import hashlib
 import os
 import platform
+import sysconfig
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -49,6 +50,14 @@ import torch
 from torch.utils import cpp_extension
 
 from loom.startup_progress import ProgressReporter
+
+# Likewise sysconfig's variables, filled here once: Python 3.11's ``get_config_vars()`` publishes
+# its dict before filling it, so a main thread reading it while a background build fills it
+# (distutils inside ``cpp_extension.load``) saw ``EXE`` as None, and ``import triton`` (whose
+# knobs append ``get_config_var("EXE")`` to a tool name) failed with a TypeError
+# (scripts/golden_outputs.py, 2026-12-03).
+sysconfig.get_config_vars()
+
 
 log = structlog.get_logger(__name__)
 
