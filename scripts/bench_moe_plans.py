@@ -17,6 +17,7 @@ gate/up to ~92% (~14.3 us); of the other tilings, 32-wide gate/up tiles (192 pro
 SMs, where 64-wide ones leave 36 SMs idle) should gain another ~0.5 us.
 
     PYTHONPATH=service python3 scripts/bench_moe_plans.py [--out FILE]
+    python3 scripts/bench_moe_plans.py --fill-table FILE   # the sweep's entry into moe_plan_table.PLANS
 """
 
 from __future__ import annotations
@@ -48,6 +49,27 @@ CANDIDATES: list[tuple[int, int, int, int]] = [
 ]
 
 
+TABLE = Path(__file__).resolve().parents[1] / "service" / "loom" / "layers" / "moe_plan_table.py"
+
+
+def fill_table(results: Path, table: Path) -> str:
+    """Put the sweep's entry (``table_entry`` of its JSON) into ``PLANS``, replacing an entry of
+    the same key; returns the entry. An entry that keeps both defaults is written all the same:
+    it records that the shape was measured."""
+    entry = json.loads(results.read_text())["table_entry"]
+    key = entry.split(":", 1)[0]
+    text = table.read_text()
+    head, sep, body = text.partition("PLANS: dict[tuple[int, int, int, str], tuple[PlanTiles, PlanTiles]] = {")
+    if not sep:
+        raise SystemExit(f"{table}: no PLANS literal to fill")
+    body = body.lstrip("\n")
+    entries, _, tail = body.partition("}")
+    lines = [line for line in entries.splitlines() if line.strip() and not line.strip().startswith(key)]
+    lines.append(f"    {entry}  # {results.name}")
+    table.write_text(head + sep + "\n" + "\n".join(lines) + "\n}" + tail)
+    return entry
+
+
 def per_layer_us(step: Callable[[int], Any]) -> float:
     """Device time a layer of ``step(layer)``: LAYERS calls in one graph, replayed REPLAYS times."""
     side = torch.cuda.Stream()
@@ -73,7 +95,12 @@ def per_layer_us(step: Callable[[int], Any]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--fill-table", type=Path, default=None,
+                        help="write the table entry of this sweep's JSON into moe_plan_table.py (no GPU needed)")
     args = parser.parse_args()
+    if args.fill_table:
+        print(fill_table(args.fill_table, TABLE))
+        return
     dev, dt = torch.device("cuda"), torch.bfloat16
     gen = torch.Generator(device=dev).manual_seed(0)
     w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, device=dev, dtype=dt, generator=gen) * 0.02
