@@ -22,4 +22,6 @@ from __future__ import annotations
 
 PlanTiles = tuple[int, int, int, int]  # block_n, block_k, num_warps, num_stages
 
-PLANS: dict[tuple[int, int, int, str], tuple[PlanTiles, PlanTiles]] = {}
+PLANS: dict[tuple[int, int, int, str], tuple[PlanTiles, PlanTiles]] = {
+    (132, 2048, 768, 'bfloat16'): ((64, 128, 4, 4), (64, 128, 4, 4)),  # gpu-moe-plans-h200.json
+}
