@@ -54,7 +54,7 @@ gguf)
 tests)
   t=$(left); [ "$t" -gt 60 ] || { echo "tests: skipped, ${t}s left"; exit 0; }
   [ "$t" -gt "${TESTS_MAX_S:-400}" ] && t=${TESTS_MAX_S:-400}
-  timeout "$t" python3 -m pytest -m gpu tests/gpu tests/unit -q -p no:cacheprovider -rfE --timeout 150 \
+  timeout "$t" python3 -m pytest -m gpu tests/gpu tests/unit -n ${TESTS_WORKERS:-6} -q -p no:cacheprovider -rfE --timeout 150 \
     2>&1 | tee "$OUT/gpu-tests-h200.txt" | tail -40
   ;;
 bench)
