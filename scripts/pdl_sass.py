@@ -12,7 +12,7 @@ variants are compiled through Triton's compiler and the ptxas it bundles; the sc
 - the same in the SASS (the opcodes the two variants differ by, and the first global load's
   position against the wait's), registers, spills and instruction counts on and off.
 
-    PYTHONPATH=service:plugins/.. python scripts/pdl_sass.py [--out FILE]
+    PYTHONPATH=service:plugins/.. python scripts/pdl_sass.py [--only TEXT] [--out FILE]
 
 Exits non-zero when a PDL variant lacks either instruction, has a global load before its wait,
 or differs from the plain variant by more than the two instructions and their scheduling
@@ -146,10 +146,10 @@ def _cases() -> list[Case]:
     return [
         Case("dense GEMV 64x128 (qkv)", lambda: dg._dense_gemv_kernel, gemv_sig,
              dict(gemv_consts, PARTIAL=False, FUSED_REDUCE=False, BLOCK_N=64, BLOCK_K=128, BLOCK_S=1), 4, 3,
-             ("K_SPLIT", "SPLIT", "M")),
+             ("SPLIT", "M")),
         Case("dense GEMV split 8, last merges (o_proj)", lambda: dg._dense_gemv_kernel, gemv_sig,
              dict(gemv_consts, PARTIAL=True, FUSED_REDUCE=True, BLOCK_N=64, BLOCK_K=128, BLOCK_S=8), 4, 3,
-             ("K_SPLIT", "SPLIT", "M")),
+             ("SPLIT", "M")),
         Case("split-K sum", lambda: sk.split_sum_kernel, split_sig, dict(HAS_BIAS=False, BLOCK_N=256), 4, None,
              ("SPLIT",)),
         Case("add + RMSNorm (H 2048)", lambda: fo._add_rms_norm_kernel, norm_sig,
@@ -167,7 +167,7 @@ def _cases() -> list[Case]:
                   HAS_WINDOW=False), 4),
         Case("FP8 paged decode (G 4)", lambda: f8._paged_attn_fp8_kernel, fp8_sig, fp8_consts, 1),
         Case("MoE router + routing (E 128, k 8)", lambda: mr._router_route_kernel, router_sig, router_consts, 4, 3,
-             ("M", "K_SPLIT", "SPLIT", "TILES")),
+             ("M", "SPLIT", "TILES")),
         Case("MoE gate/up, direct", lambda: fm._gate_up_kernel,
              dict(x_ptr=bf, **moe_ptrs, N="i32", K="i32", INTER="i32", stride_xt="i32", stride_we="i32",
                   stride_wn="i32", stride_ot="i32"), dict(moe_consts, TOP_K=top_k), cfg.num_warps, cfg.num_stages,
@@ -245,9 +245,12 @@ def check(case: Case) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="write the JSON report here")
+    parser.add_argument("--only", help="only the cases whose label contains this text")
     args = parser.parse_args()
     rows = []
     for case in _cases():
+        if args.only and args.only not in case.label:
+            continue
         try:
             row = check(case)
         except Exception as exc:  # reported, and the script fails
