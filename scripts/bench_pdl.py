@@ -69,11 +69,13 @@ def _import() -> None:
 
 
 def build_chain(shape: LayerShape, layers: int, ctx: int, device: torch.device, seed: int = 0,
-                max_seq_len: int = 4096) -> tuple[Callable[[], torch.Tensor], dict[str, Any]]:
+                max_seq_len: int = 4096, dtype: torch.dtype = torch.bfloat16,
+                ) -> tuple[Callable[[], torch.Tensor], dict[str, Any]]:
     """``step()``: one token through ``layers`` decode layers of ``shape`` at position ``ctx``
     (``ctx`` keys already in each layer's pool, the new one stored at slot ``ctx``); returns the
     final hidden state ``[1, H]`` (a new tensor each call, static inside a graph). Also returns
-    what it allocated, for the caller to keep alive."""
+    what it allocated, for the caller to keep alive. ``dtype``: the activations' and weights'
+    (float32 for a check of the chain's code on the CPU, in Triton's interpreter)."""
     _import()
     from loom.layers import dense_gemv as dg
     from loom.layers import fused_moe_triton as fm
@@ -84,7 +86,7 @@ def build_chain(shape: LayerShape, layers: int, ctx: int, device: torch.device, 
     from loom_plugins.attention.decode_plans import plan_decode
     from loom_plugins.attention.triton_kernels import paged_attention, store_kv
 
-    dt = torch.bfloat16
+    dt = dtype
     gen = torch.Generator(device=device).manual_seed(seed)
     h, hq, hkv, d = shape.hidden, shape.q_heads, shape.kv_heads, shape.head_dim
 
@@ -92,7 +94,8 @@ def build_chain(shape: LayerShape, layers: int, ctx: int, device: torch.device, 
         return (torch.randn(*size, generator=gen, device=device) * scale).to(dt)
 
     blocks = -(-(ctx + 1) // PAGE)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    # (a CPU device runs the chain in Triton's interpreter: a check of the chain's code, no timing)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
     plan = plan_decode(1, hkv, hq // hkv, d, max_seq_len, sms)
     ctr = counters(device)  # allocated here, outside any capture
     layer_w = []

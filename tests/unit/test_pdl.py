@@ -63,7 +63,14 @@ def _decode_kernels() -> list[Any]:
     from helpers.source_tree import make_importable
 
     make_importable()
-    from loom.layers import dense_gemv, fused_moe_triton, fused_ops, moe_router_gemv, moe_routing_triton, split_k
+    from loom.layers import (
+        dense_gemv,
+        fused_moe_triton,
+        fused_ops,
+        moe_router_gemv,
+        moe_routing_triton,
+        split_k,
+    )
     from loom_plugins.attention import triton_fp8_attention, triton_kernels
     from loom_plugins.quant import fp8_triton, w4a16_triton
 
@@ -97,3 +104,29 @@ def test_kernels_compile_for_hopper_with_pdl(only: str) -> None:
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("ok  ") >= 1 and "FAIL" not in proc.stdout, proc.stdout
+
+
+_CHAIN = """
+import sys, torch
+sys.path.insert(0, {scripts!r}); sys.path.insert(0, {tests!r})
+from helpers.triton_interpret import setup_script
+setup_script()
+import bench_pdl
+for name in ("tiny-moe", "tiny-dense"):
+    step, _ = bench_pdl.build_chain(bench_pdl.SHAPES[name], layers=2, ctx=40, device=torch.device("cpu"),
+                                    max_seq_len=256, dtype=torch.float32)
+    out = step()
+    assert out.shape == (2, 256) and bool(torch.isfinite(out).all()), name
+    print("ok", name)
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_bench_chain_runs_in_interpreter() -> None:
+    """``scripts/bench_pdl.py``'s decode chain (its GPU test's too) runs through every launcher on
+    the CPU in Triton's interpreter (float32: the check is of the chain's code, not of timing)."""
+    code = _CHAIN.format(scripts=str(ROOT / "scripts"), tests=str(ROOT / "tests"))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("ok ") == 2, proc.stdout
