@@ -92,7 +92,8 @@ def count(dtype: str, pool: str, num_stages: int | None = None, block_n: int = 6
         consts = dict(PRECISION="tf32", FP8_KV=pool == "fp8_generic", FUSED_COMBINE=fused and num_splits > 1,
                       BLOCK_S=num_splits)
     consts.update(HEAD_DIM=head_dim, BLOCK_D=head_dim, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=PAGE,
-                  NUM_SPLITS=num_splits, HAS_SEQ_IDS=False, HAS_WINDOW=False, HAS_SOFT_CAP=False)
+                  NUM_SPLITS=num_splits, HAS_SEQ_IDS=False, HAS_WINDOW=False, HAS_SOFT_CAP=False,
+                  USE_PDL=False)  # the plain launch (scripts/pdl_sass.py compares the PDL one)
     if pool == "dense":  # a dense pool's d stride is 1: Triton specializes it away at launch
         consts["stride_vcd"] = 1
     sig.update({c: "constexpr" for c in consts})

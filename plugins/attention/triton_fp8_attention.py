@@ -62,6 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loom.layers.triton_jit import pdl_launch, pdl_prologue
 from loom.plugin_api import kv_fp8
 
 from .triton_kernels import _LOG2E, _merge_splits, _next_pow2, _program_sequence, _tile_rows
@@ -95,7 +96,10 @@ def _paged_attn_fp8_kernel(
     NUM_SPLITS: tl.constexpr, HAS_SEQ_IDS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SOFT_CAP: tl.constexpr, F32_DOTS: tl.constexpr,
     PREFETCH_TABLE: tl.constexpr = False,  # load each tile's block-table entries one iteration ahead
+    USE_PDL: tl.constexpr = False,
 ):
+    if USE_PDL:  # q, and the codes store_kv just wrote to the pool, come from the kernels before
+        pdl_prologue()
     i = tl.program_id(0)
     kvh = tl.program_id(1)
     m_tile = tl.program_id(2) // NUM_SPLITS
@@ -226,12 +230,14 @@ def _combine_fp8_kernel(
     out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, seq_ids_ptr, num_q_heads,
     stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr, HAS_SEQ_IDS: tl.constexpr,
+    BLOCK_S: tl.constexpr, HAS_SEQ_IDS: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     # One program: one (sequence, query head). Every one of the kernel's NUM_SPLITS splits wrote
     # a partial (an empty one with log-sum-exp -inf, weighing 0), so all are merged: this kernel
     # cuts its key range its own way (the window's start rounded down to a tile), not by the
     # generic kernel's ``_split_share``.
+    if USE_PDL:  # the partial outputs come from the attention kernel
+        pdl_prologue()
     i = tl.program_id(0)
     h = tl.program_id(1)
     if HAS_SEQ_IDS:  # noqa: SIM108 (a constexpr branch, kept as a plain if for Triton)
@@ -317,12 +323,12 @@ def paged_attention_fp8(
         NUM_SPLITS=num_splits, HAS_SEQ_IDS=seq_ids is not None,
         HAS_WINDOW=sliding_window is not None, HAS_SOFT_CAP=logits_soft_cap is not None,
         F32_DOTS=q.dtype == torch.float32, PREFETCH_TABLE=prefetch_table,
-        **extra,
+        **extra, **pdl_launch(q.device),
     )
     if num_splits > 1:
         _combine_fp8_kernel[(num_seqs, hq)](
             out, part_o, part_lse, query_start_loc, ids, hq,
             out.stride(0), out.stride(1),
             HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=num_splits, BLOCK_S=_next_pow2(num_splits),
-            HAS_SEQ_IDS=seq_ids is not None,
+            HAS_SEQ_IDS=seq_ids is not None, **pdl_launch(q.device),
         )

@@ -56,6 +56,7 @@ import triton
 import triton.language as tl
 
 from loom.layers.split_k import last_to_arrive
+from loom.layers.triton_jit import pdl_launch, pdl_prologue
 from loom.plugin_api import kv_fp8
 
 # exp2/log2 are the fast hardware paths; scores are pre-multiplied by log2(e).
@@ -83,7 +84,10 @@ def _store_kv_kernel(
     stride_sb, stride_ss, stride_sh,  # of ks / vs (the same layout for both)
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, FP8_KV: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    if USE_PDL:  # K and V come from the projection (and rotary); the pool's rows may be read before
+        pdl_prologue()
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
     if slot >= 0:
@@ -151,7 +155,7 @@ def store_kv(
         vc.stride(0), vc.stride(1), vc.stride(2), vc.stride(3),
         ks.stride(0), ks.stride(1), ks.stride(2),
         NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_H=_next_pow2(hkv), BLOCK_D=_next_pow2(d),
-        PAGE=kv_cache.shape[2], FP8_KV=fp8,
+        PAGE=kv_cache.shape[2], FP8_KV=fp8, **pdl_launch(k.device),
     )
 
 
@@ -218,8 +222,10 @@ def _paged_attn_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, HAS_SEQ_IDS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SOFT_CAP: tl.constexpr, PRECISION: tl.constexpr, FP8_KV: tl.constexpr,
-    FUSED_COMBINE: tl.constexpr, BLOCK_S: tl.constexpr,
+    FUSED_COMBINE: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    if USE_PDL:  # q, and the keys store_kv just wrote to the pool, come from the kernels before
+        pdl_prologue()
     i = tl.program_id(0)
     kvh = tl.program_id(1)
     m_tile = tl.program_id(2) // NUM_SPLITS
@@ -359,8 +365,11 @@ def _combine_kernel(
     stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SEQ_IDS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     # One program: one (sequence, query head) of a decode launch whose keys took several splits.
+    if USE_PDL:  # the partial outputs come from the attention kernel
+        pdl_prologue()
     i = tl.program_id(0)
     h = tl.program_id(1)
     if HAS_SEQ_IDS:  # noqa: SIM108 (a constexpr branch, kept as a plain if for Triton)
@@ -461,7 +470,7 @@ def paged_attention(
         # the CPU's to float32 rounding; half precision ignores the setting.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8_KV=fp8,
         FUSED_COMBINE=fused, BLOCK_S=_next_pow2(num_splits),
-        **extra,
+        **extra, **pdl_launch(q.device),
     )
     if num_splits > 1 and not fused:
         _combine_kernel[(num_seqs, hq)](
@@ -469,4 +478,5 @@ def paged_attention(
             out.stride(0), out.stride(1),
             HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=num_splits, BLOCK_S=_next_pow2(num_splits),
             BLOCK_N=block_n, HAS_SEQ_IDS=seq_ids is not None, HAS_WINDOW=sliding_window is not None,
+            **pdl_launch(q.device),
         )

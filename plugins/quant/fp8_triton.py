@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from loom.layers.triton_jit import jit as _jit
+from loom.layers.triton_jit import pdl_launch, pdl_prologue
 
 try:
     import triton
@@ -46,8 +47,10 @@ MIN_CAPABILITY = (8, 9)  # Ada / Hopper: the first GPUs with e4m3 tensor cores
 
 @_jit
 def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, static_ptr, K, stride_xm,
-                          STATIC: tl.constexpr, BLOCK: tl.constexpr):
+                          STATIC: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
     # One program per row: its scale (max |x| / 448, or the static one), then the e4m3 codes.
+    if USE_PDL:  # x comes from the kernel before
+        pdl_prologue()
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
     if STATIC:
@@ -81,7 +84,7 @@ def quantize_rows(x: torch.Tensor, static_scale: torch.Tensor | None = None) -> 
         block = min(4096, triton.next_power_of_2(k))
         _quantize_rows_kernel[(m,)](x, q, scales, static_scale if static_scale is not None else scales, k,
                                     x.stride(0), STATIC=static_scale is not None, BLOCK=block,
-                                    num_warps=4 if block <= 1024 else 8)
+                                    num_warps=4 if block <= 1024 else 8, **pdl_launch(x.device))
     return q, scales
 
 

@@ -44,6 +44,7 @@ from loom.layers.split_k import split_k
 from loom.layers.split_k import split_sum_kernel as _split_sum_kernel
 from loom.layers.split_k import store_gemv as _store_gemv
 from loom.layers.triton_jit import jit as _jit
+from loom.layers.triton_jit import pdl_launch, pdl_prologue
 
 from .w4a16_layout import Segment, W4A16Layout
 
@@ -116,8 +117,11 @@ def _gemv_kernel(x_ptr, perm_ptr, qw_ptr, s_ptr, z_ptr, lut_ptr, bias_ptr, out_p
                  N, K, K_SPLIT, stride_qk, stride_sk, stride_os,
                  GROUP: tl.constexpr, BITS: tl.constexpr, F: tl.constexpr, LUT: tl.constexpr,
                  ONE_GROUP: tl.constexpr, WORDS: tl.constexpr, HAS_PERM: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 USE_PDL: tl.constexpr = False):
     # One program: BLOCK_N outputs of the one token, over K_SPLIT inputs (split pid_s).
+    if USE_PDL:  # x comes from the kernel before
+        pdl_prologue()
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -146,7 +150,7 @@ def _gemv_int_kernel(x_ptr, perm_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr,
                      GROUP: tl.constexpr, BITS: tl.constexpr, F: tl.constexpr, WORDS: tl.constexpr,
                      HAS_PERM: tl.constexpr, EVEN_K: tl.constexpr, X_PAIRS: tl.constexpr,
                      HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+                     BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
     """The one-token GEMV for integer codes whose K tiles lie in one group (``GROUP % BLOCK_K
     == 0``), written for the ALU: about 3 instructions a weight, where :func:`_gemv_kernel`'s
     unpack-convert-scale spends about 13 and runs at a third of the read bandwidth.
@@ -165,6 +169,8 @@ def _gemv_int_kernel(x_ptr, perm_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr,
       of its float32, so either half becomes a float with one shift or mask.
 
     ``scripts/w4a16_sass.py`` counts the instructions of the compiled loop (sm_90, no GPU)."""
+    if USE_PDL:  # x comes from the kernel before
+        pdl_prologue()
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -224,8 +230,10 @@ def _gemm_kernel(x_ptr, perm_ptr, qw_ptr, s_ptr, z_ptr, lut_ptr, bias_ptr, out_p
                  GROUP: tl.constexpr, BITS: tl.constexpr, F: tl.constexpr, LUT: tl.constexpr,
                  ONE_GROUP: tl.constexpr, WORDS: tl.constexpr, HAS_PERM: tl.constexpr,
                  HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, IEEE: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
     # One program: a [BLOCK_M, BLOCK_N] output tile over K_SPLIT inputs (split pid_s).
+    if USE_PDL:  # x comes from the kernel before
+        pdl_prologue()
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -524,7 +532,8 @@ def _fused(x2: torch.Tensor, layout: W4A16Layout, seg: Segment, bias: torch.Tens
     stride_os = target.stride(0) if partial else 0
     stride_om = target.stride(1) if partial else out.stride(0)
     flags = dict(**_layout_flags(layout, seg, p.block_k), HAS_BIAS=bias is not None, PARTIAL=partial,
-                 BLOCK_N=p.block_n, BLOCK_K=p.block_k, num_warps=p.num_warps, num_stages=p.num_stages)
+                 BLOCK_N=p.block_n, BLOCK_K=p.block_k, num_warps=p.num_warps, num_stages=p.num_stages,
+                 **pdl_launch(x2.device))
     if p.kind == "gemv" and _int_gemv(layout, seg, p):
         _gemv_int_kernel[(triton.cdiv(n, p.block_n), p.split)](
             x2, perm, qw, s, z, b, target, n, k, p.k_split, qw.stride(0), s.stride(0), stride_os, _MAGIC, 16,
@@ -532,7 +541,7 @@ def _fused(x2: torch.Tensor, layout: W4A16Layout, seg: Segment, bias: torch.Tens
             EVEN_K=k % p.block_k == 0,
             X_PAIRS=x2.dtype == torch.bfloat16 and seg.perm is None and x2.data_ptr() % 4 == 0,
             HAS_BIAS=bias is not None, PARTIAL=partial, BLOCK_N=p.block_n, BLOCK_K=p.block_k,
-            num_warps=p.num_warps, num_stages=p.num_stages)
+            num_warps=p.num_warps, num_stages=p.num_stages, **pdl_launch(x2.device))
     elif p.kind == "gemv":
         _gemv_kernel[(triton.cdiv(n, p.block_n), p.split)](x2, perm, qw, s, z, lut, b, target, n, k, p.k_split, qw.stride(0), s.stride(0),
                            stride_os, **flags)
@@ -544,7 +553,7 @@ def _fused(x2: torch.Tensor, layout: W4A16Layout, seg: Segment, bias: torch.Tens
         block = 256
         _split_sum_kernel[(m, triton.cdiv(n, block))](target, b, out, n, p.split, target.stride(0),
                                                      target.stride(1), out.stride(0), HAS_BIAS=bias is not None,
-                                                     BLOCK_N=block, num_warps=4)
+                                                     BLOCK_N=block, num_warps=4, **pdl_launch(x2.device))
 
 
 def dequantize_t(layout: W4A16Layout, dtype: torch.dtype, p: Plan | None = None) -> torch.Tensor:

@@ -30,6 +30,12 @@ Two narrower switches, read the same way:
 - ``LOOM_MOE_ROUTER_EPILOGUE=0`` (:data:`moe_router_epilogue`): an MoE layer's router and its
   routing stay two launches (the dense GEMV, then ``moe_routing_triton.route``) where the
   router's GEMV would route in its last program (``loom.layers.moe_router_gemv``; the same bits).
+- ``LOOM_PDL=1`` (:data:`pdl`, off by default until the H200 has measured it): the decode path's
+  Triton kernels are launched with Programmatic Dependent Launch on GPUs of compute capability 9
+  and later (``loom.layers.triton_jit.pdl_launch``): a kernel may be scheduled while the one before
+  it finishes and waits (``griddepcontrol.wait``) before reading anything. Off, every kernel
+  compiles and launches exactly as without the switch (docs/gpu-kernels.md, "Programmatic
+  Dependent Launch").
 - ``LOOM_GRAMMAR_FAST_ROWS=0`` (:data:`grammar_fast_rows`, read when the structured-output
   driver is built): its bitmask rows and accepted tokens take the plain path (a fill per row
   set, an ``is_terminated`` query per row, no sharing of masks between matchers in the same
@@ -64,6 +70,7 @@ draft_catch_up_graphs: bool = os.environ.get("LOOM_DRAFT_CATCH_UP_GRAPHS", "1") 
 moe_direct_experts: bool = os.environ.get("LOOM_MOE_DIRECT_EXPERTS", "1") != "0"
 moe_router_epilogue: bool = os.environ.get("LOOM_MOE_ROUTER_EPILOGUE", "1") != "0"
 grammar_fast_rows: bool = os.environ.get("LOOM_GRAMMAR_FAST_ROWS", "1") != "0"
+pdl: bool = os.environ.get("LOOM_PDL", "0") not in ("", "0", "off", "false", "no")
 
 
 @contextlib.contextmanager

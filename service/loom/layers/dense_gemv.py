@@ -51,6 +51,7 @@ from loom import kernel_switches
 from loom.layers import dense_gemv_table
 from loom.layers.split_k import counters, last_to_arrive, split_k, split_sum_kernel, store_gemv
 from loom.layers.triton_jit import jit as _jit
+from loom.layers.triton_jit import pdl_launch, pdl_prologue
 
 try:
     import triton
@@ -149,7 +150,7 @@ def _dense_gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, cou
                        EVEN_K: tl.constexpr, IEEE: tl.constexpr, W_SCALE: tl.constexpr, X_F16: tl.constexpr,
                        MAX_ROWS: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_S: tl.constexpr):
+                       BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr = False):
     # One program: outputs offs_n of the M token rows, over inputs [pid_s * K_SPLIT, + K_SPLIT).
     # W_SCALE (FP8 weights, plugins/quant/fp8_gemv.py): w holds e4m3 codes, converted in registers
     # (exactly: every e4m3 value is a bf16 and an fp16 value), and each output channel's float32
@@ -160,6 +161,8 @@ def _dense_gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, cou
     # over this program's K range in [2^14, 2^15) before the fp16 rounding: bf16's 8 bits fit
     # fp16's 11 exactly for every value within 2^-28 of that maximum (smaller ones are off by at
     # most 2^-39 of it), and the sums take the power of two back exactly.
+    if USE_PDL:  # x comes from the kernel before (the weights never do, but the wait stays first)
+        pdl_prologue()
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     acc, offs_n, n_mask, offs_m, m_mask = gemv_tile(x_ptr, w_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, pid_n,
@@ -224,11 +227,13 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         IEEE=x.dtype == torch.float32, W_SCALE=scale is not None,
         X_F16=scale is not None and x.dtype == torch.bfloat16 and weight.dtype != torch.bfloat16,
         MAX_ROWS=MAX_M, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
-        BLOCK_M=_TOKENS, BLOCK_S=_next_pow2(split), num_warps=plan.num_warps, num_stages=plan.num_stages)
+        BLOCK_M=_TOKENS, BLOCK_S=_next_pow2(split), num_warps=plan.num_warps, num_stages=plan.num_stages,
+        **pdl_launch(x.device))
     if partial and not fused:
         split_sum_kernel[(m, triton.cdiv(n, _REDUCE_BLOCK))](part, b, out, n, split, part.stride(0), part.stride(1),
                                                             out.stride(0), HAS_BIAS=bias is not None,
-                                                            BLOCK_N=_REDUCE_BLOCK, num_warps=4)
+                                                            BLOCK_N=_REDUCE_BLOCK, num_warps=4,
+                                                            **pdl_launch(x.device))
     return out.view(*lead, n)
 
 

@@ -48,6 +48,7 @@ from loom import kernel_switches
 from . import moe_plan_table
 from .moe_routing_triton import HAS_TRITON as HAS_TRITON  # the layer asks this module
 from .moe_routing_triton import ExpertLayout, _cdiv, _jit, _next_pow2, align_rows_by_expert
+from .triton_jit import pdl_launch, pdl_prologue
 
 if HAS_TRITON:  # (without it the kernels stay plain functions, never launched)
     import triton.language as tl
@@ -125,8 +126,10 @@ def _gate_up_kernel(
     N, K, INTER,  # INTER: I
     stride_xt, stride_we, stride_wn, stride_wk, stride_ot,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr, DIRECT: tl.constexpr, EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr, DIRECT: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    if USE_PDL:  # x, the layout and the experts chosen (which weights to read) come from before
+        pdl_prologue()
     pid = tl.program_id(0)
     num_n = tl.cdiv(INTER, BLOCK_N)
     pid_m = pid // num_n
@@ -178,8 +181,10 @@ def _down_kernel(
     N, K, H,
     stride_at, stride_we, stride_wn, stride_wk, stride_ot,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    DIRECT: tl.constexpr, EVEN_K: tl.constexpr,
+    DIRECT: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    if USE_PDL:  # the activations, the layout and the experts chosen come from before
+        pdl_prologue()
     pid = tl.program_id(0)
     num_n = tl.cdiv(H, BLOCK_N)
     pid_m = pid // num_n
@@ -210,9 +215,12 @@ def _down_kernel(
 
 
 @_jit()
-def _combine_kernel(y_ptr, w_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+def _combine_kernel(y_ptr, w_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+                    USE_PDL: tl.constexpr = False):
     # out[t, cols] = sum_j w[t, j] * y[t * k + j, cols]; in float32, j in order. (The residual
     # add + norm kernel of fused_ops sums the same way when it folds this in.)
+    if USE_PDL:  # the rows and weights come from the experts and the routing
+        pdl_prologue()
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < H
@@ -235,7 +243,7 @@ def combine_rows(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     if T:
         block = min(1024, _next_pow2(H))
         _combine_kernel[(T, _cdiv(H, block))](rows, weights.contiguous(), out, H, TOP_K=k, BLOCK=block,
-                                              enable_fp_fusion=False)
+                                              enable_fp_fusion=False, **pdl_launch(rows.device))
     return out
 
 
@@ -305,6 +313,7 @@ def launch_gate_up(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, sorted
         x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0),
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=precision,
         DIRECT=direct, EVEN_K=_even_k(x.shape[1], cfg, even_k), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_launch(x.device),
     )
 
 
@@ -321,7 +330,7 @@ def launch_down(act: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, sorted_ids
         act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), y.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=precision,
         DIRECT=direct, EVEN_K=_even_k(act.shape[1], cfg, even_k), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        num_stages=cfg.num_stages, **pdl_launch(act.device),
     )
 
 

@@ -31,6 +31,7 @@ import torch
 
 from loom import kernel_switches
 from loom.layers.triton_jit import jit as _jit
+from loom.layers.triton_jit import pdl_launch, pdl_prologue
 
 try:
     import triton
@@ -93,9 +94,11 @@ def _add_rms_norm_kernel(
     ew_ptr,  # TOP_K: [T, k] routing weights of x's expert rows (else unused)
     stride_xt, stride_xr, stride_rt, stride_rr,
     R, H, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, TOP_K: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, TOP_K: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     # One program normalises one row (t, r).
+    if USE_PDL:  # x and the residual come from the kernels before
+        pdl_prologue()
     t = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1)
     dtype = out_ptr.dtype.element_ty
@@ -151,7 +154,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: t
         x3.stride(0), x3.stride(1), res3.stride(0), res3.stride(1),
         R, H, eps,
         HAS_RESIDUAL=residual is not None, BLOCK=block, TOP_K=0,
-        num_warps=norm_warps(block), enable_fp_fusion=False,
+        num_warps=norm_warps(block), enable_fp_fusion=False, **pdl_launch(x.device),
     )
     return out, res_out
 
@@ -184,7 +187,7 @@ def fused_combine_add_rms_norm(rows: torch.Tensor, expert_weights: torch.Tensor,
         rows.stride(0), 0, residual.stride(0), 0,
         1, H, eps,
         HAS_RESIDUAL=True, BLOCK=block, TOP_K=k,
-        num_warps=norm_warps(block), enable_fp_fusion=False,
+        num_warps=norm_warps(block), enable_fp_fusion=False, **pdl_launch(rows.device),
     )
     return out, res_out
 
@@ -233,8 +236,11 @@ def _rotary_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cos,
     HQ, HKV,
     HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     # One program rotates every q and k head of one token, reading its cos/sin row once.
+    if USE_PDL:  # q and k come from the qkv projection
+        pdl_prologue()
     t = tl.program_id(0).to(tl.int64)
     dtype = q_out_ptr.dtype.element_ty
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -270,7 +276,7 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_cache:
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_cache.stride(0),
         hq, hkv,
         HALF=half, BLOCK_HQ=block_hq, BLOCK_HKV=_next_pow2(hkv), BLOCK=block,
-        num_warps=min(8, max(1, block_hq * block // 256)), enable_fp_fusion=False,
+        num_warps=min(8, max(1, block_hq * block // 256)), enable_fp_fusion=False, **pdl_launch(q.device),
     )
     return q_out, k_out
 
@@ -302,12 +308,15 @@ def _qk_norm_rotary_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cos,
     HQ, HKV, D, q_eps, k_eps,
     HALF: tl.constexpr, BLOCK: tl.constexpr, BLOCK_HALF: tl.constexpr, GEMMA: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     # Program (t, h) normalises and rotates head h of token t: q heads first, then k heads.
     # The norm is _add_rms_norm_kernel's for one head (the same row load and float32 sum of
     # squares, in the same layout when launched with the same warps: the same bits), then the
     # two halves are normalised again elementwise from the same rstd and rotated as
     # _rotate_heads does. GEMMA: Gemma's norm, normalise(x) * (1 + w) in float32, rounded once.
+    if USE_PDL:  # q and k come from the qkv projection
+        pdl_prologue()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     if h < HQ:
@@ -367,7 +376,7 @@ def qk_norm_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_cache.stride(0),
         hq, hkv, d, q_eps, k_eps,
         HALF=half, BLOCK=block, BLOCK_HALF=_next_pow2(half), GEMMA=gemma,
-        num_warps=norm_warps(block), enable_fp_fusion=False,
+        num_warps=norm_warps(block), enable_fp_fusion=False, **pdl_launch(q.device),
     )
     return q_out, k_out
 
@@ -385,8 +394,10 @@ def silu_and_mul_supported(x: torch.Tensor) -> bool:
 
 
 @_jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_xt, INTER, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_xt, INTER, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
     # x: [T, 2*INTER] rows holding [gate | up]; out: [T, INTER] contiguous. Grid (T, column tiles).
+    if USE_PDL:  # x comes from the gate/up projection
+        pdl_prologue()
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < INTER
@@ -407,5 +418,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if out.numel() > 0:
         grid = (x2.shape[0], triton.cdiv(inter, _SILU_BLOCK))
         _silu_and_mul_kernel[grid](x2, out, x2.stride(0), inter, BLOCK=_SILU_BLOCK, num_warps=4,
-                                   enable_fp_fusion=False)
+                                   enable_fp_fusion=False, **pdl_launch(x.device))
     return out.view(*x.shape[:-1], inter)

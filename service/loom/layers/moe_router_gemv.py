@@ -46,6 +46,7 @@ from .moe_routing_triton import (
     route_rows,
 )
 from .split_k import COUNTERS, counters, last_to_arrive
+from .triton_jit import pdl_launch, pdl_prologue
 
 if HAS_TRITON:  # (without it the kernel stays a plain function, never launched)
     import triton.language as tl
@@ -60,10 +61,13 @@ def _router_route_kernel(x_ptr, w_ptr, logits_ptr, part_ptr, counter_ptr, weight
                          EVEN_K: tl.constexpr, IEEE: tl.constexpr, MAX_ROWS: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_S: tl.constexpr, TOP_K: tl.constexpr, ROUTE_T: tl.constexpr,
-                         BLOCK_TK: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr):
+                         BLOCK_TK: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr,
+                         USE_PDL: tl.constexpr = False):
     # Program (pid_n, pid_s): dense_gemv's _dense_gemv_kernel with PARTIAL and FUSED_REDUCE and
     # no bias (its gemv_tile: the same loads and dots; the same partial stores and tree sum), then
     # the routing epilogue. acc [BLOCK_N, BLOCK_M]: acc[n, m] = logits[m, n].
+    if USE_PDL:  # x comes from the norm before
+        pdl_prologue()
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     acc, offs_n, n_mask, offs_m, m_mask = gemv_tile(x_ptr, w_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, pid_n,
@@ -143,5 +147,5 @@ def route_from_hidden(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, 
         EVEN_K=h % plan.block_k == 0, IEEE=x.dtype == torch.float32, MAX_ROWS=dense_gemv.MAX_M,
         BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, BLOCK_M=_TOKENS, BLOCK_S=_next_pow2(split),
         TOP_K=top_k, ROUTE_T=route_rows(e), BLOCK_TK=_next_pow2(top_k), BLOCK_E=_block_e(e),
-        RENORMALIZE=renormalize, num_warps=plan.num_warps, num_stages=plan.num_stages)
+        RENORMALIZE=renormalize, num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_launch(x.device))
     return weights, ids

@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from .triton_jit import pdl_launch, pdl_prologue
+
 try:
     import triton
     import triton.language as tl
@@ -170,8 +172,10 @@ def _store_routing(weights_ptr, ids_ptr, chosen_p, chosen_e, t0, T,
 @_jit("T")
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, T, E, stride_l,
                   K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                  RENORMALIZE: tl.constexpr):
+                  RENORMALIZE: tl.constexpr, USE_PDL: tl.constexpr = False):
     # Program p routes tokens p * BLOCK_T .. p * BLOCK_T + BLOCK_T - 1.
+    if USE_PDL:  # the logits come from the router's GEMM
+        pdl_prologue()
     t0 = tl.program_id(0) * BLOCK_T
     chosen_p, chosen_e = _route_tile(logits_ptr, t0, T, E, stride_l, K, BLOCK_T, BLOCK_K, BLOCK_E, RENORMALIZE, False)
     _store_routing(weights_ptr, ids_ptr, chosen_p, chosen_e, t0, T, K, BLOCK_T, BLOCK_K)
@@ -206,7 +210,8 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     if T:
         _route_kernel[(_cdiv(T, rows),)](router_logits, weights, ids, T, E, router_logits.stride(0), K=top_k,
                                          BLOCK_T=rows, BLOCK_K=_next_pow2(top_k), BLOCK_E=_block_e(E),
-                                         RENORMALIZE=renormalize, num_warps=ROUTE_WARPS)
+                                         RENORMALIZE=renormalize, num_warps=ROUTE_WARPS,
+                                         **pdl_launch(router_logits.device))
     return weights, ids
 
 
@@ -216,8 +221,10 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
 
 
 @_jit("N")
-def _count_kernel(ids_ptr, counts_ptr, N, BLOCK: tl.constexpr):
+def _count_kernel(ids_ptr, counts_ptr, N, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
     # Program e counts the rows routed to expert e (ids: [N] flat expert ids).
+    if USE_PDL:  # the ids come from the routing
+        pdl_prologue()
     e = tl.program_id(0)
     total = tl.zeros([BLOCK], tl.int32)
     for start in range(0, N, BLOCK):
@@ -229,8 +236,10 @@ def _count_kernel(ids_ptr, counts_ptr, N, BLOCK: tl.constexpr):
 
 @_jit("N")
 def _place_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, N, E,
-                  BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr):
+                  BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, USE_PDL: tl.constexpr = False):
     # Program e writes its expert's rows and padding into sorted_ids and its blocks' expert id.
+    if USE_PDL:  # the ids and counts come from the routing and _count_kernel
+        pdl_prologue()
     e = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
     counts = tl.load(counts_ptr + experts, mask=experts < E, other=0)  # [BLOCK_E]
@@ -275,9 +284,10 @@ def align_rows_by_expert(topk_ids: torch.Tensor, num_experts: int,
     sorted_ids, block_expert, num_padded = _layout_buffers(n, num_experts, block_m, ids.device)
     counts = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
     block = 1024  # one compiled variant for every batch (a decode step's few rows leave it mostly masked)
-    _count_kernel[(num_experts,)](ids, counts, n, BLOCK=block)
+    pdl = pdl_launch(ids.device)
+    _count_kernel[(num_experts,)](ids, counts, n, BLOCK=block, **pdl)
     _place_kernel[(num_experts,)](ids, counts, sorted_ids, block_expert, num_padded, n, num_experts,
-                                  BLOCK=block, BLOCK_E=_block_e(num_experts), BLOCK_M=block_m)
+                                  BLOCK=block, BLOCK_E=_block_e(num_experts), BLOCK_M=block_m, **pdl)
     return sorted_ids, block_expert, num_padded
 
 
@@ -291,10 +301,12 @@ def _route_sort_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_ptr, block_exper
                        T, E, stride_l,
                        K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
                        RENORMALIZE: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
-                       MAX_BLOCKS: tl.constexpr):
+                       MAX_BLOCKS: tl.constexpr, USE_PDL: tl.constexpr = False):
     # One program, T <= BLOCK_T: _route_kernel's tile, then _count_kernel's and _place_kernel's
     # layout computed from the chosen experts in registers. Every store below writes its own
     # addresses (rows, each expert's padding, each expert's blocks): no ordering between them.
+    if USE_PDL:  # the logits come from the router's GEMM
+        pdl_prologue()
     chosen_p, chosen_e = _route_tile(logits_ptr, 0, T, E, stride_l, K, BLOCK_T, BLOCK_K, BLOCK_E, RENORMALIZE, False)
     _store_routing(weights_ptr, ids_ptr, chosen_p, chosen_e, 0, T, K, BLOCK_T, BLOCK_K)
     BLOCK_N: tl.constexpr = BLOCK_T * BLOCK_K
@@ -350,5 +362,5 @@ def route_and_sort(router_logits: torch.Tensor, top_k: int, renormalize: bool, b
         router_logits, weights, ids, sorted_ids, block_expert, num_padded, T, E, router_logits.stride(0),
         K=top_k, BLOCK_T=rows, BLOCK_K=block_k, BLOCK_E=_block_e(E), RENORMALIZE=renormalize, BLOCK_M=block_m,
         CHUNK=min(_SORT_CHUNK, _block_e(E)), MAX_BLOCKS=_next_pow2(_cdiv(rows * block_k, block_m)),
-        num_warps=ROUTE_WARPS)
+        num_warps=ROUTE_WARPS, **pdl_launch(router_logits.device))
     return weights, ids, ExpertLayout(sorted_ids, block_expert, num_padded, block_m)

@@ -35,6 +35,7 @@ import os
 import torch
 
 from loom.layers.triton_jit import jit as _jit
+from loom.layers.triton_jit import pdl_prologue
 
 try:
     import triton.language as tl
@@ -73,8 +74,10 @@ def store_gemv(y, out_ptr, out_offs, out_mask, bias_ptr, bias_offs, bias_mask, p
 
 @_jit
 def split_sum_kernel(part_ptr, bias_ptr, out_ptr, N, SPLIT, stride_ps, stride_pm, stride_om,
-                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr = False):
     # The float32 partial sums of every split of row m, in split order, plus the bias, cast.
+    if USE_PDL:  # the partial sums come from the GEMV before
+        pdl_prologue()
     m = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
