@@ -45,6 +45,7 @@ from loom.engine.types import Rejection
 from loom.sample.batch import TokenBitmaskRows
 
 from .compiler_pool import GrammarCompilerPool
+from .fill_thread import FillThread
 from .grammars import GrammarError
 from .spec import GrammarSpec
 from .vocabulary import VocabularyError
@@ -76,6 +77,22 @@ class _Matched:
     pending: list[int] = dataclasses.field(default_factory=list)
 
 
+@dataclass(slots=True)
+class _RowsPlan:
+    """A step's rows on the fast path, planned before they are filled (:meth:`StructuredOutput._plan_rows`)."""
+
+    seqs: Seq[Sequence]  # the step's sampled sequences (the engine's own list)
+    rows: list[int]  # [G] sampling rows that have a matcher
+    entries: list[_Matched]  # [G] their matchers
+    bitmask: torch.Tensor  # [G, ceil(V / 32)] int32 host rows
+    ahead: bool = False  # filled on the fill thread while the previous step's outputs were processed
+    handles: list[Any] = dataclasses.field(default_factory=list)  # xgrammar handles of the rows filled
+    filled: list[int] = dataclasses.field(default_factory=list)  # rows xgrammar fills (one per state)
+    copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (row, filled row of its state)
+    holds: list[int] = dataclasses.field(default_factory=list)  # rows whose sequence has a min_new_tokens
+    ended: list[int] = dataclasses.field(default_factory=list)  # finished / terminated: left open
+
+
 # (state id, token) -> state id entries, and grammar texts' start states, kept for sharing masks;
 # past this many a map starts again (ids are never reused, so a cleared map only stops matchers
 # from meeting again; the texts are not held without bound).
@@ -96,7 +113,7 @@ class Refusal:
 class StructuredOutput:
     def __init__(self, pool: GrammarCompilerPool, vocab_size: int, eos_token_ids: tuple[int, ...],
                  compile_timeout_s: float, clock: Callable[[], float] = time.monotonic,
-                 fast_rows: bool | None = None) -> None:
+                 fast_rows: bool | None = None, fill_thread: bool | None = None, pin_memory: bool = False) -> None:
         self.pool = pool
         self.vocab_size = vocab_size
         self.words = -(-vocab_size // 32)  # int32 words per bitmask row
@@ -118,9 +135,21 @@ class StructuredOutput:
         self._state_steps: dict[tuple[int, int], int] = {}  # (state id, token) -> state id after it
         self._num_states = 0
         # [rows, ceil(V / 32)] int32 host rows, two used in turn: a step's rows are handed to the
-        # worker without a copy, and stay untouched while the next step's are filled
+        # worker without a copy, and stay untouched while the next step's are filled. With
+        # ``pin_memory`` (the engine on CUDA) they are pinned, so the worker queues their copy to
+        # the device straight from them (no 393 KB copy into its staging buffers a step): a
+        # buffer is filled again two steps later, after the previous step's results were read
+        # back, so its copy (queued before that step's sampling) has run by then.
+        self.pin_memory = pin_memory
         self._buffers = [torch.empty(0, self.words, dtype=torch.int32) for _ in range(2)]
         self._turn = 0
+        # LOOM_GRAMMAR_FILL_THREAD (on by default, fast path only): a step's rows are filled on a
+        # thread of their own while the previous step's outputs are processed (queue_rows).
+        self.fill_thread = kernel_switches.grammar_fill_thread if fill_thread is None else fill_thread
+        self._thread: FillThread | None = None  # made on first use
+        self._queued: Seq[Sequence] | None = None  # rows to plan and fill after the next accept
+        self._ahead: _RowsPlan | None = None  # the plan being (or already) filled on the thread
+        self.num_filled_ahead = 0  # steps whose rows the fill thread filled (tests, benchmarks)
 
     # -- requests -----------------------------------------------------------------------------------
     def hold(self, request_id: str, spec: GrammarSpec, seqs: list[Sequence]) -> None:
@@ -218,6 +247,7 @@ class StructuredOutput:
         while any are held, so a server whose constrained traffic stops keeps none)."""
         if not self._matchers:
             return
+        self._fill_thread_join()
         done = [sid for sid, m in self._matchers.items() if m.seq.is_finished]
         for sid in done:
             del self._matchers[sid]
@@ -243,6 +273,8 @@ class StructuredOutput:
         choose, and a sequence the previous step finished (its row is dropped) gets open rows."""
         if self.fast_rows and (drafts is None or not any(drafts)):
             return self._fast_rows(seqs)
+        self._queued = None
+        self._drop_ahead()
         rows: list[int] = []
         entries: list[tuple[Sequence, Seq[int]]] = []
         row = 0
@@ -320,8 +352,62 @@ class StructuredOutput:
         - a finished matcher is known from the flag its accepts keep (no query per row);
         - min_new_tokens is looked at only for sequences that have one;
         - the empty-row check is one numpy pass; the rows are handed over as the driver's own
-          tensor (:class:`TokenBitmaskRows`), not copied to bytes.
+          tensor (:class:`TokenBitmaskRows`), not copied to bytes;
+        - the fill itself may already have run on the fill thread (:meth:`queue_rows`).
         """
+        self._queued = None
+        plan = self._ahead
+        if plan is not None and plan.seqs is seqs:
+            self._ahead = None
+            self._fill_thread_join()  # filled while the previous step's outputs were processed
+            self.num_filled_ahead += 1
+        else:
+            self._drop_ahead()
+            plan = self._plan_rows(seqs)
+            if plan is None:
+                return None
+            self._fill(plan)
+        return self._finish_rows(plan)
+
+    def queue_rows(self, seqs: Seq[Sequence]) -> None:
+        """``seqs`` (the engine's list: the sampled sequences of the step just launched, without
+        drafts) will ask for their rows next: once :meth:`accept_step` has accepted the previous
+        step's tokens, their fill starts on the fill thread, and :meth:`bitmask_rows` for this
+        very list joins it. A no-op on the plain path or with ``LOOM_GRAMMAR_FILL_THREAD=0``."""
+        if self.fast_rows and self.fill_thread:
+            self._drop_ahead()
+            self._queued = seqs
+
+    def _start_queued(self) -> None:
+        """After an accept: start the fill of the queued rows (their matchers' states are final
+        for the step now; nothing but this fill touches a matcher until the join)."""
+        seqs, self._queued = self._queued, None
+        if seqs is None:
+            return
+        plan = self._plan_rows(seqs, ahead=True)
+        if plan is None or not plan.handles:
+            self._ahead = plan  # nothing to fill: finished at once
+            return
+        if self._thread is None:
+            self._thread = FillThread()
+        self._ahead = plan
+        self._thread.start(lambda: self._fill(plan))
+
+    def _drop_ahead(self) -> None:
+        """Forget a plan filled ahead that no call asked for (its buffer is taken again)."""
+        if self._ahead is not None:
+            self._fill_thread_join()
+            self._ahead = None
+            self._turn ^= 1
+
+    def _fill_thread_join(self) -> None:
+        """Wait for a fill in flight (every call that reads or moves a matcher does this first)."""
+        if self._thread is not None and self._thread.busy:
+            self._thread.join()
+
+    def _plan_rows(self, seqs: Seq[Sequence], ahead: bool = False) -> _RowsPlan | None:
+        """Which rows of ``seqs`` have a matcher, which of them xgrammar fills (one per state),
+        which are copies, left open or need min_new_tokens; None when no row has a matcher."""
         matchers = self._matchers
         rows: list[int] = []
         entries: list[_Matched] = []
@@ -332,29 +418,44 @@ class StructuredOutput:
                 entries.append(entry)
         if not rows:
             return None
-        bitmask = self._rows_buffer(len(rows))  # [G, ceil(V / 32)]
-        handles: list[Any] = []
-        filled: list[int] = []  # bitmask rows xgrammar fills
-        copies: list[tuple[int, int]] = []  # (row, the filled row of the same state)
+        plan = _RowsPlan(seqs, rows, entries, self._rows_buffer(len(rows)), ahead)  # bitmask [G, ceil(V / 32)]
+        handles, filled, copies, holds, ended = plan.handles, plan.filled, plan.copies, plan.holds, plan.ended
         first_of: dict[int, int] = {}  # state id -> its filled row
-        holds: list[int] = []  # filled or copied rows whose sequence has a min_new_tokens
-        ended: list[int] = []  # rows of finished sequences and terminated matchers: left open
         for g, entry in enumerate(entries):
             if entry.terminated or entry.seq.is_finished:
                 ended.append(g)
                 continue
             src = first_of.setdefault(entry.state, g)
             if src == g:
-                self._sync(entry)
+                if entry.pending:
+                    self._sync(entry)
                 handles.append(entry.handle)
                 filled.append(g)
             else:
                 copies.append((g, src))
             if entry.holds_back_stops:
                 holds.append(g)
-        if handles:  # xgrammar's own object: its wrapper would build the handle list again
+        return plan
+
+    def _fill(self, plan: _RowsPlan) -> None:
+        """xgrammar's batch fill of the plan's filled rows (C++, the interpreter lock released)."""
+        if plan.handles:  # xgrammar's own object: its wrapper would build the handle list again
             batcher: Any = self._batch_matcher()._handle
-            batcher.batch_fill_next_token_bitmask(handles, bitmask, None if len(filled) == len(rows) else filled, False)
+            every = len(plan.filled) == len(plan.rows)
+            batcher.batch_fill_next_token_bitmask(plan.handles, plan.bitmask, None if every else plan.filled, False)
+
+    def _finish_rows(self, plan: _RowsPlan) -> TokenBitmaskRows:
+        """The plan's filled rows -> the step's rows: copies, open rows, min_new_tokens, dead ends.
+        A sequence finished since the plan was made (the fill ran while the previous step's
+        outputs were processed) gets an open row, as if it had been finished at the plan."""
+        rows, entries, bitmask, filled, copies = plan.rows, plan.entries, plan.bitmask, plan.filled, plan.copies
+        holds, ended = plan.holds, plan.ended
+        late = [g for g in [*filled, *(g for g, _ in copies)] if entries[g].seq.is_finished] if plan.ahead else []
+        gone: set[int] = set()
+        if late:  # (rare: a sequence the previous step ended) as the plain path sees it now
+            gone = set(late)
+            ended = sorted([*ended, *late])
+            holds = [g for g in holds if g not in gone]
         words = bitmask.numpy()  # the same memory
         # Rows that allow no token (rare): only a filled row can be one (a copy is as empty as its
         # source, an open row is all ones, and clearing stop ids never empties a row: see
@@ -373,8 +474,10 @@ class StructuredOutput:
             if seq.num_known_tokens - seq.num_prompt_tokens < seq.stopping.min_new_tokens:
                 self._hold_back_stops(bitmask[g], seq)
         if empty:
-            self._mark_dead_ends(words, entries, sorted([*empty, *(g for g, src in copies if src in empty)]))
-        return TokenBitmaskRows(rows, self.words, bitmask)
+            marked = [g for g in [*empty, *(g for g, src in copies if src in empty)] if g not in gone]
+            if marked:
+                self._mark_dead_ends(words, entries, sorted(marked))
+        return TokenBitmaskRows(rows, self.words, bitmask, self.pin_memory)
 
     def _mark_dead_ends(self, words: np.ndarray, entries: list[_Matched], empty: list[int]) -> None:
         for g in empty:
@@ -389,7 +492,8 @@ class StructuredOutput:
         self._turn ^= 1
         buf = self._buffers[self._turn]
         if buf.shape[0] < n:
-            buf = self._buffers[self._turn] = torch.empty(max(n, 2 * buf.shape[0]), self.words, dtype=torch.int32)
+            buf = self._buffers[self._turn] = torch.empty(max(n, 2 * buf.shape[0]), self.words, dtype=torch.int32,
+                                                          pin_memory=self.pin_memory)
         return buf[:n]
 
     def _batch_matcher(self) -> xgrammar.BatchGrammarMatcher:
@@ -417,6 +521,7 @@ class StructuredOutput:
         entry = self._matchers.get(seq.seq_id)
         if entry is None:
             return None
+        self._fill_thread_join()
         dead_end = self._dead_ends.pop(seq.seq_id, None)
         if dead_end is not None:  # the vocabulary cannot spell what the grammar needs next
             return Refusal(seq.request_id, dead_end, Rejection("FAILED_PRECONDITION", entry.field, "GRAMMAR_DEAD_END"))
@@ -440,7 +545,10 @@ class StructuredOutput:
         """:meth:`accept_tokens` for a step's sequences and tokens; the refusals by seq_id. The
         common case, one token for a sequence with a matcher, goes to xgrammar in one call."""
         if self.fast_rows:
-            return self._fast_accept(items)
+            self._fill_thread_join()
+            found = self._fast_accept(items)
+            self._start_queued()  # the next step's rows, filled on the fill thread from here on
+            return found
         refusals: dict[int, Refusal] = {}
         single: list[tuple[Sequence, _Matched, int]] = []
         for seq, tokens in items:
@@ -467,49 +575,67 @@ class StructuredOutput:
     def _fast_accept(self, items: Seq[tuple[Sequence, Seq[int]]]) -> dict[int, Refusal]:
         """:meth:`accept_step` with the flags instead of a query per matcher, xgrammar's handles
         passed directly, and its answer compared whole (converting it element by element cost
-        ~90 us for 64 rows, more than the accepting itself)."""
+        ~90 us for 64 rows, more than the accepting itself). The common case, every row in a
+        state of its own, skips the grouping: one set over the rows' (state, token) keys says so."""
         from xgrammar.base import _core
 
         refusals: dict[int, Refusal] = {}
         matchers, dead_ends = self._matchers, self._dead_ends
-        # Rows in one state given one token are one group: a matcher of the group that is up to date
-        # accepts for all; the others take the token as pending.
-        groups: dict[tuple[int, int], list[_Matched]] = {}
+        leads: list[_Matched] = []  # [R] the rows' matchers (after grouping: one per group)
+        tokens: list[int] = []  # [R] the token each accepts
+        keys: list[tuple[int, int]] = []  # [R] (state id, token)
         for seq, toks in items:
             entry = matchers.get(seq.seq_id)
             if entry is None:
                 continue
             if len(toks) == 1 and not entry.terminated and not (dead_ends and seq.seq_id in dead_ends):
-                groups.setdefault((entry.state, toks[0]), []).append(entry)
+                token = toks[0]
+                leads.append(entry)
+                tokens.append(token)
+                keys.append((entry.state, token))
                 continue
             refusal = self.accept_tokens(seq, toks)
             if refusal is not None:
                 refusals[seq.seq_id] = refusal
-        if not groups:
+        if not leads:
             return refusals
-        handles: list[Any] = []
-        tokens: list[int] = []
-        leads: list[_Matched] = []
-        for (_, token), members in groups.items():
-            lead = next((m for m in members if not m.pending), members[0])
-            self._sync(lead)
-            handles.append(lead.handle)
-            tokens.append(token)
-            leads.append(lead)
-        ok = _core.BatchGrammarMatcher.batch_accept_token(handles, tokens, False)
+        # Rows in one state given one token are one group: a matcher of the group that is up to
+        # date accepts for all; the others take the token as pending.
+        groups: dict[tuple[int, int], list[_Matched]] | None = None
+        if len(set(keys)) < len(keys):
+            groups = {}
+            for key, entry in zip(keys, leads, strict=True):
+                groups.setdefault(key, []).append(entry)
+            keys = list(groups)
+            tokens = [token for _, token in keys]
+            leads = [next((m for m in members if not m.pending), members[0]) for members in groups.values()]
+        for lead in leads:
+            if lead.pending:
+                self._sync(lead)
+        ok = _core.BatchGrammarMatcher.batch_accept_token([m.handle for m in leads], tokens, False)
         # xgrammar's Array compares structurally with a list: all accepted in one comparison; any
         # other answer (a refusal, or another element type) is read element by element.
-        every = ok == [1] * len(handles)
-        for k, (lead, token, members) in enumerate(zip(leads, tokens, groups.values(), strict=True)):
-            if every or ok[k]:
-                self._accepted(lead, token)
-                for m in members:
+        every = ok == [1] * len(leads)
+        steps, stops = self._state_steps, self._stops
+        for k, lead in enumerate(leads):
+            key, token = keys[k], tokens[k]
+            if not (every or ok[k]):  # the mask allowed it: a fault of ours (and for every row in that state)
+                for m in groups[key] if groups is not None else (lead,):
+                    refusals[m.seq.seq_id] = self._rejected(m.seq, m, token)
+                continue
+            state = steps.get(key)  # (what _accepted does, inlined: this loop runs for every row)
+            if state is None:
+                if len(steps) >= _MAX_STATE_STEPS:
+                    steps.clear()
+                state = steps[key] = self._new_state()
+            lead.state = state
+            if token in stops:
+                lead.terminated = lead.matcher.is_terminated()
+            if groups is not None:
+                for m in groups[key]:
                     if m is not lead:
                         m.pending.append(token)
-                        m.state, m.terminated = lead.state, lead.terminated
-            else:  # the mask allowed it: a fault of ours (and the same for every row in that state)
-                for m in members:
-                    refusals[m.seq.seq_id] = self._rejected(m.seq, m, token)
+                        m.state, m.terminated = state, lead.terminated
         return refusals
 
     def _sync(self, entry: _Matched) -> xgrammar.GrammarMatcher:
