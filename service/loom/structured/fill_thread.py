@@ -27,6 +27,29 @@ from collections.abc import Callable
 # the engine's thread is asked to let it go (CPython's default is 5 ms).
 SWITCH_INTERVAL_S = 5e-5
 
+# Fills in flight in this process, and the switch interval to restore when the last one is
+# joined (several drivers in one process, as in tests, must not leave the short interval set).
+_lowered = threading.Lock()
+_in_flight = 0
+_saved_interval = 0.0
+
+
+def _lower_switch_interval() -> None:
+    global _in_flight, _saved_interval
+    with _lowered:
+        if _in_flight == 0:
+            _saved_interval = sys.getswitchinterval()
+            sys.setswitchinterval(min(_saved_interval, SWITCH_INTERVAL_S))
+        _in_flight += 1
+
+
+def _restore_switch_interval() -> None:
+    global _in_flight
+    with _lowered:
+        _in_flight -= 1
+        if _in_flight == 0:
+            sys.setswitchinterval(_saved_interval)
+
 
 def _serve(jobs: queue.SimpleQueue[Callable[[], None] | None],
            results: queue.SimpleQueue[BaseException | None]) -> None:
@@ -41,6 +64,7 @@ def _serve(jobs: queue.SimpleQueue[Callable[[], None] | None],
             results.put(exc)
         else:
             results.put(None)
+        del job  # (not kept alive, with what it refers to, while the thread waits for the next)
 
 
 class FillThread:
@@ -52,7 +76,6 @@ class FillThread:
         self._thread = threading.Thread(target=_serve, args=(self._jobs, self._results), name=name, daemon=True)
         self._thread.start()
         self._busy = False
-        self._interval = 0.0  # the switch interval to restore at the join
         weakref.finalize(self, self._jobs.put, None)  # the thread ends with its owner
 
     @property
@@ -64,8 +87,7 @@ class FillThread:
         """Run ``job`` on the thread; :meth:`join` must follow before the next start."""
         assert not self._busy, "one job at a time"
         self._busy = True
-        self._interval = sys.getswitchinterval()
-        sys.setswitchinterval(min(self._interval, SWITCH_INTERVAL_S))
+        _lower_switch_interval()
         self._jobs.put(job)
 
     def join(self) -> None:
@@ -76,7 +98,7 @@ class FillThread:
             error = self._results.get()
         finally:
             self._busy = False
-            sys.setswitchinterval(self._interval)
+            _restore_switch_interval()
         if error is not None:
             raise error
 
