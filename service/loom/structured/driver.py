@@ -29,6 +29,7 @@ grammar allows nothing else (a complete match that cannot grow), where the gramm
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -391,7 +392,7 @@ class StructuredOutput:
         if self._thread is None:
             self._thread = FillThread()
         self._ahead = plan
-        self._thread.start(lambda: self._fill(plan))
+        self._thread.start(self._fill_call(plan))
 
     def _drop_ahead(self) -> None:
         """Forget a plan filled ahead that no call asked for (its buffer is taken again)."""
@@ -439,10 +440,16 @@ class StructuredOutput:
 
     def _fill(self, plan: _RowsPlan) -> None:
         """xgrammar's batch fill of the plan's filled rows (C++, the interpreter lock released)."""
-        if plan.handles:  # xgrammar's own object: its wrapper would build the handle list again
-            batcher: Any = self._batch_matcher()._handle
-            every = len(plan.filled) == len(plan.rows)
-            batcher.batch_fill_next_token_bitmask(plan.handles, plan.bitmask, None if every else plan.filled, False)
+        if plan.handles:
+            self._fill_call(plan)()
+
+    def _fill_call(self, plan: _RowsPlan) -> Callable[[], None]:
+        """The fill as one bound call (the fill thread runs no Python of the driver's): xgrammar's
+        own object, whose wrapper would build the handle list again."""
+        batcher: Any = self._batch_matcher()._handle
+        every = len(plan.filled) == len(plan.rows)
+        return functools.partial(batcher.batch_fill_next_token_bitmask, plan.handles, plan.bitmask,
+                                 None if every else plan.filled, False)
 
     def _finish_rows(self, plan: _RowsPlan) -> TokenBitmaskRows:
         """The plan's filled rows -> the step's rows: copies, open rows, min_new_tokens, dead ends.
