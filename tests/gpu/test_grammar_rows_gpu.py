@@ -53,7 +53,8 @@ def test_fill_thread_and_pinned_rows_change_no_token(monkeypatch: pytest.MonkeyP
     def run(fill_thread: bool) -> tuple[dict[str, list[int]], int]:
         monkeypatch.setattr(kernel_switches, "grammar_fill_thread", fill_thread)
         engine = LLMEngine(EngineConfig(model_id=str(model), device="cuda", dtype="bfloat16", max_total_tokens=512,
-                                        async_scheduling="on"))
+                                        max_batch_total_tokens=32768, async_scheduling="on", warmup=False,
+                                        cuda_graphs=(8, 16, 32)))
         for i in range(32):
             engine.add_request(EngineRequest(f"r{i}", (1, 504, 3458, 28, 253 + i), SamplingParams(constraint=specs[i % 8]),
                                              StoppingParams(max_new_tokens=48)))
