@@ -190,3 +190,33 @@ def test_token_bitmask_rows_pickle_as_bytes_and_every_row_stages_no_indices() ->
     assert some.rows is not None and some.rows.tolist() == [0, 2]
     logits = torch.randn(3, 5 * 32)
     assert torch.equal(every(logits.clone()), token_bitmask(rows, stage)(logits.clone()))
+
+
+def test_a_token_refused_on_the_fill_thread_fails_its_request_at_the_next_accept(
+        pool: tuple[GrammarCompilerPool, int, tuple[int, ...]]) -> None:
+    """With rows queued for the fill thread, a step's tokens (but stop tokens) are accepted there:
+    a token the grammar refuses (only a fault of ours can sample one) is answered by the next
+    accept_step, and its row in between is left open; the other rows are those of the plain path."""
+    compiler, vocab, eos = pool
+    ahead = StructuredOutput(compiler, vocab, eos, compile_timeout_s=60, fast_rows=True, fill_thread=True)
+    plain = StructuredOutput(compiler, vocab, eos, compile_timeout_s=60, fast_rows=False)
+    seqs = [new_seq(f"y{i}", SPECS[1], 0) for i in range(4)]
+    for seq in seqs:
+        admit([ahead, plain], seq, SPECS[1])
+    a, z = 81, 106  # "a"; "z", which the regex [a-c]{1,6} refuses
+    items = [(seqs[0], [a]), (seqs[1], [z]), (seqs[2], [a]), (seqs[3], [a])]
+    batch = list(seqs)
+    ahead.queue_rows(batch)
+    assert ahead.accept_step(items) == {}  # accepted on the thread: not known yet
+    want = plain.accept_step(items)
+    assert list(want) == [seqs[1].seq_id]
+    rows = ahead.bitmask_rows(batch)
+    assert rows is not None and ahead.num_filled_ahead == 1
+    mask = rows.tensor()
+    assert bool((mask[1] == -1).all())  # the refused row is left open
+    good = [s for i, s in enumerate(seqs) if i != 1]
+    expect = plain.bitmask_rows(good)
+    assert expect is not None and mask[[0, 2, 3]].numpy().tobytes() == expect.to_bytes()
+    got = ahead.accept_step([(s, [a]) for s in good] + [(seqs[1], [a])])
+    assert list(got) == [seqs[1].seq_id] and got[seqs[1].seq_id] == want[seqs[1].seq_id]
+    assert got[seqs[1].seq_id].rejection.reason == "GRAMMAR_TOKEN_REJECTED"

@@ -94,11 +94,29 @@ class _RowsPlan:
     ended: list[int] = dataclasses.field(default_factory=list)  # finished / terminated: left open
 
 
+@dataclass(slots=True)
+class _Deferred:
+    """A step's accepts left to the fill thread (their tokens are no stop token): xgrammar's answer
+    is read at the join. The state ids already moved on as if every token was accepted."""
+
+    handles: list[Any]  # [R] the group leads' xgrammar handles
+    tokens: list[int]  # [R]
+    members: list[list[_Matched]]  # [R] every row of each lead's group (refused together)
+    ok: Any = None  # xgrammar's answer, set on the thread
+
+
 # (state id, token) -> state id entries, and grammar texts' start states, kept for sharing masks;
 # past this many a map starts again (ids are never reused, so a cleared map only stops matchers
 # from meeting again; the texts are not held without bound).
 _MAX_STATE_STEPS = 1 << 16
 _MAX_ROOTS = 1 << 10
+
+
+def _batch_accept() -> Any:
+    """xgrammar's batch accept on raw handles: (handles, tokens, debug) -> an array of 0/1."""
+    from xgrammar.base import _core
+
+    return _core.BatchGrammarMatcher.batch_accept_token
 
 
 @dataclass(frozen=True)
@@ -151,6 +169,8 @@ class StructuredOutput:
         self._queued: Seq[Sequence] | None = None  # rows to plan and fill after the next accept
         self._ahead: _RowsPlan | None = None  # the plan being (or already) filled on the thread
         self.num_filled_ahead = 0  # steps whose rows the fill thread filled (tests, benchmarks)
+        self._deferred: _Deferred | None = None  # accepts running on the fill thread, before its fill
+        self._late_refusals: dict[int, Refusal] = {}  # refused there: answered by the next accept_step
 
     # -- requests -----------------------------------------------------------------------------------
     def hold(self, request_id: str, spec: GrammarSpec, seqs: list[Sequence]) -> None:
@@ -379,20 +399,45 @@ class StructuredOutput:
             self._drop_ahead()
             self._queued = seqs
 
-    def _start_queued(self) -> None:
-        """After an accept: start the fill of the queued rows (their matchers' states are final
-        for the step now; nothing but this fill touches a matcher until the join)."""
+    def _start_queued(self, refusals: dict[int, Refusal]) -> None:
+        """After an accept: start the accepts left to the thread (:meth:`_fast_accept` with
+        ``defer``), then the fill of the queued rows, on the fill thread (the matchers' state ids
+        are final for the step now; nothing but that thread touches a matcher until the join)."""
         seqs, self._queued = self._queued, None
         if seqs is None:
             return
         plan = self._plan_rows(seqs, ahead=True)
+        deferred = self._deferred
         if plan is None or not plan.handles:
             self._ahead = plan  # nothing to fill: finished at once
+            if deferred is not None:  # the accepts alone, here
+                deferred.ok = _batch_accept()(deferred.handles, deferred.tokens, False)
+                self._deferred = None
+                refusals.update(self._refused(deferred))
             return
         if self._thread is None:
             self._thread = FillThread()
         self._ahead = plan
-        self._thread.start(self._fill_call(plan))
+        fill = self._fill_call(plan)
+        if deferred is None:
+            self._thread.start(fill)
+            return
+        accept = _batch_accept()
+
+        def accept_then_fill() -> None:  # (the only Python the thread runs: three lines around C++)
+            deferred.ok = accept(deferred.handles, deferred.tokens, False)
+            fill()
+
+        self._thread.start(accept_then_fill)
+
+    def _refused(self, deferred: _Deferred) -> dict[int, Refusal]:
+        """The refusals in a deferred accept's answer (none, but for a fault of ours)."""
+        ok = deferred.ok
+        if ok == [1] * len(deferred.handles):
+            return {}
+        return {m.seq.seq_id: self._rejected(m.seq, m, token)
+                for k, (token, members) in enumerate(zip(deferred.tokens, deferred.members, strict=True))
+                if not ok[k] for m in members}
 
     def _drop_ahead(self) -> None:
         """Forget a plan filled ahead that no call asked for (its buffer is taken again)."""
@@ -402,9 +447,13 @@ class StructuredOutput:
             self._turn ^= 1
 
     def _fill_thread_join(self) -> None:
-        """Wait for a fill in flight (every call that reads or moves a matcher does this first)."""
+        """Wait for a fill in flight (every call that reads or moves a matcher does this first);
+        refusals of the accepts it ran are kept for the next :meth:`accept_step`."""
         if self._thread is not None and self._thread.busy:
             self._thread.join()
+        if self._deferred is not None:
+            deferred, self._deferred = self._deferred, None
+            self._late_refusals.update(self._refused(deferred))
 
     def _plan_rows(self, seqs: Seq[Sequence], ahead: bool = False) -> _RowsPlan | None:
         """Which rows of ``seqs`` have a matcher, which of them xgrammar fills (one per state),
@@ -457,7 +506,9 @@ class StructuredOutput:
         outputs were processed) gets an open row, as if it had been finished at the plan."""
         rows, entries, bitmask, filled, copies = plan.rows, plan.entries, plan.bitmask, plan.filled, plan.copies
         holds, ended = plan.holds, plan.ended
-        late = [g for g in [*filled, *(g for g, _ in copies)] if entries[g].seq.is_finished] if plan.ahead else []
+        refused = self._late_refusals
+        late = [g for g in [*filled, *(g for g, _ in copies)]
+                if entries[g].seq.is_finished or (refused and entries[g].seq.seq_id in refused)] if plan.ahead else []
         gone: set[int] = set()
         if late:  # (rare: a sequence the previous step ended) as the plain path sees it now
             gone = set(late)
@@ -553,8 +604,11 @@ class StructuredOutput:
         common case, one token for a sequence with a matcher, goes to xgrammar in one call."""
         if self.fast_rows:
             self._fill_thread_join()
-            found = self._fast_accept(items)
-            self._start_queued()  # the next step's rows, filled on the fill thread from here on
+            found = self._fast_accept(items, defer=self._queued is not None)
+            self._start_queued(found)  # the next step's rows, filled on the fill thread from here on
+            if self._late_refusals:  # tokens the fill thread's accept refused (a fault of ours)
+                found.update(self._late_refusals)
+                self._late_refusals = {}
             return found
         refusals: dict[int, Refusal] = {}
         single: list[tuple[Sequence, _Matched, int]] = []
@@ -579,21 +633,25 @@ class StructuredOutput:
                     self._accepted(entry, token)
         return refusals
 
-    def _fast_accept(self, items: Seq[tuple[Sequence, Seq[int]]]) -> dict[int, Refusal]:
+    def _fast_accept(self, items: Seq[tuple[Sequence, Seq[int]]], defer: bool = False) -> dict[int, Refusal]:
         """:meth:`accept_step` with the flags instead of a query per matcher, xgrammar's handles
         passed directly, and its answer compared whole (converting it element by element cost
         ~90 us for 64 rows, more than the accepting itself). The common case, every row in a
-        state of its own, skips the grouping: one set over the rows' (state, token) keys says so."""
-        from xgrammar.base import _core
+        state of its own, skips the grouping: one set over the rows' (state, token) keys says so.
 
+        With ``defer`` (rows are queued for the fill thread) only tokens that may terminate a
+        matcher (stop tokens: the output processor reads the terminated flag at once) are
+        accepted here; xgrammar accepts the others on the fill thread before it fills, and their
+        state ids move on now. Such a token is refused only by a fault of ours (the mask allowed
+        it); its refusal then comes with the next step's :meth:`accept_step`."""
         refusals: dict[int, Refusal] = {}
-        matchers, dead_ends = self._matchers, self._dead_ends
+        matchers, dead_ends, late = self._matchers, self._dead_ends, self._late_refusals
         leads: list[_Matched] = []  # [R] the rows' matchers (after grouping: one per group)
         tokens: list[int] = []  # [R] the token each accepts
         keys: list[tuple[int, int]] = []  # [R] (state id, token)
         for seq, toks in items:
             entry = matchers.get(seq.seq_id)
-            if entry is None:
+            if entry is None or (late and seq.seq_id in late):  # (refused on the fill thread: failing)
                 continue
             if len(toks) == 1 and not entry.terminated and not (dead_ends and seq.seq_id in dead_ends):
                 token = toks[0]
@@ -619,31 +677,47 @@ class StructuredOutput:
         for lead in leads:
             if lead.pending:
                 self._sync(lead)
-        ok = _core.BatchGrammarMatcher.batch_accept_token([m.handle for m in leads], tokens, False)
+        stops = self._stops
+        if defer:
+            now = [k for k, token in enumerate(tokens) if token in stops]
+            later = [k for k, token in enumerate(tokens) if token not in stops] if now else range(len(leads))
+            self._deferred = _Deferred([leads[k].handle for k in later], [tokens[k] for k in later],
+                                       [groups[keys[k]] if groups is not None else [leads[k]] for k in later])
+            for k in later:
+                self._advance(leads[k], keys[k], tokens[k], groups)
+            if not now:
+                return refusals
+            leads, tokens, keys = [leads[k] for k in now], [tokens[k] for k in now], [keys[k] for k in now]
+        ok = _batch_accept()([m.handle for m in leads], tokens, False)
         # xgrammar's Array compares structurally with a list: all accepted in one comparison; any
         # other answer (a refusal, or another element type) is read element by element.
         every = ok == [1] * len(leads)
-        steps, stops = self._state_steps, self._stops
         for k, lead in enumerate(leads):
-            key, token = keys[k], tokens[k]
-            if not (every or ok[k]):  # the mask allowed it: a fault of ours (and for every row in that state)
-                for m in groups[key] if groups is not None else (lead,):
-                    refusals[m.seq.seq_id] = self._rejected(m.seq, m, token)
-                continue
-            state = steps.get(key)  # (what _accepted does, inlined: this loop runs for every row)
-            if state is None:
-                if len(steps) >= _MAX_STATE_STEPS:
-                    steps.clear()
-                state = steps[key] = self._new_state()
-            lead.state = state
-            if token in stops:
-                lead.terminated = lead.matcher.is_terminated()
-            if groups is not None:
-                for m in groups[key]:
-                    if m is not lead:
-                        m.pending.append(token)
-                        m.state, m.terminated = state, lead.terminated
+            if every or ok[k]:
+                self._advance(lead, keys[k], tokens[k], groups)
+            else:  # the mask allowed it: a fault of ours (and for every row in that state)
+                for m in groups[keys[k]] if groups is not None else (lead,):
+                    refusals[m.seq.seq_id] = self._rejected(m.seq, m, tokens[k])
         return refusals
+
+    def _advance(self, lead: _Matched, key: tuple[int, int], token: int,
+                 groups: dict[tuple[int, int], list[_Matched]] | None) -> None:
+        """``lead`` accepted ``token`` (``key``: its state before it): its state id and flag move on,
+        and the rows of its group take the token as pending."""
+        steps = self._state_steps
+        state = steps.get(key)
+        if state is None:
+            if len(steps) >= _MAX_STATE_STEPS:
+                steps.clear()
+            state = steps[key] = self._new_state()
+        lead.state = state
+        if token in self._stops:
+            lead.terminated = lead.matcher.is_terminated()
+        if groups is not None:
+            for m in groups[key]:
+                if m is not lead:
+                    m.pending.append(token)
+                    m.state, m.terminated = state, lead.terminated
 
     def _sync(self, entry: _Matched) -> xgrammar.GrammarMatcher:
         """``entry``'s matcher, given the tokens another matcher in its state accepted for it."""
