@@ -20,6 +20,9 @@ engine therefore queues a constrained step's forward first, then reads the previ
 tokens back (the matchers accept them), then fills this step's rows and queues its sampling: the
 host's work overlaps the forward, and asynchronous scheduling stays on. (With tensor
 parallelism every rank samples: the rows follow the forward to every rank as a second command.)
+xgrammar's C++ part of that, the accept of the previous step's tokens but stop tokens and this
+step's fill, runs on the driver's fill thread while the output processor works
+(:meth:`StructuredOutput.queue_rows`; ``LOOM_GRAMMAR_FILL_THREAD=0``: on the engine's thread).
 
 ``min_new_tokens`` for a constrained row is applied here, on its mask, rather than by the
 sampler's EOS suppression: EOS and stop ids are cleared from the row until then, unless the
