@@ -35,9 +35,9 @@ Two narrower switches, read the same way:
   set, an ``is_terminated`` query per row, no sharing of masks between matchers in the same
   state), the reference the fast path is tested against (docs/structured-output.md).
 - ``LOOM_GRAMMAR_FILL_THREAD=0`` (:data:`grammar_fill_thread`, read when the structured-output
-  driver is built): a step's bitmask rows are filled on the engine's thread when the sampling is
-  queued, instead of on the driver's fill thread while the previous step's outputs are
-  processed (the same rows either way; docs/structured-output.md).
+  driver is built): a step's bitmask rows are filled, and the previous step's tokens accepted,
+  on the engine's thread, instead of by xgrammar on the driver's fill thread while the previous
+  step's outputs are processed (the same rows either way; docs/structured-output.md).
 """
 
 from __future__ import annotations
