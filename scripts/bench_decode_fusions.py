@@ -13,6 +13,9 @@ decode step pays), not host launch overhead:
 * ``router_routing`` (T <= 4): the router on the dense GEMV (its table's plan) then ``route``
   (two launches) against ``moe_router_gemv.route_from_hidden`` (one: the routing in the GEMV's
   last program);
+* ``norm_router`` (T <= 4): the residual add + RMSNorm before the MoE block
+  (``fused_add_rms_norm``) then the router with the routing in its epilogue (two launches) against
+  ``moe_norm_router.norm_route`` (one: every program of the router's grid recomputes the norm);
 * ``direct_experts`` (T = 1 only): the experts after the sort by expert (``align_rows_by_expert``'s
   two launches, then gate/up and down on the sorted layout) against the experts indexed straight
   from the routing's ids (``expert_outputs_triton(direct=True)``: two launches; with
@@ -26,6 +29,13 @@ Router with the routing in its epilogue (predicted before measurement): 4.2 + 2.
 experts (predicted before measurement): the count (1.3 us) and place (2.5 us) launches of
 the profile go, the expert kernels do the same work: 27.8 -> ~24 us a layer (-3.8 us, -0.18 ms
 a 48-layer step).
+
+Norm in the router's launch (predicted before measurement, T = 1): the norm's ~2.3 us a layer
+(its launch and the gap before the router; 8 KB of work) go, and each of the router's 64 programs
+adds ~0.5-1 us of latency in front of its GEMV (two 4 KB row loads from L2, a 2048-value sum of
+squares, a 512-byte store, a barrier, the x tile read back): 2.3 + 5.8 -> ~6.5 us, -1.3 to -1.8 us
+a layer, 0.06-0.09 ms a 48-layer step (about 2-3% of W1's 3.30 ms); with PDL the norm's launch
+gap is partly hidden already, so the saving there may be the lower end or less.
 
     PYTHONPATH=service python scripts/bench_decode_fusions.py [--tokens 1 8] [--out FILE]
 """
@@ -46,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))
 
 from loom.layers import dense_gemv, fused_ops
 from loom.layers.fused_moe_triton import combine_rows, expert_outputs_triton
+from loom.layers.moe_norm_router import norm_route, norm_router_supported
 from loom.layers.moe_router_gemv import fused_router_supported, route_from_hidden
 from loom.layers.moe_routing_triton import align_rows_by_expert, route, route_and_sort
 from loom.layers.rotary import RotaryEmbedding, _default_inv_freq
@@ -119,6 +130,16 @@ def pairs(tokens: int, dev: torch.device) -> dict[str, tuple[Callable[[], Any], 
             out["router_routing"] = (
                 lambda: route(dense_gemv.dense_gemv(hidden, router_w, None, plan), TOP_K, True, dt),
                 lambda: route_from_hidden(hidden, router_w, TOP_K, True, dt, plan))
+        post_w = (1 + 0.1 * torch.randn(HIDDEN, device=dev, generator=gen)).to(dt)
+        if norm_router_supported(hidden, residual, post_w, router_w, TOP_K, plan):
+
+            def norm_router_before() -> Any:
+                normed, _ = fused_ops.fused_add_rms_norm(hidden, residual, post_w, EPS)
+                return route_from_hidden(normed, router_w, TOP_K, True, dt, plan)
+
+            out["norm_router"] = (
+                norm_router_before,
+                lambda: norm_route(hidden, residual, post_w, EPS, router_w, TOP_K, True, dt, plan))
     if tokens == 1:
         w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, device=dev, dtype=dt, generator=gen) * 0.02
         w2 = torch.randn(EXPERTS, HIDDEN, INTER, device=dev, dtype=dt, generator=gen) * 0.02

@@ -85,6 +85,7 @@ def _cases() -> list[Case]:
     from loom.layers import dense_gemv as dg
     from loom.layers import fused_moe_triton as fm
     from loom.layers import fused_ops as fo
+    from loom.layers import moe_norm_router as nr
     from loom.layers import moe_router_gemv as mr
     from loom.layers import moe_routing_triton as rt
     from loom.layers import split_k as sk
@@ -136,6 +137,8 @@ def _cases() -> list[Case]:
     router_consts = dict(EVEN_K=True, IEEE=False, MAX_ROWS=dg.MAX_M, BLOCK_N=16, BLOCK_K=256, BLOCK_M=16, BLOCK_S=8,
                          TOP_K=top_k, ROUTE_T=rt.route_rows(experts), BLOCK_TK=8, BLOCK_E=rt._block_e(experts),
                          RENORMALIZE=True)
+    router_sig_norm = {n: t for n, t in router_sig.items() if n not in ("x_ptr", "stride_xm")}
+    router_sig_norm.update(stride_xt="i32", stride_rt="i32", eps="fp32")
     w4_sig = dict(x_ptr=bf, perm_ptr="*i32", qw_ptr="*i32", s_ptr=bf, z_ptr=bf, bias_ptr=bf, out_ptr="*fp32",
                   N="i32", K="i32", K_SPLIT="i32", stride_qk="i32", stride_sk="i32", stride_os="i32", MAGIC="i32",
                   HI_SHIFT="i32")
@@ -168,6 +171,9 @@ def _cases() -> list[Case]:
         Case("FP8 paged decode (G 4)", lambda: f8._paged_attn_fp8_kernel, fp8_sig, fp8_consts, 1),
         Case("MoE router + routing (E 128, k 8)", lambda: mr._router_route_kernel, router_sig, router_consts, 4, 3,
              ("M", "SPLIT", "TILES")),
+        Case("residual norm + MoE router + routing (H 2048, E 128, k 8)", lambda: nr._norm_router_route_kernel,
+             dict(x_ptr=bf, res_ptr=bf, norm_w_ptr=bf, normed_ptr=bf, res_out_ptr=bf, **router_sig_norm), dict(
+                 router_consts, NW=8, LOG_NW=3, WARP_COLS=256, WARP_SUM=True), 4, 3, ("M", "SPLIT", "TILES")),
         Case("MoE gate/up, direct", lambda: fm._gate_up_kernel,
              dict(x_ptr=bf, **moe_ptrs, N="i32", K="i32", INTER="i32", stride_xt="i32", stride_we="i32",
                   stride_wn="i32", stride_ot="i32"), dict(moe_consts, TOP_K=top_k), cfg.num_warps, cfg.num_stages,

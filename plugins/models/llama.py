@@ -131,7 +131,9 @@ class LlamaDecoderLayer(nn.Module):
         CUDA). The adds and norms are HF's, in HF's order and dtype, so the results are the same
         bits as ``h = h + attn(norm1(h)); h = h + mlp(norm2(h))``. ``residual`` is None for the
         first layer, whose ``hidden`` is the embedding output. A mixture of experts may hand its
-        output on as its experts' rows (``ExpertOutputs``), which that norm sums before its add.
+        output on as its experts' rows (``ExpertOutputs``), which that norm sums before its add,
+        and takes the post-attention norm in (``SparseMoeBlock.forward_with_norm``), which may run
+        it in its router's launch.
         """
         if residual is None:
             if not isinstance(hidden, torch.Tensor):
@@ -139,11 +141,13 @@ class LlamaDecoderLayer(nn.Module):
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm.forward_with_residual(hidden, residual)
-        hidden = self.self_attn(positions, hidden, rotary)
-        hidden, residual = self.post_attention_layernorm.forward_with_residual(hidden, residual)
+        attn_out = self.self_attn(positions, hidden, rotary)
         mlp: nn.Module = getattr(self, self.mlp_name)
-        if isinstance(mlp, SparseMoeBlock):  # the next norm sums the experts' rows: one launch fewer
-            return mlp.forward_uncombined(hidden), residual
+        if isinstance(mlp, SparseMoeBlock):
+            # The block runs this norm itself (on CUDA at decode sizes in its router's launch) and
+            # hands its experts' rows on unsummed: the next norm sums them. One launch fewer each.
+            return mlp.forward_with_norm(attn_out, residual, self.post_attention_layernorm)
+        hidden, residual = self.post_attention_layernorm.forward_with_residual(attn_out, residual)
         return mlp(hidden), residual
 
 

@@ -30,6 +30,11 @@ Two narrower switches, read the same way:
 - ``LOOM_MOE_ROUTER_EPILOGUE=0`` (:data:`moe_router_epilogue`): an MoE layer's router and its
   routing stay two launches (the dense GEMV, then ``moe_routing_triton.route``) where the
   router's GEMV would route in its last program (``loom.layers.moe_router_gemv``; the same bits).
+- ``LOOM_MOE_NORM_ROUTER=0`` (:data:`moe_norm_router`): the residual add + RMSNorm before an MoE
+  layer and its router with the routing stay two launches (``fused_ops.fused_add_rms_norm``, then
+  the router as ``LOOM_MOE_ROUTER_EPILOGUE`` says) where the router's grid would recompute the
+  norm itself (``loom.layers.moe_norm_router``, 1-4 tokens; the same bits). Off with
+  ``LOOM_MOE_ROUTER_EPILOGUE=0`` too (the norm rides on that kernel).
 - ``LOOM_PDL=1`` (:data:`pdl`, off by default until the H200 has measured it): the decode path's
   Triton kernels are launched with Programmatic Dependent Launch on GPUs of compute capability 9
   and later (``loom.layers.triton_jit.pdl_launch``): a kernel may be scheduled while the one before
@@ -73,6 +78,7 @@ paged_decode_table: bool = os.environ.get("LOOM_PAGED_DECODE_TABLE", "1") != "0"
 draft_catch_up_graphs: bool = os.environ.get("LOOM_DRAFT_CATCH_UP_GRAPHS", "1") != "0"
 moe_direct_experts: bool = os.environ.get("LOOM_MOE_DIRECT_EXPERTS", "1") != "0"
 moe_router_epilogue: bool = os.environ.get("LOOM_MOE_ROUTER_EPILOGUE", "1") != "0"
+moe_norm_router: bool = os.environ.get("LOOM_MOE_NORM_ROUTER", "1") != "0"
 grammar_fast_rows: bool = os.environ.get("LOOM_GRAMMAR_FAST_ROWS", "1") != "0"
 pdl: bool = os.environ.get("LOOM_PDL", "0") not in ("", "0", "off", "false", "no")
 grammar_fill_thread: bool = os.environ.get("LOOM_GRAMMAR_FILL_THREAD", "1") != "0"

@@ -10,6 +10,11 @@ reproduce bit for bit:
   against it adding a plain residual;
 * ``router_epilogue``: ``moe_router_gemv._router_route_kernel`` against the dense GEMV's kernel
   (split K, merged by the last split) followed by ``_route_kernel``;
+* ``norm_router``: ``moe_norm_router._norm_router_route_kernel`` against ``_add_rms_norm_kernel``
+  (the sum of squares: the norm's 8-warp layout and butterflies against the fused kernel's warp
+  rows and pairwise tree; see that module) and ``_router_route_kernel`` (every other reduction and
+  the dot alike; its SASS the same with and without FMA contraction, which the fused kernel
+  compiles without, as the norm does);
 * ``expert_pipelining``: the MoE expert kernels with whole K tiles load through cp.async (the
   software pipeline a K mask in the loop kept triton 3.6 from building), without spills.
 
@@ -209,6 +214,137 @@ def check_router_epilogue() -> int:
     return failed
 
 
+def _reductions_with_axis(ttgir: str) -> list[str]:
+    """Each float32 ``tt.reduce`` of a kernel's TTGIR as ``axis A shape @ layout`` (layouts spelled
+    out, slices of another layout included), in program order."""
+    aliases = dict(re.findall(r"^(#\w+) = (#ttg\.[^\n]+)$", ttgir, flags=re.M))
+    spell = lambda text: re.sub(r"#\w+\b(?!<)", lambda m: aliases.get(m.group(0), m.group(0)), text)  # noqa: E731
+    out = []
+    for axis, operand in re.findall(r'"tt\.reduce"\([^)]*\) <\{axis = (\d+) : i32\}> \(\{.*?\}\) : \((tensor<[^)]*?)\) ->',
+                                    ttgir, flags=re.S):
+        first = re.match(r"tensor<([\dx]+xf32), (.*)>$", operand.split(", tensor<")[0])
+        if first:
+            out.append(f"axis {axis} {first.group(1)} @ {spell(first.group(2))}")
+    return out
+
+
+def _butterflies(ptx: str) -> list[int]:
+    return [int(m) for m in re.findall(r"shfl\.sync\.bfly\.b32\s+%r\d+, %r\d+, (\d+),", ptx)]
+
+
+def _dots(ttgir: str) -> list[str]:
+    """The ``tt.dot`` operations' types, layouts spelled out."""
+    aliases = dict(re.findall(r"^(#\w+) = (#ttg\.[^\n]+)$", ttgir, flags=re.M))
+    out = []
+    for types in re.findall(r"tt\.dot [^:]*: (.*?) loc", ttgir):
+        out.append(re.sub(r"#\w+", lambda m: aliases.get(m.group(0), m.group(0)), types))
+    return out
+
+
+def _sass_ops(compiled: Any) -> list[str]:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from w4a16_sass import disassemble
+
+    sass, _, _ = disassemble(compiled)
+    return [re.sub(r"/\*[0-9a-f]+\*/", "", line).strip() for line in sass.splitlines()
+            if re.match(r"^\s+/\*[0-9a-f]+\*/", line)]
+
+
+def check_norm_router() -> int:
+    """``moe_norm_router._norm_router_route_kernel`` against ``_add_rms_norm_kernel`` and
+    ``_router_route_kernel``, each compiled as Triton's launcher specializes it (aligned pointers,
+    strides and hidden sizes divisible by 16, the norm's R = 1 a constant, no FMA contraction where
+    the launch turns it off)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from loom.layers import dense_gemv as dg
+    from loom.layers import fused_ops
+    from loom.layers import moe_norm_router as nr
+    from loom.layers import moe_router_gemv as mr
+    from loom.layers import moe_routing_triton as rt
+
+    def build(fn: Any, sig: dict[str, str], consts: dict[str, Any], divisible: tuple[str, ...], warps: int,
+              stages: int, fusion: bool) -> Any:
+        names = list(fn.arg_names)
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in sig
+                 if n.endswith("_ptr") or n.startswith("stride") or n in divisible}
+        full = {n: sig.get(n, "constexpr") for n in names}
+        return triton.compile(ASTSource(fn, full, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps, "num_stages": stages, "enable_fp_fusion": fusion})
+
+    failed = 0
+    for experts, k, dtype, wdtype, hidden, (bn, bk, split, warps, stages) in (
+            (128, 8, "bf16", "bf16", 2048, (16, 256, 8, 4, 4)),  # Qwen3-30B-A3B's router plan (H200 table)
+            (8, 2, "fp16", "fp32", 4096, (16, 256, 4, 4, 3)),  # Mixtral-like: 16 norm warps, float32 weights
+            (60, 4, "bf16", "bf16", 1024, (16, 128, 2, 4, 2))):  # 4 norm warps
+        act = f"*{dtype}"
+        block = fused_ops._next_pow2(hidden)
+        nw = fused_ops.norm_warps(block)
+        name = f"E={experts} k={k} {dtype} H={hidden} plan {bn}x{bk} split {split}"
+        norm_sig = dict(x_ptr=act, res_ptr=act, w_ptr=act, out_ptr=act, res_out_ptr=act, ew_ptr=act,
+                        stride_xt="i32", stride_xr="i32", stride_rt="i32", stride_rr="i32", H="i32", eps="fp32")
+        router_sig = dict(x_ptr=act, w_ptr=act, logits_ptr=act, part_ptr="*fp32", counter_ptr="*i32",
+                          weights_ptr=f"*{wdtype}", ids_ptr="*i32", M="i32", N="i32", K="i32", K_SPLIT="i32",
+                          SPLIT="i32", TILES="i32", stride_xm="i32", stride_wn="i32", stride_l="i32")
+        fused_sig = dict(x_ptr=act, res_ptr=act, norm_w_ptr=act, normed_ptr=act, res_out_ptr=act, w_ptr=act,
+                         logits_ptr=act, part_ptr="*fp32", counter_ptr="*i32", weights_ptr=f"*{wdtype}",
+                         ids_ptr="*i32", M="i32", N="i32", K="i32", K_SPLIT="i32", SPLIT="i32", TILES="i32",
+                         stride_xt="i32", stride_rt="i32", stride_wn="i32", stride_l="i32", eps="fp32")
+        rows, block_k, block_e = rt.route_rows(experts), rt._next_pow2(k), rt._block_e(experts)
+        router_consts: dict[str, Any] = dict(EVEN_K=True, IEEE=False, MAX_ROWS=dg.MAX_M, BLOCK_N=bn, BLOCK_K=bk,
+                                             BLOCK_M=16, BLOCK_S=rt._next_pow2(split), TOP_K=k, ROUTE_T=rows,
+                                             BLOCK_TK=block_k, BLOCK_E=block_e, RENORMALIZE=True)
+        fused_consts = {**router_consts, "NW": nw, "LOG_NW": nw.bit_length() - 1, "WARP_COLS": nr._WARP_COLS,
+                        "WARP_SUM": True}
+        sizes = ("N", "K", "K_SPLIT", "H")
+        try:
+            norm = build(fused_ops._add_rms_norm_kernel, norm_sig, dict(R=1, HAS_RESIDUAL=True, BLOCK=block, TOP_K=0),
+                         sizes, nw, 3, False)
+            router = build(mr._router_route_kernel, router_sig, router_consts, sizes, warps, stages, True)
+            router_exact = build(mr._router_route_kernel, router_sig, router_consts, sizes, warps, stages, False)
+            fused = build(nr._norm_router_route_kernel, fused_sig, fused_consts, sizes, warps, stages, False)
+        except Exception as exc:  # reported: the script fails
+            failed += 1
+            print(f"FAIL norm router {name}: {type(exc).__name__}: {exc}")
+            continue
+        problems = []
+        norm_red = _reductions_with_axis(norm.asm["ttgir"])
+        want_norm = [f"axis 0 {block}xf32 @ #ttg.blocked<{{sizePerThread = [8], threadsPerWarp = [32], "
+                     f"warpsPerCTA = [{nw}], order = [0]}}>"]
+        if norm_red != want_norm:
+            problems.append(f"the norm's layout is not the one the fused sum reproduces: {norm_red}")
+        tree = [1 << i for i in range(4, -1, -1)] + [1 << i for i in range(nw.bit_length() - 2, -1, -1)]
+        if _butterflies(norm.asm["ptx"]) != tree:
+            problems.append(f"the norm's shuffles {_butterflies(norm.asm['ptx'])}, expected {tree}")
+        got = _reductions_with_axis(fused.asm["ttgir"])
+        per_row = 2 + (nw.bit_length() - 1)  # the warp rows, each pairwise level, the last value
+        norm_part, router_part = got[: dg.MAX_M * per_row], got[dg.MAX_M * per_row:]
+        warp_rows = (f"axis 1 {nw}x{nr._WARP_COLS}xf32 @ #ttg.blocked<{{sizePerThread = [1, 8], "
+                     f"threadsPerWarp = [1, 32], warpsPerCTA = [")
+        for r in range(dg.MAX_M):
+            row = norm_part[r * per_row:(r + 1) * per_row]
+            pairs = row[1:-1]
+            if (not row or not row[0].startswith(warp_rows) or ", 1], order = [1, 0]}>" not in row[0]
+                    or not all(p.startswith("axis 0 2x") for p in pairs) or not row[-1].startswith("axis 0 1xf32")):
+                problems.append(f"row {r}'s sum of squares is not warp rows then pairs: {row}")
+        if router_part != _reductions_with_axis(router.asm["ttgir"]):
+            problems.append("the router's reductions differ")
+        if _dots(fused.asm["ttgir"]) != _dots(router.asm["ttgir"]):
+            problems.append(f"the dots differ: {_dots(fused.asm['ttgir'])} vs {_dots(router.asm['ttgir'])}")
+        if _sass_ops(router) != _sass_ops(router_exact):
+            problems.append("the router's SASS changes without FMA contraction")
+        usage = {kernel: _spills(c) for kernel, c in (("norm", norm), ("router", router), ("fused", fused))}
+        problems += [f"{kernel} spills {spills} bytes" for kernel, (_, spills) in usage.items() if spills]
+        regs = ", ".join(f"{kernel} {r} registers" for kernel, (r, _) in usage.items())
+        print(f"{'FAIL' if problems else 'ok  '} norm router {name}: the norm's {nw}-warp sum as warp rows + "
+              f"pairs, {len(router_part)} router reductions and the dot alike; {regs}"
+              f"{': ' + '; '.join(problems) if problems else ''}")
+        failed += int(bool(problems))
+    return failed
+
+
 def check_expert_pipelining() -> int:
     """The MoE expert kernels (``fused_moe_triton``) at the Qwen3-30B-A3B decode tiles, sorted and
     direct, as Triton's launcher specializes them (``stride_wk`` == 1): with whole K tiles
@@ -271,7 +407,8 @@ def main(group: str) -> int:
 
     make_importable()
     checks = {"routing": check_routing, "qk_norm_rotary": check_qk_norm_rotary, "combine_norm": check_combine_norm,
-              "router_epilogue": check_router_epilogue, "expert_pipelining": check_expert_pipelining}
+              "router_epilogue": check_router_epilogue, "norm_router": check_norm_router,
+              "expert_pipelining": check_expert_pipelining}
     if group not in checks:
         raise SystemExit(f"unknown group {group!r}: one of {', '.join(checks)}")
     return 1 if checks[group]() else 0

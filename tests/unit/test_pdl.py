@@ -67,6 +67,7 @@ def _decode_kernels() -> list[Any]:
         dense_gemv,
         fused_moe_triton,
         fused_ops,
+        moe_norm_router,
         moe_router_gemv,
         moe_routing_triton,
         split_k,
@@ -76,7 +77,8 @@ def _decode_kernels() -> list[Any]:
 
     return [dense_gemv._dense_gemv_kernel, split_k.split_sum_kernel, fused_ops._add_rms_norm_kernel,
             fused_ops._rotary_kernel, fused_ops._qk_norm_rotary_kernel, fused_ops._silu_and_mul_kernel,
-            moe_router_gemv._router_route_kernel, moe_routing_triton._route_kernel, moe_routing_triton._count_kernel,
+            moe_router_gemv._router_route_kernel, moe_norm_router._norm_router_route_kernel,
+            moe_routing_triton._route_kernel, moe_routing_triton._count_kernel,
             moe_routing_triton._place_kernel, moe_routing_triton._route_sort_kernel, fused_moe_triton._gate_up_kernel,
             fused_moe_triton._down_kernel, fused_moe_triton._combine_kernel, triton_kernels._store_kv_kernel,
             triton_kernels._paged_attn_kernel, triton_kernels._combine_kernel,
@@ -96,7 +98,7 @@ def test_every_decode_kernel_takes_use_pdl_off_by_default() -> None:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-@pytest.mark.parametrize("only", ["store_kv", "add + RMSNorm", "split-K sum"])
+@pytest.mark.parametrize("only", ["store_kv", "add + RMSNorm", "split-K sum", "residual norm + MoE router"])
 def test_kernels_compile_for_hopper_with_pdl(only: str) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "service"), env.get("PYTHONPATH", "")])

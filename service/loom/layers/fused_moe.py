@@ -25,7 +25,7 @@ expert's gate, up and down, and the block sums its output over ranks.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -41,10 +41,13 @@ from loom.plugin_api.quantization import (
     set_weight_attrs,
 )
 
-from . import fused_moe_triton, moe_router_gemv, moe_routing_triton
+from . import fused_moe_triton, moe_norm_router, moe_router_gemv, moe_routing_triton
 from .activation import SiluAndMul
 from .dense_gemv import GemvPlan
 from .linear import ReplicatedLinear, WeightShapeError, default_weight_loader, divide, load_slice
+
+if TYPE_CHECKING:
+    from .norm import RMSNorm
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
@@ -319,37 +322,61 @@ class SparseMoeBlock(nn.Module):
         tensor as :meth:`forward`. The sum is the same either way, bit for bit."""
         return self._forward(x, uncombined=True)
 
+    def forward_with_norm(self, x: torch.Tensor, residual: torch.Tensor,
+                          norm: RMSNorm) -> tuple[torch.Tensor | fused_moe_triton.ExpertOutputs, torch.Tensor]:
+        """``h = residual + x``, then ``(forward_uncombined(norm(h)), h)``: the residual add and norm
+        before the block (a decoder's post-attention norm) and the block, ``x, residual [T, H]``.
+        Where the norm runs its Triton kernel and the router its fused epilogue (1-4 tokens on
+        CUDA, ``moe_norm_router.norm_router_plan``), one launch does the norm, the router and the
+        routing (``LOOM_MOE_NORM_ROUTER=0``: two); the same bits either way."""
+        plan = self._fused_norm_router_plan(x, residual, norm)
+        if plan is None:
+            hidden, residual = norm.forward_with_residual(x, residual)
+            return self.forward_uncombined(hidden), residual
+        weights_dtype = x.dtype if self.weights_in_logits_dtype else None  # (the logits' dtype)
+        hidden, residual, weights, ids = moe_norm_router.norm_route(
+            x, residual, norm.weight, norm.eps, self.gate.weight, self.top_k,  # type: ignore[arg-type]
+            self.renormalize, weights_dtype, plan)
+        return self._run_experts(hidden, weights, ids, None, uncombined=True), residual
+
+    def _plain_router(self) -> bool:
+        """Whether the router is a plain dense layer (no quantization, bias or adapter): what the
+        fused router kernels compute."""
+        gate = self.gate
+        return gate.bias is None and gate.lora is None and type(gate.quant_method) is UnquantizedLinearMethod
+
+    def _sorts_in_routing(self, x: torch.Tensor) -> bool:
+        """Decode sizes with LOOM_MOE_ONE_LAUNCH_ROUTING=1: the routing also sorts, from the logits."""
+        return (self.experts.sorts_in_routing(x) and moe_routing_triton.ONE_LAUNCH_ROUTING
+                and not fused_moe_triton.direct_experts(x.shape[0]))
+
+    def _fused_norm_router_plan(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> GemvPlan | None:
+        """The router's GEMV plan for the norm + router kernel, or None: where :meth:`_forward`
+        would take the router's fused epilogue, and the norm's operands fit."""
+        if self._sorts_in_routing(x) or not self._plain_router():
+            return None
+        return moe_norm_router.norm_router_plan(x, residual, norm.weight, self.gate.weight,  # type: ignore[arg-type]
+                                                self.top_k)
+
     def _fused_router_plan(self, x: torch.Tensor) -> GemvPlan | None:
         """The dense GEMV plan on which the router runs with the routing in its epilogue
         (``moe_router_gemv``: one launch where two run), or None: the router is a plain dense
         layer here (no quantization, bias or adapter), and the pieces fit."""
-        gate = self.gate
-        if (gate.bias is not None or gate.lora is not None
-                or type(gate.quant_method) is not UnquantizedLinearMethod):
+        if not self._plain_router():
             return None
-        return moe_router_gemv.fused_router_plan(x, gate.weight, self.top_k)  # type: ignore[arg-type]
+        return moe_router_gemv.fused_router_plan(x, self.gate.weight, self.top_k)  # type: ignore[arg-type]
 
     def _forward(self, x: torch.Tensor, uncombined: bool) -> torch.Tensor | fused_moe_triton.ExpertOutputs:
-        sorts = self.experts.sorts_in_routing(x)
-        # Decode sizes with LOOM_MOE_ONE_LAUNCH_ROUTING=1: the routing also sorts, from the logits.
-        sorts_in_routing = (sorts and moe_routing_triton.ONE_LAUNCH_ROUTING
-                            and not fused_moe_triton.direct_experts(x.shape[0]))
+        sorts_in_routing = self._sorts_in_routing(x)
         plan = None if sorts_in_routing else self._fused_router_plan(x)
         layout = None
         if plan is not None:  # router and routing in one launch
             weights_dtype = x.dtype if self.weights_in_logits_dtype else None  # (the logits' dtype)
             weights, ids = moe_router_gemv.route_from_hidden(x, self.gate.weight,  # type: ignore[arg-type]
                                                              self.top_k, self.renormalize, weights_dtype, plan)
-            if not sorts:
-                out = self.experts(x, weights, ids)
-                return out if self.experts.tp_size == 1 else all_reduce(out)
         else:
             router_logits = self.gate(x)  # [T, E], in the model's dtype
             weights_dtype = router_logits.dtype if self.weights_in_logits_dtype else None
-            if not sorts:
-                weights, ids = select_experts(router_logits, self.top_k, self.renormalize, weights_dtype)
-                out = self.experts(x, weights, ids)
-                return out if self.experts.tp_size == 1 else all_reduce(out)
             if sorts_in_routing and moe_routing_triton.fused_route_supported(router_logits, self.top_k):
                 # Route and sort the rows by expert in one launch (where three run).
                 block_m = fused_moe_triton.block_config(x.shape[0] * self.top_k, self.experts.num_experts,
@@ -358,7 +385,14 @@ class SparseMoeBlock(nn.Module):
                                                                          block_m, weights_dtype)
             else:
                 weights, ids = select_experts(router_logits, self.top_k, self.renormalize, weights_dtype)
-        if uncombined and self.experts.tp_size == 1:  # the ranks' sum needs the combined output
+        return self._run_experts(x, weights, ids, layout, uncombined)
+
+    def _run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                     layout: moe_routing_triton.ExpertLayout | None,
+                     uncombined: bool) -> torch.Tensor | fused_moe_triton.ExpertOutputs:
+        """The experts on the routed rows: their rows before the weighted sum where ``uncombined``
+        and the Triton experts serve one rank, else the summed output (over the ranks)."""
+        if uncombined and self.experts.tp_size == 1 and self.experts.sorts_in_routing(x):
             return self.experts.forward_uncombined(x, weights, ids, layout)
         out = self.experts(x, weights, ids, layout)
         return out if self.experts.tp_size == 1 else all_reduce(out)

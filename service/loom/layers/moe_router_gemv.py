@@ -72,6 +72,20 @@ def _router_route_kernel(x_ptr, w_ptr, logits_ptr, part_ptr, counter_ptr, weight
     pid_s = tl.program_id(1)
     acc, offs_n, n_mask, offs_m, m_mask = gemv_tile(x_ptr, w_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, pid_n,
                                                     pid_s, EVEN_K, IEEE, False, BLOCK_N, BLOCK_K, BLOCK_M)
+    _merge_and_route(acc, offs_n, n_mask, offs_m, m_mask, logits_ptr, part_ptr, counter_ptr, weights_ptr, ids_ptr,
+                     M, N, SPLIT, TILES, stride_l, pid_n, pid_s, MAX_ROWS, BLOCK_S, TOP_K, ROUTE_T, BLOCK_TK, BLOCK_E,
+                     RENORMALIZE)
+
+
+@_jit()
+def _merge_and_route(acc, offs_n, n_mask, offs_m, m_mask, logits_ptr, part_ptr, counter_ptr, weights_ptr, ids_ptr,
+                     M, N, SPLIT, TILES, stride_l, pid_n, pid_s, MAX_ROWS: tl.constexpr, BLOCK_S: tl.constexpr,
+                     TOP_K: tl.constexpr, ROUTE_T: tl.constexpr, BLOCK_TK: tl.constexpr, BLOCK_E: tl.constexpr,
+                     RENORMALIZE: tl.constexpr):
+    # Program (pid_n, pid_s)'s epilogue after gemv_tile (acc [BLOCK_N, BLOCK_M]: acc[n, m] =
+    # logits[m, n] over its split of K): its partial sums stored, the last split of the tile merges
+    # them into the logits, the last tile routes. Shared with moe_norm_router's kernel (inlined
+    # by Triton into each: the same code, so the same bits).
     mask = n_mask[:, None] & m_mask[None, :]
     # partial sums [SPLIT, M, N]: split pid_s's at pid_s * M * N + m * N + n
     tl.store(part_ptr + pid_s * (M * N) + offs_m[None, :] * N + offs_n[:, None], acc, mask=mask)
