@@ -67,7 +67,7 @@ def _summary_us(seconds: list[float]) -> dict[str, float]:
 class GrammarLoop:
     """64 constrained sequences following their documents through the driver's step calls."""
 
-    def __init__(self, rows: int, fast: bool, duplicates: bool, fill_thread: bool = False, work_us: float = 0.0) -> None:
+    def __init__(self, rows: int, fast: bool, duplicates: bool) -> None:
         from loom.bench.structured import SCHEMAS
         from loom.frontend.tokenizer import Tokenizer
         from loom.model_loader import eos_token_ids, load_hf_config, model_dims, resolve_model_dir
@@ -88,11 +88,7 @@ class GrammarLoop:
         self.docs = {n: [*tok.encode(json.dumps(DOCUMENTS[n]), add_special_tokens=False), self.eos[0]]
                      for n in self.names}
         pool = GrammarCompilerPool(lambda: vocabulary_from_model_dir(model_dir, self.vocab, self.eos), workers=1)
-        self.driver = StructuredOutput(pool, self.vocab, self.eos, compile_timeout_s=600.0, fast_rows=fast,
-                                       fill_thread=fill_thread)
-        # the output processor's other work between the accept and the next rows: a fixed amount of
-        # Python, so that what the fill thread takes from the engine's thread shows in its time
-        self.work_rounds = _rounds_for(work_us)
+        self.driver = StructuredOutput(pool, self.vocab, self.eos, compile_timeout_s=600.0, fast_rows=fast)
         self.stager = Stager(torch.device("cpu"))
         self.rows = rows
         self.next_id = 0
@@ -114,7 +110,6 @@ class GrammarLoop:
             self.schema.append(name)
         self.digest = hashlib.sha256()
         self.replaced = 0
-        self.batch = list(self.seqs)  # this step's sampled sequences (a new list each step)
 
     def _new_sequence(self, name: str) -> Any:
         from loom.engine.sequence import Sequence, SequenceStatus
@@ -139,19 +134,16 @@ class GrammarLoop:
         seq.token_ids.append(token)
 
     def step(self, timings: dict[str, list[float]] | None) -> None:
-        """One engine step's grammar calls, in the engine's order: this step's rows (filled on the
-        engine's thread, or joined from the fill thread), the processor; then the next step is
-        launched (its batch queued for the fill thread) before this step's tokens are accepted,
-        and the output processor's other work (``work_us`` of Python) follows the accept."""
-        from loom.engine.sequence import PENDING_TOKEN, SequenceStatus
+        """One engine step's grammar calls: accept the previous step's tokens (done at the end of
+        the previous call here), then this step's rows, the processor, and the tokens accepted."""
+        from loom.engine.sequence import PENDING_TOKEN
         from loom.sample.batch import token_bitmask
 
-        driver, seqs = self.driver, self.batch
-        live = [i for i, s in enumerate(seqs) if not s.is_finished]  # a finished one keeps an open row
-        for i in live:  # the engine's commit: a placeholder for the token this step samples
-            seqs[i].token_ids.append(PENDING_TOKEN)
-            seqs[i].num_pending_tokens += 1
-        tokens = {i: self.docs[self.schema[i]][self.pos[i]] for i in live}
+        driver, seqs = self.driver, self.seqs
+        for seq in seqs:  # the engine's commit: a placeholder for the token this step samples
+            seq.token_ids.append(PENDING_TOKEN)
+            seq.num_pending_tokens += 1
+        tokens = [self.docs[n][p] for n, p in zip(self.schema, self.pos, strict=True)]
         t0 = time.perf_counter()
         matched = driver.any_matched(seqs)
         rows = driver.bitmask_rows(seqs)
@@ -160,99 +152,64 @@ class GrammarLoop:
         processor = token_bitmask(rows, self.stager, len(seqs) if self.driver.fast_rows else None) \
             if rows is not None else None
         t2 = time.perf_counter()
-        assert matched and rows is not None and processor is not None
-        self._check(rows, tokens)
-        for i in live:  # the output processor puts the tokens in place
-            seqs[i].token_ids[-1] = tokens[i]
-            seqs[i].num_pending_tokens -= 1
-        self._replace_finished()  # (untimed: admissions happen at a step's start)
+        # the output processor: the placeholders are replaced by the tokens, then accepted
+        refusals = driver.accept_step([(s, [t]) for s, t in zip(seqs, tokens, strict=True)
+                                       if not s.is_finished]) if driver.any_matched(seqs) else {}
+        ended = [s for s, t in zip(seqs, tokens, strict=True) if t in self.eos and driver.terminated(s)]
         t3 = time.perf_counter()
-        driver.queue_rows(self.batch)  # the next step, launched before this one's tokens are accepted
-        refusals = driver.accept_step([(seqs[i], [tokens[i]]) for i in live]) if driver.any_matched(seqs) else {}
-        ended = [i for i in live if tokens[i] in self.eos and driver.terminated(seqs[i])]
-        t4 = time.perf_counter()
-        _spin(self.work_rounds)
-        t5 = time.perf_counter()
-        assert not refusals, refusals
+        assert matched and rows is not None and processor is not None and not refusals, refusals
         if timings is not None:
-            timings["grammar"].append(t2 - t0 + t4 - t3)
-            timings["total"].append(t2 - t0 + t5 - t3)
+            timings["total"].append(t3 - t0)
             timings["rows"].append(t1 - t0)
             timings["processor"].append(t2 - t1)
-            timings["accept"].append(t4 - t3)
-            timings["work"].append(t5 - t4)
-        for i in live:
-            self.pos[i] += 1
-        for i in ended:
-            assert self.pos[i] == len(self.docs[self.schema[i]])
-            seqs[i].status = SequenceStatus.FINISHED  # its next row (filled ahead, maybe) is left open
+            timings["accept"].append(t3 - t2)
+        self._check(rows, tokens)
+        self._advance(tokens, {s.seq_id for s in ended})
 
-    def _check(self, rows: Any, tokens: dict[int, int]) -> None:
+    def _check(self, rows: Any, tokens: list[int]) -> None:
         mask = rows.tensor()  # [G, W] int32
-        for g, t in tokens.items():
+        for g, t in enumerate(tokens):
             assert (int(mask[g, t // 32]) >> (t % 32)) & 1, f"row {g} forbids its document's token {t}"
         self.digest.update(rows.to_bytes())
         self.digest.update(json.dumps(rows.rows).encode())
 
-    def _replace_finished(self) -> None:
-        """Sequences finished by an earlier step leave; a new request of the same schema takes
-        each one's place; the next step's batch is a new list (as the engine's plans are)."""
-        for i, seq in enumerate(self.seqs):
-            if seq.is_finished:
+    def _advance(self, tokens: list[int], ended: set[int]) -> None:
+        from loom.engine.sequence import SequenceStatus
+
+        for i, (seq, t) in enumerate(zip(self.seqs, tokens, strict=True)):
+            seq.token_ids[-1] = t
+            seq.num_pending_tokens -= 1
+            self.pos[i] += 1
+            if seq.seq_id in ended:
+                assert self.pos[i] == len(self.docs[self.schema[i]])
+                seq.status = SequenceStatus.FINISHED
                 self.seqs[i] = self._new_sequence(self.schema[i])
                 self.pos[i] = 0
                 self.replaced += 1
-        self.batch = list(self.seqs)
-
-
-def _spin(n: int) -> int:
-    """A fixed amount of pure Python (the engine thread's own work, holding the lock throughout):
-    ``n`` rounds (see :func:`_rounds_for`)."""
-    x = 0
-    for _ in range(n):
-        for i in range(20):
-            x += i
-    return x
-
-
-def _rounds_for(us: float) -> int:
-    """How many :func:`_spin` rounds take ``us`` microseconds alone on this machine (median)."""
-    if us <= 0:
-        return 0
-    trials = []
-    for _ in range(21):
-        t = time.perf_counter()
-        _spin(1000)
-        trials.append(time.perf_counter() - t)
-    return max(1, round(us * 1e-6 / statistics.median(trials) * 1000))
 
 
 def bench_grammar(steps: int, rows: int, warmup: int, profile_top: int, compare: bool,
-                  duplicates: bool, work_us: float = 0.0) -> dict[str, Any]:
-    """The fast path with its fill thread (and with ``compare`` the fast path filling on the
-    engine's thread, LOOM_GRAMMAR_FILL_THREAD=0, and the plain one, LOOM_GRAMMAR_FAST_ROWS=0, a
-    step of each in turn over the same streams, so all see the same load) timed per step."""
-    loops = {"thread": GrammarLoop(rows, True, duplicates, True, work_us)}
+                  duplicates: bool) -> dict[str, Any]:
+    """The fast path (and with ``compare`` the plain one, LOOM_GRAMMAR_FAST_ROWS=0, a step of
+    each in turn over the same streams, so both see the same load) timed per step."""
+    loops = {"fast": GrammarLoop(rows, True, duplicates)}
     if compare:
-        loops["fast"] = GrammarLoop(rows, True, duplicates, False, work_us)
-        loops["plain"] = GrammarLoop(rows, False, duplicates, False, work_us)
+        loops["plain"] = GrammarLoop(rows, False, duplicates)
     for _ in range(warmup):
         for loop in loops.values():
             loop.step(None)
     timings: dict[str, dict[str, list[float]]] = {
-        name: {"total": [], "grammar": [], "rows": [], "processor": [], "accept": [], "work": []} for name in loops}
+        name: {"total": [], "rows": [], "processor": [], "accept": []} for name in loops}
     for _ in range(steps):
         for name, loop in loops.items():
             loop.step(timings[name])
-    out: dict[str, Any] = {"num_rows": rows, "steps": steps, "duplicates": duplicates, "work_us": work_us}
+    out: dict[str, Any] = {"num_rows": rows, "steps": steps, "duplicates": duplicates}
     for name, loop in loops.items():
         out[name] = {"requests_replaced": loop.replaced, "mask_sha256": loop.digest.hexdigest(),
                      **{k: _summary_us(v) for k, v in timings[name].items()}}
     if compare:
-        out["identical_masks"] = out["fast"]["mask_sha256"] == out["plain"]["mask_sha256"] == \
-            out["thread"]["mask_sha256"]
+        out["identical_masks"] = out["fast"]["mask_sha256"] == out["plain"]["mask_sha256"]
         out["plain_over_fast_median"] = out["plain"]["total"]["median_us"] / out["fast"]["total"]["median_us"]
-        out["fast_over_thread_median"] = out["fast"]["total"]["median_us"] / out["thread"]["total"]["median_us"]
     for name, loop in loops.items() if profile_top else ():
         prof = cProfile.Profile()
         prof.enable()
@@ -262,52 +219,6 @@ def bench_grammar(steps: int, rows: int, warmup: int, profile_top: int, compare:
         print(f"-- cProfile of {steps} steps, {name} path (the loop's checks and bookkeeping included) --")
         pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(profile_top)
     return out
-
-
-def gil_probe(rows: int, seconds: float = 0.3) -> dict[str, Any]:
-    """Whether xgrammar's batch fill lets other threads run Python: a thread fills 64 rows over and
-    over while the main thread records timestamps in a Python loop. Were the interpreter lock held
-    through the fill, no timestamp could fall inside a fill (20 us margins); released, the share of
-    timestamps inside the fills follows the share of time the fills cover (less what the machine's
-    other load takes from the threads)."""
-    import bisect
-    import threading
-
-    loop = GrammarLoop(rows, True, False)
-    for _ in range(10):
-        loop.step(None)
-    driver = loop.driver
-    entries = [driver._matchers[s.seq_id] for s in loop.batch if s.seq_id in driver._matchers]
-    handles = [e.handle for e in entries if not e.terminated and not e.pending and not e.seq.is_finished]
-    bitmask = torch.empty(len(handles), driver.words, dtype=torch.int32)
-    batcher: Any = driver._batch_matcher()._handle
-    windows: list[tuple[float, float]] = []
-    stop = threading.Event()
-
-    def fill_forever() -> None:
-        while not stop.is_set():
-            a = time.perf_counter()
-            batcher.batch_fill_next_token_bitmask(handles, bitmask, None, False)
-            windows.append((a, time.perf_counter()))
-
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(5e-5)
-    thread = threading.Thread(target=fill_forever)
-    thread.start()
-    stamps: list[float] = []
-    start = time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        stamps.append(time.perf_counter())
-    stop.set()
-    thread.join()
-    sys.setswitchinterval(before)
-    inside = covered = 0.0
-    for a, b in windows:
-        if b - a > 40e-6:
-            inside += bisect.bisect_left(stamps, b - 20e-6) - bisect.bisect_left(stamps, a + 20e-6)
-            covered += b - a - 40e-6
-    return {"fills": len(windows), "rows": len(handles), "share_of_time_in_fills": covered / seconds,
-            "share_of_python_timestamps_in_fills": inside / max(1, len(stamps))}
 
 
 def bench_engine_step(rows: int, steps: int) -> dict[str, Any]:
@@ -340,18 +251,11 @@ def main() -> None:
     ap.add_argument("--compare", action="store_true", help="also run the plain path, a step of each in turn")
     ap.add_argument("--duplicates", action="store_true",
                     help="S1's layout: the 8 rows of a schema follow one stream (identical greedy requests)")
-    ap.add_argument("--work-us", type=float, default=300.0,
-                    help="Python work of the output processor between the accept and the next rows (the fill "
-                         "thread's fill overlaps it; not counted in the grammar's time)")
-    ap.add_argument("--gil-probe", action="store_true",
-                    help="also check that xgrammar's batch fill lets another thread run Python")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(1)
     result: dict[str, Any] = {"grammar": bench_grammar(args.steps, args.rows, args.warmup, args.profile,
-                                                         args.compare, args.duplicates, args.work_us)}
-    if args.gil_probe:
-        result["gil_probe"] = gil_probe(args.rows)
+                                                         args.compare, args.duplicates)}
     if args.engine_step:
         result["engine_step_without_grammar"] = bench_engine_step(args.rows, args.steps)
     text = json.dumps(result, indent=2)

@@ -9,12 +9,6 @@ and the 25 functions with the most own time. The unconstrained arm generates, pe
 many tokens as its constrained run did (``ignore_eos``), as S1 does.
 
     python3 scripts/profile_s1.py [--device cuda] [--requests 64] [--new-tokens 128] [--out FILE]
-
-On the CPU, ``--tiny-vocab-model`` reproduces the H200's host-bound shape: a random-weight 2-layer
-Llama of width 64 with SmolLM2's tokenizer and vocabulary (tests/helpers/tiny_models.py), so the
-grammars are S1's and the forward is nearly free but for the 49k-logit head and the sampler;
-with ``--async-scheduling on`` constrained steps launch in two halves as they do on CUDA.
-``--model-id`` takes any model the engine loads.
 """
 
 from __future__ import annotations
@@ -74,37 +68,16 @@ def _run(engine: LLMEngine, requests: list[EngineRequest], profile: bool, sync: 
             "first_steps_ms": [round(x, 2) for x in ms[:6]], "profile": text}
 
 
-def _tiny_vocab_model(path: Path) -> Path:
-    """The tests' random 2-layer Llama with the bundled SmolLM2's vocabulary and tokenizer."""
-    if (path / "config.json").exists():
-        return path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from helpers.tiny_models import save_tiny_llama_with_vocab_of
-
-    path.mkdir(parents=True, exist_ok=True)
-    return save_tiny_llama_with_vocab_of(resolve_model_dir(None), path, max_position_embeddings=2048)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="auto")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="timed pairs (the profile is of the last)")
-    parser.add_argument("--model-id", default=None, help="the engine's --model-id (default: the bundled SmolLM2)")
-    parser.add_argument("--tiny-vocab-model", type=Path, default=None, metavar="DIR",
-                        help="a random 2-layer Llama with SmolLM2's vocabulary, written to DIR if missing, as the model")
-    parser.add_argument("--async-scheduling", default="auto", choices=("auto", "on", "off"))
-    parser.add_argument("--compare-fill-thread", action="store_true",
-                        help="each pair also runs the grammars with LOOM_GRAMMAR_FILL_THREAD=0 (rows filled on the "
-                             "engine's thread), the same requests: before and after in one run")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    model_id = args.model_id
-    if args.tiny_vocab_model is not None:
-        model_id = str(_tiny_vocab_model(args.tiny_vocab_model))
-    cfg = EngineConfig(model_id=model_id, device=args.device, dtype="bfloat16" if args.device != "cpu" else "auto",
-                       max_total_tokens=512, max_batch_prefill_tokens=4096, async_scheduling=args.async_scheduling)
+    cfg = EngineConfig(device=args.device, dtype="bfloat16" if args.device != "cpu" else "auto",
+                       max_total_tokens=512, max_batch_prefill_tokens=4096)
     engine = LLMEngine(cfg)
     on_cuda = engine.device.type == "cuda"
 
@@ -113,7 +86,7 @@ def main() -> None:
             import torch
             torch.cuda.synchronize()
 
-    tokenizer = Tokenizer.from_model_dir(Path(resolve_model_dir(model_id)))
+    tokenizer = Tokenizer.from_model_dir(Path(resolve_model_dir(cfg.model_id)))
     names = [list(SCHEMAS)[i % len(SCHEMAS)] for i in range(args.requests)]
     prompts = [tuple(tokenizer.encode_chat([{"role": "system", "content": "Answer with JSON only."},
                                             {"role": "user", "content": request_prompt(n, i, False)}]))
@@ -126,16 +99,6 @@ def main() -> None:
                                              StoppingParams(max_new_tokens=args.new_tokens))
                                for i, (p, n) in enumerate(zip(prompts, names, strict=True))], last, sync)
         counts = list(with_g["counts"].values())  # type: ignore[attr-defined]
-        alone: dict[str, object] | None = None
-        if args.compare_fill_thread:
-            driver = engine._structured
-            assert driver is not None
-            driver.fill_thread = False
-            alone = _run(engine, [EngineRequest(f"n{r}-{i}", p, SamplingParams(constraint=_spec(n)),
-                                                StoppingParams(max_new_tokens=args.new_tokens))
-                                  for i, (p, n) in enumerate(zip(prompts, names, strict=True))], False, sync)
-            driver.fill_thread = True
-            assert list(alone["counts"].values()) == counts, "the fill thread changed an output"  # type: ignore[attr-defined]
         without = _run(engine, [EngineRequest(f"u{r}-{i}", p, SamplingParams(),
                                               StoppingParams(max_new_tokens=c, ignore_eos=True))
                                 for i, (p, c) in enumerate(zip(prompts, counts, strict=True))], last, sync)
@@ -144,30 +107,13 @@ def main() -> None:
         pair = {"ratio": without["wall_s"] / with_g["wall_s"],  # type: ignore[operator]
                 **{f"{k}_{arm}": v[k] for arm, v in (("grammar", with_g), ("plain", without))
                    for k in ("wall_s", "steps", "tokens", "step_ms_median", "first_steps_ms")}}
-        if alone is not None:
-            pair["ratio_no_fill_thread"] = without["wall_s"] / alone["wall_s"]  # type: ignore[operator]
-            pair["wall_s_grammar_no_fill_thread"] = alone["wall_s"]
-            pair["step_ms_median_grammar_no_fill_thread"] = alone["step_ms_median"]
         pairs.append(pair)
         print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in pair.items()}), flush=True)
         if last:
             report = [f"== with grammars (pair {r})\n{with_g['profile']}", f"== without (pair {r})\n{without['profile']}"]
-    step_g = statistics.median([p["step_ms_median_grammar"] for p in pairs])
-    step_p = statistics.median([p["step_ms_median_plain"] for p in pairs])
-    summary = {"device": str(engine.device), "requests": args.requests, "model_id": model_id,
-               "async_scheduling": args.async_scheduling,
-               "ratio_total": sum(p["wall_s_plain"] for p in pairs) / sum(p["wall_s_grammar"] for p in pairs),
-               "step_ms_median_grammar": step_g, "step_ms_median_plain": step_p,
-               "grammar_ms_per_step": step_g - step_p, "pairs": pairs}
-    if args.compare_fill_thread:
-        step_n = statistics.median([p["step_ms_median_grammar_no_fill_thread"] for p in pairs])
-        summary["ratio_total_no_fill_thread"] = (sum(p["wall_s_plain"] for p in pairs)
-                                                 / sum(p["wall_s_grammar_no_fill_thread"] for p in pairs))
-        summary["grammar_ms_per_step_no_fill_thread"] = step_n - step_p
-        print(f"without the fill thread: ratio {summary['ratio_total_no_fill_thread']:.3f}; the grammar adds "
-              f"{step_n - step_p:.3f} ms a step")
-    print(f"ratio (all pairs' time, without over with): {summary['ratio_total']:.3f}; step median "
-          f"{step_g:.3f} ms with grammars, {step_p:.3f} ms without: the grammar adds {step_g - step_p:.3f} ms")
+    summary = {"device": str(engine.device), "requests": args.requests,
+               "ratio_total": sum(p["wall_s_plain"] for p in pairs) / sum(p["wall_s_grammar"] for p in pairs), "pairs": pairs}
+    print(f"ratio (all pairs' time, without over with): {summary['ratio_total']:.3f}")
     print("\n".join(report))
     if args.out:
         args.out.write_text(json.dumps({**summary, "profiles": report}, indent=1) + "\n")

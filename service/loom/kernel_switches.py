@@ -45,10 +45,6 @@ Two narrower switches, read the same way:
   driver is built): its bitmask rows and accepted tokens take the plain path (a fill per row
   set, an ``is_terminated`` query per row, no sharing of masks between matchers in the same
   state), the reference the fast path is tested against (docs/structured-output.md).
-- ``LOOM_GRAMMAR_FILL_THREAD=0`` (:data:`grammar_fill_thread`, read when the structured-output
-  driver is built): a step's bitmask rows are filled, and the previous step's tokens accepted,
-  on the engine's thread, instead of by xgrammar on the driver's fill thread while the previous
-  step's outputs are processed (the same rows either way; docs/structured-output.md).
 """
 
 from __future__ import annotations
@@ -81,7 +77,6 @@ moe_router_epilogue: bool = os.environ.get("LOOM_MOE_ROUTER_EPILOGUE", "1") != "
 moe_norm_router: bool = os.environ.get("LOOM_MOE_NORM_ROUTER", "1") != "0"
 grammar_fast_rows: bool = os.environ.get("LOOM_GRAMMAR_FAST_ROWS", "1") != "0"
 pdl: bool = os.environ.get("LOOM_PDL", "0") not in ("", "0", "off", "false", "no")
-grammar_fill_thread: bool = os.environ.get("LOOM_GRAMMAR_FILL_THREAD", "1") != "0"
 
 
 @contextlib.contextmanager

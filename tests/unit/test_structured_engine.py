@@ -159,7 +159,6 @@ def test_async_scheduling_gives_the_same_outputs(model_dir: Path, engine: LLMEng
     overlapped = make_engine(model_dir, async_scheduling="on")
     forced = run(overlapped, reqs)
     assert {k: ids(v) for k, v in forced.items()} == {k: ids(v) for k, v in sync.items()}
-    assert overlapped._structured is not None and overlapped._structured.num_filled_ahead > 0  # the fill thread's
     assert forced[("choice", 0)][-1].finish_reason is FinishReason.EOS_TOKEN
     before = overlapped.num_async_steps  # constrained requests alone (their grammar is cached now)
     again = run(overlapped, [request("again", REGEX, n=2, do_sample=True, seed=4)])

@@ -515,8 +515,7 @@ class LLMEngine:
             threads = max(1, min(8, (os.cpu_count() or 2) // 2))
             pool = GrammarCompilerPool(lambda: vocabulary_from_model_dir(model_dir, vocab, eos), workers=2,
                                        cache_bytes=self.config.grammar_cache_mib << 20, compiler_threads=threads)
-            self._structured = StructuredOutput(pool, vocab, eos, self.config.grammar_compile_timeout,
-                                                pin_memory=self.device.type == "cuda")
+            self._structured = StructuredOutput(pool, vocab, eos, self.config.grammar_compile_timeout)
             self.outputs.grammars = self._structured
         return self._structured
 
@@ -596,7 +595,6 @@ class LLMEngine:
             self._isolate(sched, outputs, drafts)
             return outputs
         if prev is not None:
-            self._queue_grammar_rows(launched)
             outputs += self._complete(prev)
         self._sample(launched)
         # Admissions may have grown the batch past the largest graph: check that again. (Penalties
@@ -682,14 +680,6 @@ class LLMEngine:
             seq.num_pending_tokens += 1
             seq.pending_row = row
         return _Launched(sched, planned, step, positions, guesses)
-
-    def _queue_grammar_rows(self, launched: _Launched) -> None:
-        """A step launched in two halves while the previous one is still to complete: its grammar
-        rows are filled on the driver's fill thread as soon as the previous step's tokens are
-        accepted, while the output processor works on them (joined in :meth:`_sample`)."""
-        if isinstance(launched.step, ForwardedStep) and not (launched.guesses and any(launched.guesses)):
-            assert self._structured is not None
-            self._structured.queue_rows(launched.planned.sample_seqs)
 
     def _sample(self, launched: _Launched) -> LaunchedStep:
         """Queue a launched step's sampling if its grammar rows were left to fill: the matchers

@@ -59,7 +59,6 @@ class TokenBitmaskRows:
     rows: list[int]  # [G] sampling rows that have a grammar
     words: int  # ceil(V / 32)
     data: bytes | torch.Tensor  # [G, words] int32
-    pinned: bool = False  # data is a pinned host tensor, copied to the device without staging
 
     def tensor(self) -> torch.Tensor:
         """The rows as a [G, words] int32 host tensor."""
@@ -75,7 +74,6 @@ class TokenBitmaskRows:
 
     def __setstate__(self, state: tuple[list[int], int, bytes]) -> None:
         self.rows, self.words, self.data = state
-        self.pinned = False
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, TokenBitmaskRows):
@@ -171,9 +169,7 @@ def token_bitmask(masks: TokenBitmaskRows, stage: Stager, num_rows: int | None =
     not staged: the processor masks all rows in order without reading them."""
     every = num_rows is not None and len(masks.rows) == num_rows  # rows ascending and distinct: 0..N-1
     rows = None if every else stage.to_device(masks.rows, torch.int64)
-    data = masks.tensor()
-    return TokenBitmask(stage.pinned_to_device(data) if masks.pinned else stage.to_device(data, torch.int32),
-                        rows, masks.rows)
+    return TokenBitmask(stage.to_device(masks.tensor(), torch.int32), rows, masks.rows)
 
 
 def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:

@@ -20,9 +20,6 @@ engine therefore queues a constrained step's forward first, then reads the previ
 tokens back (the matchers accept them), then fills this step's rows and queues its sampling: the
 host's work overlaps the forward, and asynchronous scheduling stays on. (With tensor
 parallelism every rank samples: the rows follow the forward to every rank as a second command.)
-xgrammar's C++ part of that, the accept of the previous step's tokens but stop tokens and this
-step's fill, runs on the driver's fill thread while the output processor works
-(:meth:`StructuredOutput.queue_rows`; ``LOOM_GRAMMAR_FILL_THREAD=0``: on the engine's thread).
 
 ``min_new_tokens`` for a constrained row is applied here, on its mask, rather than by the
 sampler's EOS suppression: EOS and stop ids are cleared from the row until then, unless the
@@ -32,7 +29,6 @@ grammar allows nothing else (a complete match that cannot grow), where the gramm
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -49,7 +45,6 @@ from loom.engine.types import Rejection
 from loom.sample.batch import TokenBitmaskRows
 
 from .compiler_pool import GrammarCompilerPool
-from .fill_thread import FillThread
 from .grammars import GrammarError
 from .spec import GrammarSpec
 from .vocabulary import VocabularyError
@@ -81,45 +76,11 @@ class _Matched:
     pending: list[int] = dataclasses.field(default_factory=list)
 
 
-@dataclass(slots=True)
-class _RowsPlan:
-    """A step's rows on the fast path, planned before they are filled (:meth:`StructuredOutput._plan_rows`)."""
-
-    seqs: Seq[Sequence]  # the step's sampled sequences (the engine's own list)
-    rows: list[int]  # [G] sampling rows that have a matcher
-    entries: list[_Matched]  # [G] their matchers
-    bitmask: torch.Tensor  # [G, ceil(V / 32)] int32 host rows
-    ahead: bool = False  # filled on the fill thread while the previous step's outputs were processed
-    handles: list[Any] = dataclasses.field(default_factory=list)  # xgrammar handles of the rows filled
-    filled: list[int] = dataclasses.field(default_factory=list)  # rows xgrammar fills (one per state)
-    copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (row, filled row of its state)
-    holds: list[int] = dataclasses.field(default_factory=list)  # rows whose sequence has a min_new_tokens
-    ended: list[int] = dataclasses.field(default_factory=list)  # finished / terminated: left open
-
-
-@dataclass(slots=True)
-class _Deferred:
-    """A step's accepts left to the fill thread (their tokens are no stop token): xgrammar's answer
-    is read at the join. The state ids already moved on as if every token was accepted."""
-
-    handles: list[Any]  # [R] the group leads' xgrammar handles
-    tokens: list[int]  # [R]
-    members: list[list[_Matched]]  # [R] every row of each lead's group (refused together)
-    ok: Any = None  # xgrammar's answer, set on the thread
-
-
 # (state id, token) -> state id entries, and grammar texts' start states, kept for sharing masks;
 # past this many a map starts again (ids are never reused, so a cleared map only stops matchers
 # from meeting again; the texts are not held without bound).
 _MAX_STATE_STEPS = 1 << 16
 _MAX_ROOTS = 1 << 10
-
-
-def _batch_accept() -> Any:
-    """xgrammar's batch accept on raw handles: (handles, tokens, debug) -> an array of 0/1."""
-    from xgrammar.base import _core
-
-    return _core.BatchGrammarMatcher.batch_accept_token
 
 
 @dataclass(frozen=True)
@@ -135,7 +96,7 @@ class Refusal:
 class StructuredOutput:
     def __init__(self, pool: GrammarCompilerPool, vocab_size: int, eos_token_ids: tuple[int, ...],
                  compile_timeout_s: float, clock: Callable[[], float] = time.monotonic,
-                 fast_rows: bool | None = None, fill_thread: bool | None = None, pin_memory: bool = False) -> None:
+                 fast_rows: bool | None = None) -> None:
         self.pool = pool
         self.vocab_size = vocab_size
         self.words = -(-vocab_size // 32)  # int32 words per bitmask row
@@ -157,23 +118,9 @@ class StructuredOutput:
         self._state_steps: dict[tuple[int, int], int] = {}  # (state id, token) -> state id after it
         self._num_states = 0
         # [rows, ceil(V / 32)] int32 host rows, two used in turn: a step's rows are handed to the
-        # worker without a copy, and stay untouched while the next step's are filled. With
-        # ``pin_memory`` (the engine on CUDA) they are pinned, so the worker queues their copy to
-        # the device straight from them (no 393 KB copy into its staging buffers a step): a
-        # buffer is filled again two steps later, after the previous step's results were read
-        # back, so its copy (queued before that step's sampling) has run by then.
-        self.pin_memory = pin_memory
+        # worker without a copy, and stay untouched while the next step's are filled
         self._buffers = [torch.empty(0, self.words, dtype=torch.int32) for _ in range(2)]
         self._turn = 0
-        # LOOM_GRAMMAR_FILL_THREAD (on by default, fast path only): a step's rows are filled on a
-        # thread of their own while the previous step's outputs are processed (queue_rows).
-        self.fill_thread = kernel_switches.grammar_fill_thread if fill_thread is None else fill_thread
-        self._thread: FillThread | None = None  # made on first use
-        self._queued: Seq[Sequence] | None = None  # rows to plan and fill after the next accept
-        self._ahead: _RowsPlan | None = None  # the plan being (or already) filled on the thread
-        self.num_filled_ahead = 0  # steps whose rows the fill thread filled (tests, benchmarks)
-        self._deferred: _Deferred | None = None  # accepts running on the fill thread, before its fill
-        self._late_refusals: dict[int, Refusal] = {}  # refused there: answered by the next accept_step
 
     # -- requests -----------------------------------------------------------------------------------
     def hold(self, request_id: str, spec: GrammarSpec, seqs: list[Sequence]) -> None:
@@ -271,7 +218,6 @@ class StructuredOutput:
         while any are held, so a server whose constrained traffic stops keeps none)."""
         if not self._matchers:
             return
-        self._fill_thread_join()
         done = [sid for sid, m in self._matchers.items() if m.seq.is_finished]
         for sid in done:
             del self._matchers[sid]
@@ -297,8 +243,6 @@ class StructuredOutput:
         choose, and a sequence the previous step finished (its row is dropped) gets open rows."""
         if self.fast_rows and (drafts is None or not any(drafts)):
             return self._fast_rows(seqs)
-        self._queued = None
-        self._drop_ahead()
         rows: list[int] = []
         entries: list[tuple[Sequence, Seq[int]]] = []
         row = 0
@@ -376,91 +320,8 @@ class StructuredOutput:
         - a finished matcher is known from the flag its accepts keep (no query per row);
         - min_new_tokens is looked at only for sequences that have one;
         - the empty-row check is one numpy pass; the rows are handed over as the driver's own
-          tensor (:class:`TokenBitmaskRows`), not copied to bytes;
-        - the fill itself may already have run on the fill thread (:meth:`queue_rows`).
+          tensor (:class:`TokenBitmaskRows`), not copied to bytes.
         """
-        self._queued = None
-        plan = self._ahead
-        if plan is not None and plan.seqs is seqs:
-            self._ahead = None
-            self._fill_thread_join()  # filled while the previous step's outputs were processed
-            self.num_filled_ahead += 1
-        else:
-            self._drop_ahead()
-            plan = self._plan_rows(seqs)
-            if plan is None:
-                return None
-            self._fill(plan)
-        return self._finish_rows(plan)
-
-    def queue_rows(self, seqs: Seq[Sequence]) -> None:
-        """``seqs`` (the engine's list: the sampled sequences of the step just launched, without
-        drafts) will ask for their rows next: once :meth:`accept_step` has accepted the previous
-        step's tokens, their fill starts on the fill thread, and :meth:`bitmask_rows` for this
-        very list joins it. A no-op on the plain path or with ``LOOM_GRAMMAR_FILL_THREAD=0``."""
-        if self.fast_rows and self.fill_thread:
-            self._drop_ahead()
-            self._queued = seqs
-
-    def _start_queued(self, refusals: dict[int, Refusal]) -> None:
-        """After an accept: start the accepts left to the thread (:meth:`_fast_accept` with
-        ``defer``), then the fill of the queued rows, on the fill thread (the matchers' state ids
-        are final for the step now; nothing but that thread touches a matcher until the join)."""
-        seqs, self._queued = self._queued, None
-        if seqs is None:
-            return
-        plan = self._plan_rows(seqs, ahead=True)
-        deferred = self._deferred
-        if plan is None or not plan.handles:
-            self._ahead = plan  # nothing to fill: finished at once
-            if deferred is not None:  # the accepts alone, here
-                deferred.ok = _batch_accept()(deferred.handles, deferred.tokens, False)
-                self._deferred = None
-                refusals.update(self._refused(deferred))
-            return
-        if self._thread is None:
-            self._thread = FillThread()
-        self._ahead = plan
-        fill = self._fill_call(plan)
-        if deferred is None:
-            self._thread.start(fill)
-            return
-        accept = _batch_accept()
-
-        def accept_then_fill() -> None:  # (the only Python the thread runs: three lines around C++)
-            deferred.ok = accept(deferred.handles, deferred.tokens, False)
-            fill()
-
-        self._thread.start(accept_then_fill)
-
-    def _refused(self, deferred: _Deferred) -> dict[int, Refusal]:
-        """The refusals in a deferred accept's answer (none, but for a fault of ours)."""
-        ok = deferred.ok
-        if ok == [1] * len(deferred.handles):
-            return {}
-        return {m.seq.seq_id: self._rejected(m.seq, m, token)
-                for k, (token, members) in enumerate(zip(deferred.tokens, deferred.members, strict=True))
-                if not ok[k] for m in members}
-
-    def _drop_ahead(self) -> None:
-        """Forget a plan filled ahead that no call asked for (its buffer is taken again)."""
-        if self._ahead is not None:
-            self._fill_thread_join()
-            self._ahead = None
-            self._turn ^= 1
-
-    def _fill_thread_join(self) -> None:
-        """Wait for a fill in flight (every call that reads or moves a matcher does this first);
-        refusals of the accepts it ran are kept for the next :meth:`accept_step`."""
-        if self._thread is not None and self._thread.busy:
-            self._thread.join()
-        if self._deferred is not None:
-            deferred, self._deferred = self._deferred, None
-            self._late_refusals.update(self._refused(deferred))
-
-    def _plan_rows(self, seqs: Seq[Sequence], ahead: bool = False) -> _RowsPlan | None:
-        """Which rows of ``seqs`` have a matcher, which of them xgrammar fills (one per state),
-        which are copies, left open or need min_new_tokens; None when no row has a matcher."""
         matchers = self._matchers
         rows: list[int] = []
         entries: list[_Matched] = []
@@ -471,52 +332,29 @@ class StructuredOutput:
                 entries.append(entry)
         if not rows:
             return None
-        plan = _RowsPlan(seqs, rows, entries, self._rows_buffer(len(rows)), ahead)  # bitmask [G, ceil(V / 32)]
-        handles, filled, copies, holds, ended = plan.handles, plan.filled, plan.copies, plan.holds, plan.ended
+        bitmask = self._rows_buffer(len(rows))  # [G, ceil(V / 32)]
+        handles: list[Any] = []
+        filled: list[int] = []  # bitmask rows xgrammar fills
+        copies: list[tuple[int, int]] = []  # (row, the filled row of the same state)
         first_of: dict[int, int] = {}  # state id -> its filled row
+        holds: list[int] = []  # filled or copied rows whose sequence has a min_new_tokens
+        ended: list[int] = []  # rows of finished sequences and terminated matchers: left open
         for g, entry in enumerate(entries):
             if entry.terminated or entry.seq.is_finished:
                 ended.append(g)
                 continue
             src = first_of.setdefault(entry.state, g)
             if src == g:
-                if entry.pending:
-                    self._sync(entry)
+                self._sync(entry)
                 handles.append(entry.handle)
                 filled.append(g)
             else:
                 copies.append((g, src))
             if entry.holds_back_stops:
                 holds.append(g)
-        return plan
-
-    def _fill(self, plan: _RowsPlan) -> None:
-        """xgrammar's batch fill of the plan's filled rows (C++, the interpreter lock released)."""
-        if plan.handles:
-            self._fill_call(plan)()
-
-    def _fill_call(self, plan: _RowsPlan) -> Callable[[], None]:
-        """The fill as one bound call (the fill thread runs no Python of the driver's): xgrammar's
-        own object, whose wrapper would build the handle list again."""
-        batcher: Any = self._batch_matcher()._handle
-        every = len(plan.filled) == len(plan.rows)
-        return functools.partial(batcher.batch_fill_next_token_bitmask, plan.handles, plan.bitmask,
-                                 None if every else plan.filled, False)
-
-    def _finish_rows(self, plan: _RowsPlan) -> TokenBitmaskRows:
-        """The plan's filled rows -> the step's rows: copies, open rows, min_new_tokens, dead ends.
-        A sequence finished since the plan was made (the fill ran while the previous step's
-        outputs were processed) gets an open row, as if it had been finished at the plan."""
-        rows, entries, bitmask, filled, copies = plan.rows, plan.entries, plan.bitmask, plan.filled, plan.copies
-        holds, ended = plan.holds, plan.ended
-        refused = self._late_refusals
-        late = [g for g in [*filled, *(g for g, _ in copies)]
-                if entries[g].seq.is_finished or (refused and entries[g].seq.seq_id in refused)] if plan.ahead else []
-        gone: set[int] = set()
-        if late:  # (rare: a sequence the previous step ended) as the plain path sees it now
-            gone = set(late)
-            ended = sorted([*ended, *late])
-            holds = [g for g in holds if g not in gone]
+        if handles:  # xgrammar's own object: its wrapper would build the handle list again
+            batcher: Any = self._batch_matcher()._handle
+            batcher.batch_fill_next_token_bitmask(handles, bitmask, None if len(filled) == len(rows) else filled, False)
         words = bitmask.numpy()  # the same memory
         # Rows that allow no token (rare): only a filled row can be one (a copy is as empty as its
         # source, an open row is all ones, and clearing stop ids never empties a row: see
@@ -535,10 +373,8 @@ class StructuredOutput:
             if seq.num_known_tokens - seq.num_prompt_tokens < seq.stopping.min_new_tokens:
                 self._hold_back_stops(bitmask[g], seq)
         if empty:
-            marked = [g for g in [*empty, *(g for g, src in copies if src in empty)] if g not in gone]
-            if marked:
-                self._mark_dead_ends(words, entries, sorted(marked))
-        return TokenBitmaskRows(rows, self.words, bitmask, self.pin_memory)
+            self._mark_dead_ends(words, entries, sorted([*empty, *(g for g, src in copies if src in empty)]))
+        return TokenBitmaskRows(rows, self.words, bitmask)
 
     def _mark_dead_ends(self, words: np.ndarray, entries: list[_Matched], empty: list[int]) -> None:
         for g in empty:
@@ -553,8 +389,7 @@ class StructuredOutput:
         self._turn ^= 1
         buf = self._buffers[self._turn]
         if buf.shape[0] < n:
-            buf = self._buffers[self._turn] = torch.empty(max(n, 2 * buf.shape[0]), self.words, dtype=torch.int32,
-                                                          pin_memory=self.pin_memory)
+            buf = self._buffers[self._turn] = torch.empty(max(n, 2 * buf.shape[0]), self.words, dtype=torch.int32)
         return buf[:n]
 
     def _batch_matcher(self) -> xgrammar.BatchGrammarMatcher:
@@ -582,7 +417,6 @@ class StructuredOutput:
         entry = self._matchers.get(seq.seq_id)
         if entry is None:
             return None
-        self._fill_thread_join()
         dead_end = self._dead_ends.pop(seq.seq_id, None)
         if dead_end is not None:  # the vocabulary cannot spell what the grammar needs next
             return Refusal(seq.request_id, dead_end, Rejection("FAILED_PRECONDITION", entry.field, "GRAMMAR_DEAD_END"))
@@ -606,13 +440,7 @@ class StructuredOutput:
         """:meth:`accept_tokens` for a step's sequences and tokens; the refusals by seq_id. The
         common case, one token for a sequence with a matcher, goes to xgrammar in one call."""
         if self.fast_rows:
-            self._fill_thread_join()
-            found = self._fast_accept(items, defer=self._queued is not None)
-            self._start_queued(found)  # the next step's rows, filled on the fill thread from here on
-            if self._late_refusals:  # tokens the fill thread's accept refused (a fault of ours)
-                found.update(self._late_refusals)
-                self._late_refusals = {}
-            return found
+            return self._fast_accept(items)
         refusals: dict[int, Refusal] = {}
         single: list[tuple[Sequence, _Matched, int]] = []
         for seq, tokens in items:
@@ -636,91 +464,53 @@ class StructuredOutput:
                     self._accepted(entry, token)
         return refusals
 
-    def _fast_accept(self, items: Seq[tuple[Sequence, Seq[int]]], defer: bool = False) -> dict[int, Refusal]:
+    def _fast_accept(self, items: Seq[tuple[Sequence, Seq[int]]]) -> dict[int, Refusal]:
         """:meth:`accept_step` with the flags instead of a query per matcher, xgrammar's handles
         passed directly, and its answer compared whole (converting it element by element cost
-        ~90 us for 64 rows, more than the accepting itself). The common case, every row in a
-        state of its own, skips the grouping: one set over the rows' (state, token) keys says so.
+        ~90 us for 64 rows, more than the accepting itself)."""
+        from xgrammar.base import _core
 
-        With ``defer`` (rows are queued for the fill thread) only tokens that may terminate a
-        matcher (stop tokens: the output processor reads the terminated flag at once) are
-        accepted here; xgrammar accepts the others on the fill thread before it fills, and their
-        state ids move on now. Such a token is refused only by a fault of ours (the mask allowed
-        it); its refusal then comes with the next step's :meth:`accept_step`."""
         refusals: dict[int, Refusal] = {}
-        matchers, dead_ends, late = self._matchers, self._dead_ends, self._late_refusals
-        leads: list[_Matched] = []  # [R] the rows' matchers (after grouping: one per group)
-        tokens: list[int] = []  # [R] the token each accepts
-        keys: list[tuple[int, int]] = []  # [R] (state id, token)
+        matchers, dead_ends = self._matchers, self._dead_ends
+        # Rows in one state given one token are one group: a matcher of the group that is up to date
+        # accepts for all; the others take the token as pending.
+        groups: dict[tuple[int, int], list[_Matched]] = {}
         for seq, toks in items:
             entry = matchers.get(seq.seq_id)
-            if entry is None or (late and seq.seq_id in late):  # (refused on the fill thread: failing)
+            if entry is None:
                 continue
             if len(toks) == 1 and not entry.terminated and not (dead_ends and seq.seq_id in dead_ends):
-                token = toks[0]
-                leads.append(entry)
-                tokens.append(token)
-                keys.append((entry.state, token))
+                groups.setdefault((entry.state, toks[0]), []).append(entry)
                 continue
             refusal = self.accept_tokens(seq, toks)
             if refusal is not None:
                 refusals[seq.seq_id] = refusal
-        if not leads:
+        if not groups:
             return refusals
-        # Rows in one state given one token are one group: a matcher of the group that is up to
-        # date accepts for all; the others take the token as pending.
-        groups: dict[tuple[int, int], list[_Matched]] | None = None
-        if len(set(keys)) < len(keys):
-            groups = {}
-            for key, entry in zip(keys, leads, strict=True):
-                groups.setdefault(key, []).append(entry)
-            keys = list(groups)
-            tokens = [token for _, token in keys]
-            leads = [next((m for m in members if not m.pending), members[0]) for members in groups.values()]
-        for lead in leads:
-            if lead.pending:
-                self._sync(lead)
-        stops = self._stops
-        if defer:
-            now = [k for k, token in enumerate(tokens) if token in stops]
-            later = [k for k, token in enumerate(tokens) if token not in stops] if now else range(len(leads))
-            self._deferred = _Deferred([leads[k].handle for k in later], [tokens[k] for k in later],
-                                       [groups[keys[k]] if groups is not None else [leads[k]] for k in later])
-            for k in later:
-                self._advance(leads[k], keys[k], tokens[k], groups)
-            if not now:
-                return refusals
-            leads, tokens, keys = [leads[k] for k in now], [tokens[k] for k in now], [keys[k] for k in now]
-        ok = _batch_accept()([m.handle for m in leads], tokens, False)
+        handles: list[Any] = []
+        tokens: list[int] = []
+        leads: list[_Matched] = []
+        for (_, token), members in groups.items():
+            lead = next((m for m in members if not m.pending), members[0])
+            self._sync(lead)
+            handles.append(lead.handle)
+            tokens.append(token)
+            leads.append(lead)
+        ok = _core.BatchGrammarMatcher.batch_accept_token(handles, tokens, False)
         # xgrammar's Array compares structurally with a list: all accepted in one comparison; any
         # other answer (a refusal, or another element type) is read element by element.
-        every = ok == [1] * len(leads)
-        for k, lead in enumerate(leads):
+        every = ok == [1] * len(handles)
+        for k, (lead, token, members) in enumerate(zip(leads, tokens, groups.values(), strict=True)):
             if every or ok[k]:
-                self._advance(lead, keys[k], tokens[k], groups)
-            else:  # the mask allowed it: a fault of ours (and for every row in that state)
-                for m in groups[keys[k]] if groups is not None else (lead,):
-                    refusals[m.seq.seq_id] = self._rejected(m.seq, m, tokens[k])
+                self._accepted(lead, token)
+                for m in members:
+                    if m is not lead:
+                        m.pending.append(token)
+                        m.state, m.terminated = lead.state, lead.terminated
+            else:  # the mask allowed it: a fault of ours (and the same for every row in that state)
+                for m in members:
+                    refusals[m.seq.seq_id] = self._rejected(m.seq, m, token)
         return refusals
-
-    def _advance(self, lead: _Matched, key: tuple[int, int], token: int,
-                 groups: dict[tuple[int, int], list[_Matched]] | None) -> None:
-        """``lead`` accepted ``token`` (``key``: its state before it): its state id and flag move on,
-        and the rows of its group take the token as pending."""
-        steps = self._state_steps
-        state = steps.get(key)
-        if state is None:
-            if len(steps) >= _MAX_STATE_STEPS:
-                steps.clear()
-            state = steps[key] = self._new_state()
-        lead.state = state
-        if token in self._stops:
-            lead.terminated = lead.matcher.is_terminated()
-        if groups is not None:
-            for m in groups[key]:
-                if m is not lead:
-                    m.pending.append(token)
-                    m.state, m.terminated = state, lead.terminated
 
     def _sync(self, entry: _Matched) -> xgrammar.GrammarMatcher:
         """``entry``'s matcher, given the tokens another matcher in its state accepted for it."""

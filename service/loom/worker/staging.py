@@ -80,17 +80,6 @@ class Stager:
         dev.copy_(host, non_blocking=True)
         return dev.view(cpu.shape)
 
-    def pinned_to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A pinned host ``tensor`` on the device: its copy queued straight from it (no write into
-        the staging buffers). The caller keeps ``tensor`` unchanged until the copy has run (a
-        later step's results read back). On the CPU the tensor itself."""
-        if not self.pinned:
-            return tensor
-        flat = tensor.reshape(-1)
-        _, dev = self._slots[self._current].take(tensor.dtype, flat.numel())
-        dev.copy_(flat, non_blocking=True)
-        return dev.view(tensor.shape)
-
     def to_device_many(self, arrays: Sequence[Sequence[int]], dtype: torch.dtype) -> list[torch.Tensor]:
         """Several flat integer arrays (``torch.int64`` or ``torch.int32``) in one transfer: one
         host buffer and one copy instead of one per array (each a tensor built from a list, a
