@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import random
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,9 @@ def _bench_module() -> Any:
     spec = importlib.util.spec_from_file_location("bench_pdl", ROOT / "scripts" / "bench_pdl.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    # registered before it runs: its dataclasses (string annotations) look their module up there
+    # (first H200 run: AttributeError in dataclasses, the chain never ran)
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 

@@ -25,14 +25,14 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 def test_switch_reads_the_environment() -> None:
     code = "from loom import kernel_switches as k; print(k.pdl)"
-    for value, want in (("", "False"), ("0", "False"), ("off", "False"), ("1", "True"), ("on", "True")):
+    for value, want in (("", "True"), ("0", "False"), ("off", "False"), ("1", "True"), ("on", "True")):
         env = {**os.environ, "LOOM_PDL": value, "PYTHONPATH": str(ROOT / "service")}
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
         assert out.stdout.strip() == want, (value, out.stdout, out.stderr)
     env = {k: v for k, v in os.environ.items() if k != "LOOM_PDL"}
     env["PYTHONPATH"] = str(ROOT / "service")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert out.stdout.strip() == "False"  # off by default until the H200 has measured it
+    assert out.stdout.strip() == "True"  # on by default since the H200 measured it (docs/gpu-kernels.md)
 
 
 def test_no_pdl_on_the_cpu_or_when_off(monkeypatch: pytest.MonkeyPatch) -> None:
