@@ -15,9 +15,9 @@
 #   bash scripts/gpu_round.sh sweep-fill       # the batch-1 fusions, decode plans and dense GEMV swept; tables filled; Loom reinstalled
 #   bash scripts/gpu_round.sh fp8-plans        # the FP8 attention kernel's decode launches swept (#20); its table filled; Loom reinstalled
 #
-# What is owed: docs/benchmarks.md's list at its end ("What is owed to the next round"): the whole GPU
-# suite, FP8 weights + FP8 KV and a W2 profile with FP8 KV (#20), the MoE fusion pairs and expert tile
-# sweep (#22), the W4A16 GEMM plans at 16-256 tokens and W2 int4 / FP8 (#15), an S1 host profile (#17).
+# What is owed: docs/benchmarks.md's list at its end ("What is owed to the next round"): the PDL chain
+# test and bench_pdl.py, a W2 profile with prefill steps for FP8 weights + FP8 KV (#20), the MoE b1
+# profile with PDL (#22), the W4A16 GEMM plans at 65-128 tokens and quantize8b (#15), T1 on two GPUs (#21).
 # Wheels and GGUF halves: docs/benchmarks.md ("Running on the H200").
 #
 # Every step has a time limit, and BUDGET_END (epoch seconds) makes later steps skip themselves
