@@ -49,7 +49,14 @@ import torch
 
 from loom import kernel_switches
 from loom.layers import dense_gemv_table
-from loom.layers.split_k import counters, last_to_arrive, split_k, split_sum_kernel, store_gemv
+from loom.layers.split_k import (
+    counters,
+    last_to_arrive,
+    split_k,
+    split_sum_kernel,
+    split_tree_sum,
+    store_gemv,
+)
 from loom.layers.triton_jit import jit as _jit
 from loom.layers.triton_jit import pdl_launch, pdl_prologue
 
@@ -176,14 +183,10 @@ def _dense_gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, cou
                    n_mask[:, None], pid_s, M * N, HAS_BIAS, True)
         if FUSED_REDUCE:  # noqa: SIM102 (a constexpr branch: the counter exists only then)
             if last_to_arrive(counter_ptr + pid_n, SPLIT):
-                s = tl.arange(0, BLOCK_S)
                 for r in tl.static_range(MAX_ROWS):
                     if r < M:  # row r's partials of every split, summed in one fixed tree order
-                        p = tl.load(part_ptr + s[:, None] * (M * N) + r * N + offs_n[None, :],
-                                    mask=(s < SPLIT)[:, None] & n_mask[None, :], other=0.0,
-                                    cache_modifier=".cg")  # [BLOCK_S, BLOCK_N]
-                        store_gemv(tl.sum(p, axis=0), out_ptr, r * stride_om + offs_n, n_mask, bias_ptr, offs_n,
-                                   n_mask, 0, 0, HAS_BIAS, False)
+                        store_gemv(split_tree_sum(part_ptr, r, offs_n, n_mask, M, N, SPLIT, BLOCK_S), out_ptr,
+                                   r * stride_om + offs_n, n_mask, bias_ptr, offs_n, n_mask, 0, 0, HAS_BIAS, False)
     else:
         store_gemv(acc, out_ptr, offs_m[None, :] * stride_om + offs_n[:, None], mask, bias_ptr, offs_n[:, None],
                    n_mask[:, None], 0, 0, HAS_BIAS, False)

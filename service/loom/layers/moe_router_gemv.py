@@ -45,7 +45,7 @@ from .moe_routing_triton import (
     _store_routing,
     route_rows,
 )
-from .split_k import COUNTERS, counters, last_to_arrive
+from .split_k import COUNTERS, counters, last_to_arrive, split_tree_sum
 from .triton_jit import pdl_launch, pdl_prologue
 
 if HAS_TRITON:  # (without it the kernel stays a plain function, never launched)
@@ -90,13 +90,10 @@ def _merge_and_route(acc, offs_n, n_mask, offs_m, m_mask, logits_ptr, part_ptr, 
     # partial sums [SPLIT, M, N]: split pid_s's at pid_s * M * N + m * N + n
     tl.store(part_ptr + pid_s * (M * N) + offs_m[None, :] * N + offs_n[:, None], acc, mask=mask)
     if last_to_arrive(counter_ptr + pid_n, SPLIT):
-        s = tl.arange(0, BLOCK_S)
         for r in tl.static_range(MAX_ROWS):
-            if r < M:  # row r's partials of every split, summed in one fixed tree order
-                p = tl.load(part_ptr + s[:, None] * (M * N) + r * N + offs_n[None, :],
-                            mask=(s < SPLIT)[:, None] & n_mask[None, :], other=0.0,
-                            cache_modifier=".cg")  # [BLOCK_S, BLOCK_N]
-                tl.store(logits_ptr + r * N + offs_n, tl.sum(p, axis=0).to(logits_ptr.dtype.element_ty),
+            if r < M:  # row r's partials of every split, summed in one fixed tree order (the dense GEMV's)
+                tl.store(logits_ptr + r * N + offs_n,
+                         split_tree_sum(part_ptr, r, offs_n, n_mask, M, N, SPLIT, BLOCK_S).to(logits_ptr.dtype.element_ty),
                          mask=n_mask)
         # The last tile to finish its logits routes every token (logits [M, N]; stride_l = N, an
         # argument of its own so that it is specialized as _route_kernel's stride_l is: the same

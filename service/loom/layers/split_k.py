@@ -73,6 +73,18 @@ def store_gemv(y, out_ptr, out_offs, out_mask, bias_ptr, bias_offs, bias_mask, p
 
 
 @_jit
+def split_tree_sum(part_ptr, r, offs_n, n_mask, M, N, SPLIT, BLOCK_S: tl.constexpr):
+    """Row ``r``'s float32 partial sums of every split (``part_ptr``: ``[SPLIT, M, N]``) at the
+    columns ``offs_n``, summed in one fixed tree order: ``[BLOCK_N]`` float32. Read from L2
+    (``.cg``), for the program that :func:`last_to_arrive` found last. The dense GEMV's merge and
+    the MoE router's (which must give the same bits) both sum here."""
+    s = tl.arange(0, BLOCK_S)
+    p = tl.load(part_ptr + s[:, None] * (M * N) + r * N + offs_n[None, :],
+                mask=(s < SPLIT)[:, None] & n_mask[None, :], other=0.0, cache_modifier=".cg")  # [BLOCK_S, BLOCK_N]
+    return tl.sum(p, axis=0)
+
+
+@_jit
 def split_sum_kernel(part_ptr, bias_ptr, out_ptr, N, SPLIT, stride_ps, stride_pm, stride_om,
                      HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr = False):
     # The float32 partial sums of every split of row m, in split order, plus the bias, cast.
