@@ -54,6 +54,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))
 
+from sweep_common import graphed_us_per_call
+
 from loom.layers import dense_gemv, fused_ops
 from loom.layers.fused_moe_triton import combine_rows, expert_outputs_triton
 from loom.layers.moe_norm_router import norm_route, norm_router_supported
@@ -69,24 +71,7 @@ EPS = 1e-6
 
 def per_layer_us(step: Callable[[], Any]) -> float:
     """Device time of ``step`` a layer: LAYERS calls in one graph, replayed REPLAYS times."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()  # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(LAYERS):
-            step()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPLAYS):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / REPLAYS / LAYERS
+    return graphed_us_per_call(lambda _: step(), LAYERS, REPLAYS)
 
 
 def pairs(tokens: int, dev: torch.device) -> dict[str, tuple[Callable[[], Any], Callable[[], Any]]]:

@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))
 
 from bench_fused_moe import copy_bandwidth  # the same device copy (1 GiB here)
+from sweep_common import graphed_us_per_call
 
 from loom.layers.fused_moe_triton import MoeBlockConfig, block_config, launch_down, launch_gate_up
 
@@ -72,24 +73,7 @@ def fill_table(results: Path, table: Path) -> str:
 
 def per_layer_us(step: Callable[[int], Any]) -> float:
     """Device time a layer of ``step(layer)``: LAYERS calls in one graph, replayed REPLAYS times."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for layer in range(2):
-            step(layer)  # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for layer in range(LAYERS):
-            step(layer)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPLAYS):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / REPLAYS / LAYERS
+    return graphed_us_per_call(step, LAYERS, REPLAYS)
 
 
 def main() -> None:

@@ -84,6 +84,31 @@ class GraphTimer:
         return max(0.0, self._graphed(fn, self.rounds) - self.flush_s)
 
 
+def graphed_us_per_call(step: Callable[[int], Any], calls: int, replays: int) -> float:
+    """Device microseconds a call of ``step(i)``: ``step(0)`` and ``step(1)`` run on a side stream
+    (compiles, warm-up), then ``step(0) .. step(calls - 1)`` captured in one CUDA graph, replayed
+    once and then ``replays`` times between two events. No L2 flush: what ``step`` reads decides
+    (the pair and tile benches cycle their calls through distinct weights where that matters)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(2):
+            step(i)  # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            step(i)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / replays / calls
+
+
 def copy_bandwidth(device: torch.device) -> float:
     """Bytes a second, read plus written, of a 1 GiB device-to-device copy (1e10 off CUDA)."""
     if device.type != "cuda":
