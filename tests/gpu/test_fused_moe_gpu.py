@@ -20,6 +20,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from helpers.call_counter import CallCounter, require_router_merge_plan
 from helpers.moe_interpret_check import expected_layout
 
 from loom.layers import moe_routing_triton
@@ -225,14 +226,7 @@ def test_a_one_token_block_skips_the_sort_and_replays_in_a_graph(monkeypatch: py
     from loom import kernel_switches
     from loom.layers import fused_moe_triton
 
-    calls = {"align": 0}
-    original = fused_moe_triton.align_rows_by_expert
-
-    def counting(*args: Any) -> Any:
-        calls["align"] += 1
-        return original(*args)
-
-    monkeypatch.setattr(fused_moe_triton, "align_rows_by_expert", counting)
+    align = CallCounter(monkeypatch, fused_moe_triton, "align_rows_by_expert")
     h, inter, e, k = 512, 256, 32, 4
     torch.manual_seed(0)
     with torch.device(CUDA):
@@ -248,7 +242,7 @@ def test_a_one_token_block_skips_the_sort_and_replays_in_a_graph(monkeypatch: py
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_out = block(static_x)
-    assert calls["align"] == 0, "a one-token step sorted its rows"
+    assert align.calls == 0, "a one-token step sorted its rows"
     for seed in (1, 2):
         static_x.copy_(torch.randn(1, h, device=CUDA, generator=torch.Generator(device=CUDA).manual_seed(seed)))
         graph.replay()
@@ -257,7 +251,7 @@ def test_a_one_token_block_skips_the_sort_and_replays_in_a_graph(monkeypatch: py
         monkeypatch.setattr(kernel_switches, "moe_direct_experts", False)
         sorted_out = block(static_x)
         monkeypatch.setattr(kernel_switches, "moe_direct_experts", True)
-        assert calls["align"] > 0 and torch.equal(static_out, sorted_out), f"replay {seed}: not the sorted path's bits"
+        assert align.calls > 0 and torch.equal(static_out, sorted_out), f"replay {seed}: not the sorted path's bits"
 
 
 @pytest.mark.parametrize("t", [1, 2, 4])
@@ -293,21 +287,10 @@ def test_the_block_routes_in_the_routers_epilogue_with_the_same_bits(monkeypatch
     GEMV's table names the router (the H200's does), and its output is the two launches' bits
     (switch off)."""
     from loom import kernel_switches
-    from loom.layers import dense_gemv_table, moe_router_gemv
+    from loom.layers import moe_router_gemv
 
-    sms = torch.cuda.get_device_properties(CUDA).multi_processor_count
-    entry = dense_gemv_table.PLANS.get((sms, 128, 2048))
-    if entry is None or not entry[-1]:
-        pytest.skip(f"the dense GEMV table has no split-merging plan for the router on {sms} SMs")
-
-    calls = {"fused": 0}
-    original = moe_router_gemv.route_from_hidden
-
-    def counting(*args: Any) -> Any:
-        calls["fused"] += 1
-        return original(*args)
-
-    monkeypatch.setattr(moe_router_gemv, "route_from_hidden", counting)
+    require_router_merge_plan(CUDA, 128, 2048)
+    fused = CallCounter(monkeypatch, moe_router_gemv, "route_from_hidden")
     torch.manual_seed(0)
     with torch.device(CUDA):
         block = SparseMoeBlock(128, 8, 2048, 768, renormalize=True, weights_in_logits_dtype=True).to(torch.bfloat16)
@@ -315,13 +298,13 @@ def test_the_block_routes_in_the_routers_epilogue_with_the_same_bits(monkeypatch
         p.data.normal_(0, 0.02)
     for t in (1, 3):
         x = torch.randn(t, 2048, device=CUDA).to(torch.bfloat16)
-        calls["fused"] = 0
+        fused.calls = 0
         got = block(x)
-        assert calls["fused"] == 1, f"T={t}: the fused router did not run"
+        assert fused.calls == 1, f"T={t}: the fused router did not run"
         monkeypatch.setattr(kernel_switches, "moe_router_epilogue", False)
         want = block(x)
         monkeypatch.setattr(kernel_switches, "moe_router_epilogue", True)
-        assert calls["fused"] == 1 and torch.equal(got, want), f"T={t}: not the two launches' bits"
+        assert fused.calls == 1 and torch.equal(got, want), f"T={t}: not the two launches' bits"
 
 
 @pytest.mark.parametrize("t", [1, 5, 40])

@@ -6,12 +6,12 @@ on; and the decoder's MoE block with the switch on and off."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
+
+from helpers.call_counter import CallCounter, require_router_merge_plan
 
 from loom import kernel_switches
 from loom.layers import fused_ops, moe_norm_router
@@ -85,20 +85,8 @@ def test_the_block_runs_the_norm_in_its_router_with_the_same_bits(monkeypatch: p
     """A Qwen3-30B-A3B-shaped block behind its post-attention norm at one and three tokens takes
     the one launch where the dense GEMV's table names the router (the H200's does), and hands on
     the switch-off path's bits (the norm, then the router with its routing)."""
-    from loom.layers import dense_gemv_table
-
-    sms = torch.cuda.get_device_properties(CUDA).multi_processor_count
-    entry = dense_gemv_table.PLANS.get((sms, E, H))
-    if entry is None or not entry[-1]:
-        pytest.skip(f"the dense GEMV table has no split-merging plan for the router on {sms} SMs")
-    calls = {"fused": 0}
-    original = moe_norm_router.norm_route
-
-    def counting(*args: Any) -> Any:
-        calls["fused"] += 1
-        return original(*args)
-
-    monkeypatch.setattr(moe_norm_router, "norm_route", counting)
+    require_router_merge_plan(CUDA, E, H)
+    fused = CallCounter(monkeypatch, moe_norm_router, "norm_route")
     torch.manual_seed(0)
     with torch.device(CUDA):
         block = SparseMoeBlock(E, K, H, 768, renormalize=True, weights_in_logits_dtype=True).to(torch.bfloat16)
@@ -108,13 +96,13 @@ def test_the_block_runs_the_norm_in_its_router_with_the_same_bits(monkeypatch: p
     norm.weight.data.normal_(1, 0.3)
     for t in (1, 3):
         x, residual, _, _ = _inputs(t, seed=100 + t)
-        calls["fused"] = 0
+        fused.calls = 0
         got, got_h = block.forward_with_norm(x, residual, norm)
-        assert calls["fused"] == 1, f"T={t}: the norm did not run in the router's launch"
+        assert fused.calls == 1, f"T={t}: the norm did not run in the router's launch"
         monkeypatch.setattr(kernel_switches, "moe_norm_router", False)
         want, want_h = block.forward_with_norm(x, residual, norm)
         monkeypatch.setattr(kernel_switches, "moe_norm_router", True)
-        assert calls["fused"] == 1
+        assert fused.calls == 1
         got_sum = got if isinstance(got, torch.Tensor) else got.combine()
         want_sum = want if isinstance(want, torch.Tensor) else want.combine()
         assert torch.equal(got_h, want_h) and torch.equal(got_sum, want_sum), f"T={t}: not the two launches' bits"
