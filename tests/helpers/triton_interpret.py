@@ -133,3 +133,16 @@ def _patch_libdevice() -> None:
 
     # Looked up at call time: inside a kernel, tl.exp is the interpreter's patched builtin.
     libdevice.exp = lambda x: tl.exp(x)
+
+
+def run_interpreted(*argv: str, extra_env: dict[str, str] | None = None, timeout: float = 600) -> str:
+    """``python *argv`` in a process of its own with Triton's interpreter on (``TRITON_INTERPRET=1``
+    must be set before ``triton.jit`` decorates anything, hence the process), plus ``extra_env``;
+    its standard output. A non-zero exit fails the calling test with the process's output."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1", **(extra_env or {})}
+    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.triton_interpret import run_interpreted
 
 ROOT = Path(__file__).resolve().parents[2]
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -21,11 +22,8 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, re
 
 @needs_triton
 def test_dense_gemv_matches_reference_in_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "dense_gemv_interpret_check.py")],
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "FAIL" not in proc.stdout and "cases passed" in proc.stdout, proc.stdout
+    stdout = run_interpreted(str(ROOT / "tests" / "helpers" / "dense_gemv_interpret_check.py"))
+    assert "FAIL" not in stdout and "cases passed" in stdout, stdout
 
 
 @needs_triton
@@ -119,11 +117,8 @@ def test_sweep_choice_serves_the_rows_it_wins_at_every_smaller_count(tmp_path: P
 
 @needs_triton
 def test_sweep_script_runs_in_the_interpreter(tmp_path: Path) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = tmp_path / "gemv.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_dense_gemv.py"), "--interpret", "--out",
-                           str(out)], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_interpreted(str(ROOT / "scripts" / "bench_dense_gemv.py"), "--interpret", "--out", str(out))
     data = json.loads(out.read_text())
     assert len(data["shapes"]) == 2 and all(len(s["rows"]) == 2 for s in data["shapes"])
     assert all(c.get("ok") for s in data["shapes"] for r in s["rows"] for c in r["candidates"]), data

@@ -20,10 +20,7 @@ guesses rolled back, several sequences a call):
 from __future__ import annotations
 
 import importlib.util
-import os
 import random
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +28,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.triton_interpret import run_interpreted
 
 from loom.plugin_api import DraftRequest, ProposerContext, write_kv
 from loom_plugins.attention.torch_backend import TorchAttentionBackend
@@ -227,8 +225,5 @@ def test_laid_out_catch_ups_write_the_kv_bytes_of_the_steps_as_they_are(monkeypa
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_the_paged_kernels_give_laid_out_rows_the_same_bits_in_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "paged_padding_interpret_check.py")],
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "FAIL" not in proc.stdout and proc.stdout.count("ok") >= 5
+    stdout = run_interpreted(str(ROOT / "tests" / "helpers" / "paged_padding_interpret_check.py"))
+    assert "FAIL" not in stdout and stdout.count("ok") >= 5

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers.triton_interpret import run_interpreted
 
 from loom import kernel_switches
 from loom_plugins.attention import fp8_decode_plan_table
@@ -131,11 +130,8 @@ def test_sweep_choice_and_table(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_sweep_script_runs_in_the_interpreter(tmp_path: Path) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = tmp_path / "fp8.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_fp8_decode_plans.py"), "--interpret",
-                           "--out", str(out)], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_interpreted(str(ROOT / "scripts" / "bench_fp8_decode_plans.py"), "--interpret", "--out", str(out))
     data = json.loads(out.read_text())
     assert len(data["cases"]) == 4 and len(data["choices"]) == 2
     assert all(c.get("ok") for case in data["cases"] for c in case["candidates"]), data

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.triton_interpret import run_interpreted
 
 ROOT = Path(__file__).resolve().parents[2]
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -21,11 +22,8 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, re
 
 @needs_triton
 def test_fp8_gemv_matches_w8a16_reference_in_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "fp8_gemv_interpret_check.py")],
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "FAIL" not in proc.stdout and "7 of 7 cases passed" in proc.stdout, proc.stdout
+    stdout = run_interpreted(str(ROOT / "tests" / "helpers" / "fp8_gemv_interpret_check.py"))
+    assert "FAIL" not in stdout and "7 of 7 cases passed" in stdout, stdout
 
 
 @needs_triton
@@ -91,11 +89,8 @@ def test_cpu_tensors_and_the_switch_keep_w8a8(monkeypatch: pytest.MonkeyPatch) -
 
 @needs_triton
 def test_sweep_script_runs_in_the_interpreter(tmp_path: Path) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = tmp_path / "fp8gemv.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_fp8_gemv.py"), "--interpret", "--out",
-                           str(out)], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_interpreted(str(ROOT / "scripts" / "bench_fp8_gemv.py"), "--interpret", "--out", str(out))
     data = json.loads(out.read_text())
     assert data["baseline"] == "w8a8" and len(data["shapes"]) == 2
     assert all(len(s["rows"]) == 2 and s["rows"][0]["rule_s"] is not None for s in data["shapes"])

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 from helpers.reference_attention import ModelHarness
+from helpers.triton_interpret import run_interpreted
 
 from loom.layers import fused_ops
 from loom.layers.activation import SiluAndMul
@@ -36,11 +37,8 @@ PROMPT = [1, 17, 42, 99, 3, 250, 7, 7, 128, 64, 5, 300, 12, 77, 31, 200, 9, 4, 1
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 @pytest.mark.parametrize("group", ["norm", "combine_norm", "head_norm", "rotary", "qk_norm_rotary", "silu", "model"])
 def test_fused_kernels_match_torch_path_in_interpreter(group: str) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "fused_interpret_check.py"), group],
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "FAIL" not in proc.stdout and "ok " in proc.stdout
+    stdout = run_interpreted(str(ROOT / "tests" / "helpers" / "fused_interpret_check.py"), group)
+    assert "FAIL" not in stdout and "ok " in stdout
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.triton_interpret import run_interpreted
 from torch import nn
 from transformers import MixtralConfig, Qwen3MoeConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts, MixtralTopKRouter
@@ -89,13 +90,10 @@ def test_torch_experts_are_transformers_experts(dtype: torch.dtype, tol: float) 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_triton_kernels_match_the_torch_path_in_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "LOOM_CPU_KERNELS": "0"}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "moe_interpret_check.py")],
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    stdout = run_interpreted(str(ROOT / "tests" / "helpers" / "moe_interpret_check.py"), extra_env={"LOOM_CPU_KERNELS": "0"})
     # 6 routing, 8 fused routing and sort, 3 + 1 router epilogue, 1 sort, 4 experts, 3 + 1 direct
     # experts, 4 layers, 1 model
-    assert "FAIL" not in proc.stdout and proc.stdout.count("ok  ") == 32, proc.stdout
+    assert "FAIL" not in stdout and stdout.count("ok  ") == 32, stdout
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")

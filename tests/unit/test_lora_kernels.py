@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.triton_interpret import run_interpreted
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,12 +20,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_lora_kernels_match_the_torch_path_in_interpreter() -> None:
     """The kernels alone against the torch path, then inside a whole engine's layers (the CUDA
     path: the runner's device slot map) against peft's merged model."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "lora_interpret_check.py")],
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "FAIL" not in proc.stdout and proc.stdout.count("ok case") == 16, proc.stdout
-    assert "ok engine case" in proc.stdout, proc.stdout
+    stdout = run_interpreted(str(ROOT / "tests" / "helpers" / "lora_interpret_check.py"))
+    assert "FAIL" not in stdout and stdout.count("ok case") == 16, stdout
+    assert "ok engine case" in stdout, stdout
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")

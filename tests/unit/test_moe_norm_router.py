@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.triton_interpret import run_interpreted
 
 from loom import kernel_switches
 from loom.layers.fused_moe import SparseMoeBlock
@@ -24,12 +25,9 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, re
 
 @needs_triton
 def test_norm_and_router_in_one_launch_give_the_two_launches_bits_in_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "LOOM_CPU_KERNELS": "0"}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "norm_router_interpret_check.py")],
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    stdout = run_interpreted(str(ROOT / "tests" / "helpers" / "norm_router_interpret_check.py"), extra_env={"LOOM_CPU_KERNELS": "0"})
     # 4 cases, 1 refusal line, 4 warp-ordered sums
-    assert "FAIL" not in proc.stdout and proc.stdout.count("ok  ") == 9, proc.stdout
+    assert "FAIL" not in stdout and stdout.count("ok  ") == 9, stdout
 
 
 @needs_triton

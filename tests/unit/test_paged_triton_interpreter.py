@@ -8,20 +8,15 @@ a process that also compiles them for a GPU.
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers.triton_interpret import run_interpreted
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_paged_kernels_match_reference_in_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "paged_interpret_check.py")],
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "FAIL" not in proc.stdout
+    stdout = run_interpreted(str(ROOT / "tests" / "helpers" / "paged_interpret_check.py"))
+    assert "FAIL" not in stdout

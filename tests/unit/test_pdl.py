@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.triton_interpret import run_interpreted
 
 from loom import kernel_switches
 from loom.layers import triton_jit
@@ -128,7 +129,5 @@ def test_bench_chain_runs_in_interpreter() -> None:
     """``scripts/bench_pdl.py``'s decode chain (its GPU test's too) runs through every launcher on
     the CPU in Triton's interpreter (float32: the check is of the chain's code, not of timing)."""
     code = _CHAIN.format(scripts=str(ROOT / "scripts"), tests=str(ROOT / "tests"))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("ok ") == 2, proc.stdout
+    stdout = run_interpreted("-c", code)
+    assert stdout.count("ok ") == 2, stdout

@@ -16,18 +16,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.triton_interpret import run_interpreted
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_quant_kernels_match_reference_in_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "quant_interpret_check.py")],
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "FAIL" not in proc.stdout
-    assert "cases passed" in proc.stdout, proc.stdout
+    stdout = run_interpreted(str(ROOT / "tests" / "helpers" / "quant_interpret_check.py"))
+    assert "FAIL" not in stdout
+    assert "cases passed" in stdout, stdout
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
