@@ -80,7 +80,7 @@ def _copy_bandwidth(device: torch.device) -> float:
     return 2 * a.numel() / _time_graphed(lambda: b.copy_(a), device, reps=5)
 
 
-def _candidates(wt: Any, m: int, n: int, k: int, group: int, quick: bool) -> list[Any]:
+def _candidates(wt: Any, m: int, n: int, k: int, group: int, quick: bool, transposed_only: bool = False) -> list[Any]:
     bks = [b for b in (32, 64, 128) if group % b == 0 or b == 64]
     warps: list[int]
     stages: list[int]
@@ -99,8 +99,22 @@ def _candidates(wt: Any, m: int, n: int, k: int, group: int, quick: bool) -> lis
         warps, stages, per_sm = [4, 8], [2, 3, 4] if not quick else [3], [1, 2, 4]
         kind = "gemm"
     sms = wt.sm_count(torch.device("cuda")) if torch.cuda.is_available() else 8
+    combos = [(kind, bm, bn, bk, w, s, target)
+              for (bm, bn), bk, w, s, target in itertools.product(shapes, bks, warps, stages, per_sm)]
+    if transposed_only and m > 1:
+        combos = []
+    if m > 1:  # the transposed GEMM (16-bit activations): tokens as the MMA's N, 64 or 128 weight rows
+        rule = wt._gemm_t_plan(m, n, k, wt.block_k_for(group), sms)
+        t_bms = [rule.block_m] if quick else sorted({max(16, rule.block_m // 2), rule.block_m})
+        other_stages = 3 if rule.num_stages == 4 else 4
+        for bm, bn, bk in itertools.product(t_bms, (64, 128), [b for b in (64, 128) if group % b == 0] or [64]):
+            if bn == 64:  # (warps, stages, programs an SM): the rule's stages over four targets, and the others
+                tries = [(4, rule.num_stages, t) for t in (1, 2, 4, 8)] + [(4, other_stages, 4)]
+            else:
+                tries = [(w, rule.num_stages, t) for w in (4, 8) for t in (2, 4)]
+            combos += [("gemm_t", bm, bn, bk, w, s_, t) for w, s_, t in tries]
     plans = []
-    for (bm, bn), bk, w, s, target in itertools.product(shapes, bks, warps, stages, per_sm):
+    for kind_, bm, bn, bk, w, s, target in combos:
         k_blocks = -(-k // bk)
         tiles = -(-n // bn) * -(-m // bm)
         split = 1
@@ -108,7 +122,7 @@ def _candidates(wt: Any, m: int, n: int, k: int, group: int, quick: bool) -> lis
             split *= 2
         k_split = -(-k_blocks // split) * bk
         split = -(-k // k_split)
-        plans.append(wt.Plan(kind, bm, bn, bk, split, k_split, w, s))
+        plans.append(wt.Plan(kind_, bm, bn, bk, split, k_split, w, s))
     return list(dict.fromkeys(plans))  # Plans are frozen dataclasses: drop repeats
 
 
@@ -119,6 +133,8 @@ def main() -> None:
     parser.add_argument("--tokens", default="1,4,16,64,256", help="token counts M")
     parser.add_argument("--schemes", default="gptq,awq,nf4", help="while-loading schemes to build layers with")
     parser.add_argument("--budget-s", type=float, default=400.0, help="stop sweeping after this long")
+    parser.add_argument("--transposed-only", action="store_true",
+                        help="from 2 tokens, sweep only the transposed GEMM's plans (the plain GEMM's rule is still timed)")
     parser.add_argument("--interpret", action="store_true", help="a tiny CPU check of the script (TRITON_INTERPRET=1)")
     args = parser.parse_args()
     if args.interpret:
@@ -170,7 +186,7 @@ def main() -> None:
                 current = wt.plan(m, n, k, layout.group_size, wt.sm_count(device) if device.type == "cuda" else 8,
                                   1 << 30, wt.uses_table(layout))
                 timings = []
-                for p in _candidates(wt, m, n, k, layout.group_size, args.quick or args.interpret):
+                for p in _candidates(wt, m, n, k, layout.group_size, args.quick or args.interpret, args.transposed_only):
                     try:
                         s = _time_graphed(lambda p=p: run(p), device)
                     except Exception as exc:  # a plan the compiler refuses (shared memory, registers)
@@ -186,20 +202,31 @@ def main() -> None:
                         general_s = _time_graphed(lambda c=current: run(c), device)
                     finally:
                         wt.INT_GEMV = True
+                plain_s = None
+                if m > 1:  # the plain tiled GEMM's rule (what 16-bit activations took before _gemm_t_kernel)
+                    plain = wt.plan(m, n, k, layout.group_size, wt.sm_count(device) if device.type == "cuda" else 8,
+                                    1 << 30, wt.uses_table(layout), False)
+                    plain_s = _time_graphed(lambda c=plain: run(c), device)
                 bf16_s = _time_graphed(lambda x=x, out=out, w=dense: torch.matmul(x, w.t(), out=out), device)
+                # the "dense" path at this M: the whole weight dequantized to a bf16 W^T, then cuBLAS
+                # (what prefill does from DENSE_FROM_TOKENS): where it beats the fused GEMM, plan()'s
+                # switch belongs below this M
+                dense_path_s = _time_graphed(lambda x=x, layout=layout: wt.w4a16_linear(x, layout, dense_from=1), device)
                 limit_s = (packed_bytes + x.numel() * x.element_size() + out.numel() * out.element_size()) / bandwidth
                 good = [t for t in timings if "s" in t and t["matches_current"]]
                 best = min(good, key=lambda t: t["s"]) if good else None
                 row = {"scheme": scheme_name, "layer": name, "m": m, "n": n, "k": k, "current_plan": current.__dict__,
-                       "current_s": cur_s, "current_plan_general_gemv_s": general_s, "best": best, "bf16_cublas_s": bf16_s, "weight_read_limit_s": limit_s,
+                       "current_s": cur_s, "current_plan_general_gemv_s": general_s, "best": best, "bf16_cublas_s": bf16_s,
+                       "dequantize_then_cublas_s": dense_path_s, "plain_gemm_rule_s": plain_s, "weight_read_limit_s": limit_s,
                        "candidates": timings}
                 results.append(row)
                 if best is not None:
                     print(f"{scheme_name:5s} {name:13s} M={m:4d}: current {cur_s * 1e6:8.1f} us, best "
                           f"{best['s'] * 1e6:8.1f} us ({cur_s / best['s']:.2f}x) {best['plan']}; bf16 "
-                          f"{bf16_s * 1e6:8.1f} us; limit {limit_s * 1e6:7.1f} us (best at "
+                          f"{bf16_s * 1e6:8.1f} us; dequantize + cuBLAS {dense_path_s * 1e6:8.1f} us; limit {limit_s * 1e6:7.1f} us (best at "
                           f"{limit_s / best['s']:.0%})"
-                          + (f"; the general GEMV {general_s * 1e6:8.1f} us" if general_s is not None else ""),
+                          + (f"; the general GEMV {general_s * 1e6:8.1f} us" if general_s is not None else "")
+                          + (f"; plain GEMM rule {plain_s * 1e6:8.1f} us" if plain_s is not None else ""),
                           flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"copy_bytes_per_s": bandwidth, "results": results}, indent=1))

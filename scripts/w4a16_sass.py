@@ -34,7 +34,7 @@ _OP = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z0-9_]+)", re.M
 
 @dataclass(frozen=True)
 class Case:
-    kernel: str  # "gemv" (the general one), "gemv-int" or "gemm"
+    kernel: str  # "gemv" (the general one), "gemv-int", "gemm" or "gemm-t" (the transposed GEMM)
     dtype: str  # "bf16" or "fp16"
     bits: int
     group: int
@@ -76,13 +76,20 @@ def _compile(wt: Any, case: Case) -> tuple[bytes, str]:
     consts: dict[str, Any] = dict(GROUP=case.group, BITS=case.bits, F=f, WORDS=case.block_k // f,
                                   HAS_PERM=case.act_order, HAS_BIAS=False, PARTIAL=True, BLOCK_N=case.block_n,
                                   BLOCK_K=case.block_k)
-    if case.kernel == "gemm":
-        fn = wt._gemm_kernel
+    if case.kernel in ("gemm", "gemm-t"):
+        fn = wt._gemm_kernel if case.kernel == "gemm" else wt._gemm_t_kernel
         sig = {**common, "lut_ptr": "*fp32", "bias_ptr": act, "out_ptr": "*fp32", **dict(
             M="i32", N="i32", K="i32", K_SPLIT="i32", stride_xm="i32", stride_qk="i32", stride_sk="i32",
             stride_om="i32", stride_os="i32")}
-        consts.update(LUT=False, ONE_GROUP=case.group % case.block_k == 0, BLOCK_M=case.block_m, IEEE=False)
-        plain = ("K_SPLIT", "M")
+        consts.update(LUT=False, ONE_GROUP=case.group % case.block_k == 0, BLOCK_M=case.block_m)
+        if case.kernel == "gemm":
+            consts.update(IEEE=False)
+        else:  # the magic number arrives as a run-time argument (see _int_tile_t)
+            sig["MAGIC"] = "i32"
+            consts.update(INT_CODES=case.group % case.block_k == 0)
+        # K_SPLIT is a multiple of 16 in every launch (whole K tiles), so the launcher specialises
+        # it as one: marked plain, the loop's loads compiled as 16-bit LDGs, not cp.async
+        plain = ("M", "MAGIC")
     elif case.kernel == "gemv-int":
         fn = wt._gemv_int_kernel
         sig = {**common, "bias_ptr": act, "out_ptr": "*fp32", **tail, "MAGIC": "i32", "HI_SHIFT": "i32"}
@@ -153,6 +160,13 @@ def cases() -> list[Case]:
     # the GEMM of 2..1023 tokens, per weight of one tile of M: the plans of M <= 16 and of M > 64
     out += [Case("gemm", "bf16", 4, 128, 64, 128, 4, 4, block_m=16), Case("gemm", "bf16", 4, 128, 128, 128, 8, 3,
                                                                           block_m=128)]
+    # the wide plan of 129+ tokens (float32 activations, or the dense path moved up), and the
+    # transposed GEMM (weights in wgmma's register operand) of 16-bit activations: its plans of
+    # 2-16 and 65-128 tokens (128 deep), and of 256 (64 deep)
+    out += [Case("gemm", "bf16", 4, 128, 64, 64, 4, 3, block_m=256),
+            Case("gemm-t", "bf16", 4, 128, 64, 128, 4, 4, block_m=16),
+            Case("gemm-t", "bf16", 4, 128, 64, 128, 4, 3, block_m=128),
+            Case("gemm-t", "bf16", 4, 128, 64, 64, 4, 3, block_m=256)]
     return out
 
 

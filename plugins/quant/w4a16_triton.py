@@ -5,11 +5,14 @@ zero points) and NF4 (a 16-value table) in one family, chosen by the number of t
   BLOCK_N]`` tile of ``W^T`` to float32 in registers and accumulates ``w * x`` elementwise,
   summing over K once at the end: no tensor cores, no shared-memory round trip, so the time is
   the time to read the packed weights.
-- 1 < M < ``DENSE_FROM_TOKENS``: a tiled GEMM, ``tl.dot`` of the activations with the tile
-  dequantized to the activations' dtype (float32 accumulation).
-- M >= ``DENSE_FROM_TOKENS`` (prefill): one kernel dequantizes the whole weight to a dense
-  ``W^T [K, N]`` and cuBLAS multiplies; dequantizing once costs little next to M x K x N FLOPs,
-  while the fused GEMM would redo it for every tile of M.
+- 1 < M < ``DENSE_FROM_TOKENS``: a tiled GEMM with the tile dequantized to the activations'
+  dtype (float32 accumulation). 16-bit activations take the transposed form
+  (:func:`_gemm_t_kernel`: ``W x^T``, the dequantized tile the tensor cores' register operand
+  and the tokens their N); float32 activations the plain one (``x W^T``).
+- M >= ``DENSE_FROM_TOKENS`` (129 by default: large decode batches and prefill): one kernel
+  dequantizes the whole weight to a dense ``W^T [K, N]`` and cuBLAS multiplies. On the H200 at
+  256 tokens that is 1.1x faster than the best fused plan over llama-8b's layers, while up to
+  128 tokens the transposed GEMM is 1.3x faster than it (docs/quantization.md, "W2").
 
 Both fused kernels split K over programs when the output alone would not give the GPU enough
 of them (M small; targets: 8 GEMV or 4 GEMM programs an SM): each split writes float32 partial
@@ -56,15 +59,20 @@ try:
 except ImportError:
     HAS_TRITON = False
 
-# At and above this many tokens a layer dequantizes its weight once and cuBLAS multiplies.
-# Overridable for tuning on a given GPU (LOOM_W4A16_DENSE_FROM=256 ...); read once at import.
-DENSE_FROM_TOKENS = int(os.environ.get("LOOM_W4A16_DENSE_FROM", "1024"))
+# At and above this many tokens a layer dequantizes its weight once and cuBLAS multiplies (the
+# H200 sweep of bench/results/gpu-w4a16-plans-m96-256.json: over llama-8b's four layers 328 us
+# at 256 tokens against 355 for the best fused plan; 331 at 128 against the transposed GEMM's
+# 247). Overridable for tuning on a given GPU (LOOM_W4A16_DENSE_FROM=1024 ...); read at import.
+DENSE_FROM_TOKENS = int(os.environ.get("LOOM_W4A16_DENSE_FROM", "129"))
 # Split K until the grid holds this many programs per SM (or a split has one K block left): the
 # GEMV's programs are small (a 128 x 64 tile), and a batch-1 decode needs many loads in flight.
 # The GEMV's numbers are the H200 sweep's (scripts/bench_w4a16_plans.py, llama-8b's four layer
 # shapes at M = 1, bench/results/gpu-w4a16-plans-m1.json): 128-wide tiles, 64-deep, two
 # stages, about 5 programs an SM, up to 32 splits (down_proj's long K) were within 2% of the
 # best plan of each shape and 1.22-1.43x faster than the 64-wide, 8-per-SM rule before.
+# LOOM_W4A16_GEMM_T=0 keeps 2+ token calls on the plain tiled GEMM (_gemm_kernel) instead of the
+# transposed one (_gemm_t_kernel), for side-by-side benchmarks; read once at import
+GEMM_T = os.environ.get("LOOM_W4A16_GEMM_T", "1") != "0"
 _PROGRAMS_PER_SM = {"gemv": 5, "gemm": 4}
 _MAX_SPLIT = {"gemv": 32, "gemm": 16}
 
@@ -270,6 +278,82 @@ def _gemm_kernel(x_ptr, perm_ptr, qw_ptr, s_ptr, z_ptr, lut_ptr, bias_ptr, out_p
 
 
 @_jit
+def _int_tile_t(qw_ptr, s_ptr, z_ptr, k0, offs_n, n_mask, K, stride_qk, stride_sk, MAGIC,
+                GROUP: tl.constexpr, BITS: tl.constexpr, F: tl.constexpr, WORDS: tl.constexpr,
+                BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``W^T[k0 : k0 + BLOCK_K, offs_n]`` as float32 for integer codes whose K tile lies in one
+    group, without an integer-to-float conversion: a code masked in place and ORed with the bits
+    of the float 2^23 (``MAGIC``, a run-time argument so that the mask and the OR fold into one
+    LOP3) *is* the float ``2^23 + q``; one FADD takes ``2^23 + zero`` off exactly (integer zeros),
+    and one FMUL scales: the same float32 as :func:`_weight_tile`'s ``(q - zero) * scale``, so
+    the tile rounded to the activations' dtype has the same bits."""
+    rows = k0 // F + tl.arange(0, WORDS)
+    words = tl.load(qw_ptr + rows[:, None] * stride_qk + offs_n[None, :],
+                    mask=(rows < K // F)[:, None] & n_mask[None, :], other=0)  # [BLOCK_K / F, BLOCK_N]
+    g = k0 // GROUP
+    s = tl.load(s_ptr + g * stride_sk + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + g * stride_sk + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    shifts = tl.arange(0, F) * BITS
+    q = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)  # [BLOCK_K / F, F, BLOCK_N]
+    v = (q | MAGIC).to(tl.float32, bitcast=True) - (z + 8388608.0)[None, None, :]  # q - zero, exactly
+    return tl.reshape(v * s[None, None, :], (BLOCK_K, BLOCK_N))
+
+
+@_jit
+def _gemm_t_kernel(x_ptr, perm_ptr, qw_ptr, s_ptr, z_ptr, lut_ptr, bias_ptr, out_ptr,
+                   M, N, K, K_SPLIT, stride_xm, stride_qk, stride_sk, stride_om, stride_os, MAGIC,
+                   GROUP: tl.constexpr, BITS: tl.constexpr, F: tl.constexpr, LUT: tl.constexpr,
+                   ONE_GROUP: tl.constexpr, WORDS: tl.constexpr, HAS_PERM: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, INT_CODES: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+    """:func:`_gemm_kernel` with the product transposed: ``acc[n, m] = W[n, :] . x[m, :]``, the
+    dequantized weight tile as ``tl.dot``'s first operand and the tokens as its second (16-bit
+    activations only). On Hopper the first operand of a wgmma may live in registers, so the
+    dequantized tile goes from the ALUs straight into the MMA (compiled for sm_90: register A,
+    ``HGMMA.64xBLOCK_Mx16``, 4 128-bit shared stores a thread an iteration where the plain kernel
+    makes 32 16-bit ones for its shared B operand, ``scripts/w4a16_sass.py``); the activations
+    are the shared operand, loaded by ``cp.async``. The tokens are the MMA's N, so a tile of 16
+    to 256 tokens is one instruction wide. ``INT_CODES``: integer codes with one group a tile
+    (:func:`_int_tile_t`); otherwise :func:`_weight_tile` (NF4's table, smaller groups)."""
+    if USE_PDL:  # x comes from the kernel before
+        pdl_prologue()
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    k_start = pid_s * K_SPLIT
+    k_end = tl.minimum(k_start + K_SPLIT, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        if HAS_PERM:  # noqa: SIM108 (a constexpr branch, kept as a plain if for Triton)
+            src = tl.load(perm_ptr + offs_k, mask=k_mask, other=0)
+        else:
+            src = offs_k
+        x = tl.load(x_rows + src[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        if INT_CODES:
+            w = _int_tile_t(qw_ptr, s_ptr, z_ptr, k0, offs_n, n_mask, K, stride_qk, stride_sk, MAGIC,
+                            GROUP, BITS, F, WORDS, BLOCK_K, BLOCK_N).to(x.dtype)
+        else:
+            w = _weight_tile(qw_ptr, s_ptr, z_ptr, lut_ptr, k0, offs_n, n_mask, K, stride_qk, stride_sk,
+                             GROUP, BITS, F, LUT, ONE_GROUP, BLOCK_K, WORDS, BLOCK_N).to(x.dtype)
+        acc = tl.dot(tl.trans(w), tl.trans(x), acc)  # [BLOCK_N, BLOCK_M]
+    mask = n_mask[:, None] & m_mask[None, :]
+    if PARTIAL:
+        tl.store(out_ptr + pid_s * stride_os + offs_m[None, :] * stride_om + offs_n[:, None], acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        out = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@_jit
 def _dequant_kernel(perm_ptr, qw_ptr, s_ptr, z_ptr, lut_ptr, out_ptr, N, K, stride_qk, stride_sk, stride_ok,
                     GROUP: tl.constexpr, BITS: tl.constexpr, F: tl.constexpr, LUT: tl.constexpr,
                  ONE_GROUP: tl.constexpr, WORDS: tl.constexpr, HAS_PERM: tl.constexpr,
@@ -297,7 +381,7 @@ def _dequant_kernel(perm_ptr, qw_ptr, s_ptr, z_ptr, lut_ptr, out_ptr, N, K, stri
 
 @dataclass(frozen=True)
 class Plan:
-    kind: str  # "gemv", "gemm" or "dense"
+    kind: str  # "gemv", "gemm", "gemm_t" or "dense"
     block_m: int
     block_n: int
     block_k: int
@@ -317,14 +401,18 @@ def block_k_for(group: int) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def plan(m: int, n: int, k: int, group: int, sms: int, dense_from: int, table: bool = False) -> Plan:
-    """How a call of ``m`` tokens on an ``n x k`` layer runs (a pure function of the shapes and
-    of whether the codes index a table, NF4, or are integers)."""
+def plan(m: int, n: int, k: int, group: int, sms: int, dense_from: int, table: bool = False,
+         act16: bool = True) -> Plan:
+    """How a call of ``m`` tokens on an ``n x k`` layer runs (a pure function of the shapes, of
+    whether the codes index a table, NF4, or are integers, and of whether the activations are
+    16-bit: the transposed GEMM is for those)."""
     bk = block_k_for(group)
     if m >= dense_from:
         return Plan("dense", 0, 128, bk, 1, k, 4, 1)
     if m == 1 and not table and group % min(bk, 128) == 0:
         return _int_gemv_plan(n, k, min(bk, 128), sms)
+    if m > 1 and act16 and GEMM_T:
+        return _gemm_t_plan(m, n, k, bk, sms)
     if m == 1:  # a [128, 64] float32 accumulator: 64 registers a thread, several programs an SM
         kind, bm, bn, warps, stages = "gemv", 1, 128, 4, 2
         bk = min(bk, 64)  # still inside one group: group sizes are multiples of 64 or of bk
@@ -360,6 +448,26 @@ def _wide_gemm_plan(m: int, n: int, k: int, bk: int, sms: int) -> Plan:
     # splits, 256 programs; a target of 2 x 132 would have taken 8, measured 27% slower)
     split, k_split = split_k(tiles, k, bk, (15 * sms) // 8, _MAX_SPLIT["gemm"])
     return Plan("gemm", bm, bn, bk, split, k_split, 4, 3)
+
+
+def _gemm_t_plan(m: int, n: int, k: int, bk: int, sms: int) -> Plan:
+    """2 to ``DENSE_FROM_TOKENS - 1`` tokens, 16-bit activations: :func:`_gemm_t_kernel` with
+    tiles of 64 weight rows (one warpgroup's wgmma) by the smallest power of two from 16 that
+    holds the tokens, as deep as the group allows up to 128 (64 for 256-token tiles: their
+    accumulator takes the registers), 4 warps, 4 stages up to 64 tokens (3 above), K split into
+    the fewest pieces that give about four programs an SM.
+
+    From the H200 sweep of session 30 (scripts/bench_w4a16_plans.py --transposed-only, llama-8b's
+    four layer shapes at 16 / 64 / 128 tokens; docs/quantization.md, "The transposed GEMM"): the
+    fastest plans of gate_up (2 splits at 16 and
+    64 tokens) and down (16 splits) were the ones of four programs an SM, those of o_proj and
+    gate_up at 64 / 128 tokens 128 deep; a target of two programs an SM and 64-deep tiles were
+    up to 1.22x slower (gate_up at 64 tokens)."""
+    bm = min(256, max(16, 1 << (m - 1).bit_length()))
+    bn, bk = 64, min(bk, 64 if bm > 128 else 128)
+    tiles = -(-n // bn) * -(-m // bm)
+    split, k_split = split_k(tiles, k, bk, 4 * sms, _MAX_SPLIT["gemm"])
+    return Plan("gemm_t", bm, bn, bk, split, k_split, 4, 4 if bm <= 64 else 3)
 
 
 def _int_gemv_plan(n: int, k: int, bk: int, sms: int) -> Plan:
@@ -420,18 +528,18 @@ def _segment_variant(m: int, n: int, p: Plan) -> tuple[Any, ...]:
 
 
 def launch_variant(m: int, in_features: int, group_size: int, widths: tuple[int, ...], sms: int,
-                   dense_from: int | None = None, table: bool = False) -> tuple[Any, ...]:
+                   dense_from: int | None = None, table: bool = False, act16: bool = True) -> tuple[Any, ...]:
     """What Triton compiles for a call of ``m`` tokens on a layer of ``in_features`` inputs whose
     segments are ``widths`` columns wide, one entry per segment (``table``: NF4's codes). Two
     counts with equal variants launch the same compiled kernels on that layer."""
     dense = DENSE_FROM_TOKENS if dense_from is None else dense_from
-    p = plan(m, sum(widths), in_features, group_size, sms, dense, table)
+    p = plan(m, sum(widths), in_features, group_size, sms, dense, table, act16)
     return tuple(_segment_variant(m, n, p) for n in widths)
 
 
 @functools.lru_cache(maxsize=256)
 def covering_token_counts(in_features: int, group_size: int, widths: tuple[int, ...], max_tokens: int, sms: int,
-                          dense_from: int | None = None, table: bool = False) -> tuple[int, ...]:
+                          dense_from: int | None = None, table: bool = False, act16: bool = True) -> tuple[int, ...]:
     """The fewest token counts in ``1..max_tokens`` (the smallest of each variant) whose calls
     compile every variant that a call of any count in that range launches on such a layer. Every
     count from ``dense_from`` up shares the dense variant, so the scan stops there."""
@@ -439,7 +547,7 @@ def covering_token_counts(in_features: int, group_size: int, widths: tuple[int, 
     seen: set[tuple[Any, ...]] = set()
     counts = []
     for m in range(1, min(max_tokens, dense) + 1):
-        variant = launch_variant(m, in_features, group_size, widths, sms, dense, table)
+        variant = launch_variant(m, in_features, group_size, widths, sms, dense, table, act16)
         if variant not in seen:
             seen.add(variant)
             counts.append(m)
@@ -455,7 +563,8 @@ def layer_warm_up_token_counts(layer: Any, max_tokens: int) -> tuple[int, ...]:
         return ()
     widths = tuple(seg.end - seg.start for seg in layout.segments)
     return covering_token_counts(layout.in_features, layout.group_size, widths, max_tokens,
-                                 sm_count(layout.qweight.device), table=uses_table(layout))
+                                 sm_count(layout.qweight.device), table=uses_table(layout),
+                                 act16=layout.dtype != torch.float32)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -491,7 +600,7 @@ def w4a16_linear(x: torch.Tensor, layout: W4A16Layout, bias: torch.Tensor | None
     if m == 0:
         return out.view(*lead, n)
     p = plan(m, n, k, layout.group_size, sm_count(x.device), DENSE_FROM_TOKENS if dense_from is None else dense_from,
-             uses_table(layout))
+             uses_table(layout), x.element_size() == 2)
     if p.kind == "dense":
         wt = dequantize_t(layout, x.dtype, p)
         if bias is None:
@@ -513,6 +622,12 @@ def uses_table(layout: W4A16Layout) -> bool:
     """Whether the layout's codes index a table (NF4) rather than being integers: what
     :func:`plan` is told, since the two GEMVs want different plans at one token."""
     return any(seg.table is not None for seg in layout.segments)
+
+
+def _int_codes(layout: W4A16Layout, seg: Segment, block_k: int) -> bool:
+    """Whether a tile of ``block_k`` inputs of the segment is integer codes in one group (the
+    magic-number dequantization of :func:`_int_tile_t`)."""
+    return seg.table is None and layout.group_size % block_k == 0
 
 
 def _int_gemv(layout: W4A16Layout, seg: Segment, p: Plan) -> bool:
@@ -545,6 +660,10 @@ def _fused(x2: torch.Tensor, layout: W4A16Layout, seg: Segment, bias: torch.Tens
     elif p.kind == "gemv":
         _gemv_kernel[(triton.cdiv(n, p.block_n), p.split)](x2, perm, qw, s, z, lut, b, target, n, k, p.k_split, qw.stride(0), s.stride(0),
                            stride_os, **flags)
+    elif p.kind == "gemm_t":
+        _gemm_t_kernel[(triton.cdiv(n, p.block_n), triton.cdiv(m, p.block_m), p.split)](
+            x2, perm, qw, s, z, lut, b, target, m, n, k, p.k_split, x2.stride(0), qw.stride(0), s.stride(0), stride_om,
+            stride_os, _MAGIC, INT_CODES=_int_codes(layout, seg, p.block_k), BLOCK_M=p.block_m, **flags)
     else:
         _gemm_kernel[(triton.cdiv(n, p.block_n), triton.cdiv(m, p.block_m), p.split)](x2, perm, qw, s, z, lut, b, target, m, n, k, p.k_split, x2.stride(0), qw.stride(0),
                            s.stride(0), stride_om, stride_os, IEEE=x2.dtype == torch.float32,

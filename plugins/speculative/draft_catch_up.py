@@ -60,8 +60,8 @@ CATCH_UP_WIDTHS = (16, 32, 64, 128)
 # No catch-up graph of more rows: a step's GPU time grows with its rows once its GEMMs are
 # compute-bound, and by about 300 rows (int4 llama-8b on the H200: 3.4 ms at 1 row, 41-47 ms at
 # 513) it passes the 25 ms the host takes to launch an eager step, which it then hides; the
-# graph pool grows with the rows. (1,024 rows would also leave the fused W4A16 GEMM for its
-# dequantize-then-cuBLAS path, DENSE_FROM_TOKENS.)
+# graph pool grows with the rows. (From 129 rows an int4 layer takes its dequantize-then-cuBLAS
+# path, DENSE_FROM_TOKENS.)
 CATCH_UP_GRAPH_TOKENS = 512
 
 

@@ -2,8 +2,9 @@
 
 Each layer is built twice from the same checkpoint tensors, the way the loader builds it: on the
 CPU (the checkpoint's layout, dequantized per call: the reference) and on CUDA (repacked at load
-for the kernels). For M in {1, 7, 32, 300} tokens (the GEMV, the split-K GEMM at 7 and 32, the
-tiled GEMM at 300; the dequantize-then-matmul path from ``DENSE_FROM_TOKENS`` on), the CUDA
+for the kernels). For M in {1, 7, 32, 128, 300} tokens (the GEMV, the transposed split-K GEMM at
+7, 32 and 128, the dequantize-then-matmul path from ``DENSE_FROM_TOKENS`` (129) on; and at 300
+the GEMM's 256-token tiles, the dense path moved up as LOOM_W4A16_DENSE_FROM does), the CUDA
 output ``y`` (bf16) must satisfy, for every output element,
 
     |y - ref| <= (2u + K 2^-24) * (|x| @ |W|^T) + u * |ref|,   u = 2^-8 (bf16's unit roundoff)
@@ -48,7 +49,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 CUDA = torch.device("cuda")
 DTYPE = torch.bfloat16
 U = 2.0**-8  # bf16's unit roundoff
-M_VALUES = (1, 7, 32, 300)
+M_VALUES = (1, 7, 32, 128, 300)
 SCHEMES: dict[str, ql.Scheme] = {
     "gptq-g128": ql.gptq_scheme(128),
     "gptq-g128-act-order": ql.gptq_scheme(128, act_order=True),
@@ -132,10 +133,13 @@ def test_kernels_match_the_cpu_reference_on_llama_8b_shapes(name: str, shape: tu
         y = _kernel(gpu, x)
         check_close(gpu, w_ref, x, y, f"{name} {shape[0]} M={m}")
         assert torch.equal(gpu(x), y)  # the layer's forward is the kernel
-    if not _is_fp8(gpu):  # the dequantize-then-matmul path, at M=300 too
-        x = torch.randn(300, k, device=CUDA, generator=g).to(DTYPE)
+    if not _is_fp8(gpu):  # the dequantize-then-matmul path at 7 tokens; the fused GEMM at 300
+        x = torch.randn(7, k, device=CUDA, generator=g).to(DTYPE)
         check_close(gpu, w_ref, x, w4a16_triton.w4a16_linear(x, gpu.w4a16, None, dense_from=1),
                     f"{name} {shape[0]} dense path")
+        x = torch.randn(300, k, device=CUDA, generator=g).to(DTYPE)
+        check_close(gpu, w_ref, x, w4a16_triton.w4a16_linear(x, gpu.w4a16, None, dense_from=1024),
+                    f"{name} {shape[0]} fused GEMM at 300 tokens")
 
 
 @pytest.mark.parametrize("name", ["gptq-g128-act-order", "awq-g128", "nf4", "fp8-channel-dynamic"])
@@ -199,7 +203,7 @@ def test_kernels_replay_in_a_cuda_graph(name: str) -> None:
     """A forward captured once, replayed on new inputs written into the captured buffer: the same
     bits as eager calls (the kernels are deterministic: split-K partials are summed in order)."""
     _, gpu, _ = _layers(SCHEMES[name], 4096, [2048, 512, 512], seed=7)
-    for m in (1, 32, 300, w4a16_triton.DENSE_FROM_TOKENS):
+    for m in (1, 32, 128, 300):
         x = torch.empty(m, 4096, device=CUDA, dtype=DTYPE)
         g = torch.Generator(device=CUDA).manual_seed(m)
         x.copy_(torch.randn(m, 4096, device=CUDA, generator=g))

@@ -67,7 +67,10 @@ def nf4_layout(k: int, parts: list[int], distinct_tables: bool, dtype: Any, seed
     return wl.from_nf4_parts(made, dtype)
 
 
-def check_w4a16(label: str, layout: Any, m: int, dtype: Any, bias: bool, dense: bool, seed: int) -> bool:
+def check_w4a16(label: str, layout: Any, m: int, dtype: Any, bias: bool, dense: bool, seed: int,
+                dense_from: int | None = None) -> bool:
+    """``dense``: the dequantize-then-matmul path at any M; else the fused kernels up to
+    ``dense_from`` tokens (``DENSE_FROM_TOKENS`` when None)."""
     import torch
 
     from loom_plugins.quant import w4a16_triton as wt
@@ -76,9 +79,9 @@ def check_w4a16(label: str, layout: Any, m: int, dtype: Any, bias: bool, dense: 
     k, n = layout.in_features, layout.out_features
     x = torch.randn(m, k, generator=g).to(dtype)
     b = torch.randn(n, generator=g).to(dtype) if bias else None
-    p = wt.plan(m, n, k, layout.group_size, wt.sm_count(x.device), 1 if dense else wt.DENSE_FROM_TOKENS,
-                wt.uses_table(layout))
-    y = wt.w4a16_linear(x, layout, b, dense_from=1 if dense else None)
+    until = 1 if dense else wt.DENSE_FROM_TOKENS if dense_from is None else dense_from
+    p = wt.plan(m, n, k, layout.group_size, wt.sm_count(x.device), until, wt.uses_table(layout), dtype != torch.float32)
+    y = wt.w4a16_linear(x, layout, b, dense_from=until)
     w = layout.dequantize(torch.float32).double()  # [N, K], the torch path of the same layout
     ref = x.double() @ w.t() + (b.double() if b is not None else 0.0)
     s = x.double().abs() @ w.abs().t()
@@ -131,10 +134,31 @@ def main() -> int:
         check_w4a16("8-bit g64 fp16 M=1 bias", int_layout(256, 96, 64, 8, [96], False, f16, 5), 1, f16, True, False,
                     5),
         check_w4a16("2-bit g32 fp32 M=20", int_layout(256, 64, 32, 2, [64], False, f32, 6), 20, f32, False, False, 6),
-        # a large decode batch: the 256-row tiles of _wide_gemm_plan, with act-order and a bias (fp16:
-        # the interpreter computes bf16 GEMM tiles wrongly, for every plan, so no GEMM check is bf16)
-        check_w4a16("wide tiles act-order fp16 M=130 bias", int_layout(256, 128, 64, 4, [64, 64], True, f16, 20),
-                    130, f16, True, False, 20),
+        # a large decode batch with the dense path moved up (LOOM_W4A16_DENSE_FROM): the transposed
+        # GEMM's 256-token tiles, with act-order and a bias (fp16: the interpreter computes bf16
+        # GEMM tiles wrongly, for every plan, so no GEMM check is bf16)
+        check_w4a16("gemm_t 256-token tiles act-order fp16 M=130 bias",
+                    int_layout(256, 128, 64, 4, [64, 64], True, f16, 20), 130, f16, True, False, 20, dense_from=1024),
+        check_w4a16("dense from 129 act-order fp16 M=130 bias", int_layout(256, 128, 64, 4, [64, 64], True, f16, 20),
+                    130, f16, True, False, 20, dense_from=129),
+        # the transposed GEMM (_gemm_t_kernel, 16-bit activations from 2 tokens): integer codes
+        # (the magic-number tiles) with split K, 8 bits, per channel, a ragged last group; NF4's
+        # table and groups across the K tile (the general tile)
+        check_w4a16("wide tiles fp32 M=130", int_layout(128, 64, 64, 4, [64], False, f32, 28), 130, f32, False,
+                    False, 28, dense_from=1024),
+        check_w4a16("gemm_t g64 fp16 M=2 split bias", int_layout(512, 64, 64, 4, [64], False, f16, 22), 2, f16, True,
+                    False, 22),
+        check_w4a16("gemm_t g128 (128 deep) act-order fp16 M=33 split bias",
+                    int_layout(1024, 64, 128, 4, [32, 32], True, f16, 29), 33, f16, True, False, 29),
+        check_w4a16("gemm_t 8-bit g64 fp16 M=40", int_layout(256, 96, 64, 8, [64, 32], False, f16, 23), 40, f16,
+                    False, False, 23),
+        check_w4a16("gemm_t per channel fp16 M=17", int_layout(192, 64, -1, 4, [64], False, f16, 24), 17, f16,
+                    False, False, 24),
+        check_w4a16("gemm_t ragged last group g64 fp16 M=5", int_layout(200, 64, 64, 4, [64], False, f16, 25), 5,
+                    f16, True, False, 25),
+        check_w4a16("gemm_t nf4 fp16 M=9", nf4_layout(128, [32, 32], True, f16, 26), 9, f16, False, False, 26),
+        check_w4a16("gemm_t group 24 fp16 M=3", int_layout(120, 64, 24, 4, [64], False, f16, 27), 3, f16, False,
+                    False, 27),
         check_w4a16("per channel fp32 M=2", int_layout(192, 64, -1, 4, [64], False, f32, 7), 2, f32, True, False, 7),
         check_w4a16("group 24 (not a tile) fp32 M=2", int_layout(120, 64, 24, 4, [64], False, f32, 8), 2, f32, False,
                     False, 8),

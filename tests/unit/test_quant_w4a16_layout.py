@@ -95,7 +95,8 @@ def test_plans_depend_on_shapes_and_cover_k(n: int, k: int, group: int) -> None:
     gs = k if group == -1 else group
     sms = 132
     for m in (1, 2, 7, 16, 32, 33, 64, 300, 1023):
-        p = plan(m, n, k, gs, sms, 1024, table=True)  # NF4's codes: the general GEMV at one token
+        # NF4's codes: the general GEMV at one token; float32 activations: the plain tiled GEMM
+        p = plan(m, n, k, gs, sms, 1024, table=True, act16=False)
         assert p.kind == ("gemv" if m == 1 else "gemm")
         wide = m > 128  # 256-row tiles, 64 deep, about two programs an SM (_wide_gemm_plan)
         assert p.block_k == (min(64, block_k_for(gs)) if m == 1 or wide else block_k_for(gs))
@@ -107,9 +108,9 @@ def test_plans_depend_on_shapes_and_cover_k(n: int, k: int, group: int) -> None:
         assert tiles * p.split >= target or p.split * 2 > min(16, -(-k // p.block_k))
         if wide:  # the fewest splits that reach it
             assert p.split == 1 or tiles * (p.split // 2) < target
-        assert plan(m, n, k, gs, sms, 1024, table=True) is p  # cached: no work per call
+        assert plan(m, n, k, gs, sms, 1024, table=True, act16=False) is p  # cached: no work per call
         if m > 1:
-            assert plan(m, n, k, gs, sms, 1024) == p  # integer codes: the same GEMM plans
+            assert plan(m, n, k, gs, sms, 1024, act16=False) == p  # integer codes: the same GEMM plans
     assert plan(1024, n, k, gs, sms, 1024).kind == "dense"
     assert gs % block_k_for(gs) == 0 or block_k_for(gs) == 64
     p = plan(1, n, k, gs, sms, 1024)  # integer codes: the integer-code GEMV's plan
@@ -121,13 +122,48 @@ def test_plans_depend_on_shapes_and_cover_k(n: int, k: int, group: int) -> None:
             or -(-k // (p.k_split // 2)) > 32)
 
 
+@pytest.mark.parametrize(("n", "k", "group"), [(6144, 4096, 128), (4096, 14336, 128), (28672, 4096, 64),
+                                               (576, 1536, 32), (192, 576, -1)])
+def test_transposed_gemm_plans_of_16_bit_activations(n: int, k: int, group: int) -> None:
+    """From 2 tokens, 16-bit activations take the transposed GEMM (_gemm_t_kernel), NF4 or
+    integer codes alike: 64 weight rows by the smallest power of two from 16 tokens that holds
+    the batch, as deep as the group allows up to 128 (64 for 256-token tiles), K split into the
+    fewest pieces that give about four programs an SM; from 129 tokens (DENSE_FROM_TOKENS'
+    default) the dense path."""
+    gs = k if group == -1 else group
+    sms = 132
+    for m in (2, 7, 16, 17, 64, 65, 128, 129, 256, 300, 1023):
+        for table in (False, True):
+            p = plan(m, n, k, gs, sms, 1024, table=table)
+            assert (p.kind, p.block_n, p.num_warps) == ("gemm_t", 64, 4)
+            assert p.block_m == min(256, max(16, 1 << (m - 1).bit_length())) and p.block_m >= min(m, 256)
+            assert p.num_stages == (4 if p.block_m <= 64 else 3)
+            assert p.block_k == min(64 if p.block_m > 128 else 128, block_k_for(gs)) and p.k_split % p.block_k == 0
+            assert (p.split - 1) * p.k_split < k <= p.split * p.k_split
+            tiles = -(-n // 64) * -(-m // p.block_m)
+            assert tiles * p.split >= 4 * sms or p.split * 2 > min(16, -(-k // p.block_k))
+            assert p.split == 1 or tiles * (p.split // 2) < 4 * sms
+            assert plan(m, n, k, gs, sms, 129, table=table).kind == ("dense" if m >= 129 else "gemm_t")
+    assert plan(1024, n, k, gs, sms, 1024).kind == "dense"
+
+
+def test_the_transposed_gemm_plans_on_llama_8b() -> None:
+    """What the rule gives llama-8b's four layer shapes (group 128) from 2 to 128 tokens: the
+    splits of the fastest plans of the H200 sweep (docs/quantization.md, "W2"), 128 deep."""
+    for m in (2, 16, 64, 128):
+        splits = {(n, k): plan(m, n, k, 128, 132, 129).split for n, k in
+                  ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))}
+        assert splits == {(6144, 4096): 8, (4096, 4096): 16, (28672, 4096): 2, (4096, 14336): 16}
+        assert {plan(m, 4096, 4096, 128, 132, 129).block_k} == {128}
+
+
 @pytest.mark.parametrize(("n", "k", "split"), [(6144, 4096, 4), (4096, 4096, 4), (28672, 4096, 1), (4096, 14336, 4)])
 def test_the_wide_gemm_plans_are_the_ones_measured_fastest_on_llama_8b(n: int, k: int, split: int) -> None:
     """bench/results/gpu-w4a16-plans-m16-256.json (H200, 2026-12-03): at 256 tokens (group 128)
     256 x 64 tiles, 64 deep, 4 warps, 3 stages with these splits measured within 1% of each
     shape's fastest plan, 1.5-2.4x faster than the 128 x 128 plan before."""
     for m in (129, 192, 256):
-        p = plan(m, n, k, 128, 132, 1024)
+        p = plan(m, n, k, 128, 132, 1024, act16=False)  # the plain GEMM's (float32 activations since)
         assert (p.kind, p.block_m, p.block_n, p.block_k, p.num_warps, p.num_stages) == ("gemm", 256, 64, 64, 4, 3)
         assert p.split == split
 
