@@ -233,6 +233,30 @@ def _gemv_int_kernel(x_ptr, perm_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr,
 
 
 @_jit
+def _gemm_tile(M, N, K, K_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A GEMM program's tile (grid: N tiles, M tiles, K splits): its split, token and output
+    offsets with their masks, and the range of K it sums."""
+    pid_s = tl.program_id(2)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = pid_s * K_SPLIT
+    return pid_s, offs_m, offs_n, offs_m < M, offs_n < N, k_start, tl.minimum(k_start + K_SPLIT, K)
+
+
+@_jit
+def _x_tile(x_rows, perm_ptr, k0, m_mask, K, HAS_PERM: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The activations ``x[rows, k0 : k0 + BLOCK_K]`` (act-order: the inputs ``perm`` names, the
+    layer's sorted order), zero outside M and K: ``[BLOCK_M, BLOCK_K]``."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    k_mask = offs_k < K
+    if HAS_PERM:  # noqa: SIM108 (a constexpr branch, kept as a plain if for Triton)
+        src = tl.load(perm_ptr + offs_k, mask=k_mask, other=0)
+    else:
+        src = offs_k
+    return tl.load(x_rows + src[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+
+
+@_jit
 def _gemm_kernel(x_ptr, perm_ptr, qw_ptr, s_ptr, z_ptr, lut_ptr, bias_ptr, out_ptr,
                  M, N, K, K_SPLIT, stride_xm, stride_qk, stride_sk, stride_om, stride_os,
                  GROUP: tl.constexpr, BITS: tl.constexpr, F: tl.constexpr, LUT: tl.constexpr,
@@ -242,25 +266,11 @@ def _gemm_kernel(x_ptr, perm_ptr, qw_ptr, s_ptr, z_ptr, lut_ptr, bias_ptr, out_p
     # One program: a [BLOCK_M, BLOCK_N] output tile over K_SPLIT inputs (split pid_s).
     if USE_PDL:  # x comes from the kernel before
         pdl_prologue()
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_s = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
+    pid_s, offs_m, offs_n, m_mask, n_mask, k_start, k_end = _gemm_tile(M, N, K, K_SPLIT, BLOCK_M, BLOCK_N)
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_start = pid_s * K_SPLIT
-    k_end = tl.minimum(k_start + K_SPLIT, K)
     for k0 in range(k_start, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        if HAS_PERM:  # noqa: SIM108 (a constexpr branch, kept as a plain if for Triton)
-            src = tl.load(perm_ptr + offs_k, mask=k_mask, other=0)
-        else:
-            src = offs_k
-        x = tl.load(x_rows + src[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        x = _x_tile(x_rows, perm_ptr, k0, m_mask, K, HAS_PERM, BLOCK_K)  # [BLOCK_M, BLOCK_K]
         w = _weight_tile(qw_ptr, s_ptr, z_ptr, lut_ptr, k0, offs_n, n_mask, K, stride_qk, stride_sk,
                          GROUP, BITS, F, LUT, ONE_GROUP, BLOCK_K, WORDS, BLOCK_N).to(x.dtype)
         if IEEE:  # noqa: SIM108 - float32 activations: no TF32 rounding of the operands
@@ -317,25 +327,11 @@ def _gemm_t_kernel(x_ptr, perm_ptr, qw_ptr, s_ptr, z_ptr, lut_ptr, bias_ptr, out
     (:func:`_int_tile_t`); otherwise :func:`_weight_tile` (NF4's table, smaller groups)."""
     if USE_PDL:  # x comes from the kernel before
         pdl_prologue()
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_s = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
+    pid_s, offs_m, offs_n, m_mask, n_mask, k_start, k_end = _gemm_tile(M, N, K, K_SPLIT, BLOCK_M, BLOCK_N)
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    k_start = pid_s * K_SPLIT
-    k_end = tl.minimum(k_start + K_SPLIT, K)
     for k0 in range(k_start, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        if HAS_PERM:  # noqa: SIM108 (a constexpr branch, kept as a plain if for Triton)
-            src = tl.load(perm_ptr + offs_k, mask=k_mask, other=0)
-        else:
-            src = offs_k
-        x = tl.load(x_rows + src[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        x = _x_tile(x_rows, perm_ptr, k0, m_mask, K, HAS_PERM, BLOCK_K)  # [BLOCK_M, BLOCK_K]
         if INT_CODES:
             w = _int_tile_t(qw_ptr, s_ptr, z_ptr, k0, offs_n, n_mask, K, stride_qk, stride_sk, MAGIC,
                             GROUP, BITS, F, WORDS, BLOCK_K, BLOCK_N).to(x.dtype)
