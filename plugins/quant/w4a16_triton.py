@@ -446,24 +446,37 @@ def _wide_gemm_plan(m: int, n: int, k: int, bk: int, sms: int) -> Plan:
     return Plan("gemm", bm, bn, bk, split, k_split, 4, 3)
 
 
+# The transposed GEMM's float32 partial sums (split x M x N x 4 bytes) are written and read back
+# once: up to this size they stay in L2 (50 MB on the H100 / H200). Past it a split costs more
+# traffic than its parallelism saves (the sweep below: o_proj at 128 tokens, 16 splits 41 us
+# against 21 with 4).
+_GEMM_T_PARTIAL_BYTES = 20 << 20
+
+
 def _gemm_t_plan(m: int, n: int, k: int, bk: int, sms: int) -> Plan:
     """2 to ``DENSE_FROM_TOKENS - 1`` tokens, 16-bit activations: :func:`_gemm_t_kernel` with
     tiles of 64 weight rows (one warpgroup's wgmma) by the smallest power of two from 16 that
-    holds the tokens, as deep as the group allows up to 128 (64 for 256-token tiles: their
-    accumulator takes the registers), 4 warps, 4 stages up to 64 tokens (3 above), K split into
-    the fewest pieces that give about four programs an SM.
+    holds the tokens, 64 deep, 4 warps, 4 stages up to 64 tokens (3 above). K is split into
+    pieces of about 1,024 inputs (a power of two of them, at most 16), halved while the partial
+    sums would pass ``_GEMM_T_PARTIAL_BYTES``.
 
-    From the H200 sweep of session 30 (scripts/bench_w4a16_plans.py --transposed-only, llama-8b's
-    four layer shapes at 16 / 64 / 128 tokens; docs/quantization.md, "The transposed GEMM"): the
-    fastest plans of gate_up (2 splits at 16 and
-    64 tokens) and down (16 splits) were the ones of four programs an SM, those of o_proj and
-    gate_up at 64 / 128 tokens 128 deep; a target of two programs an SM and 64-deep tiles were
-    up to 1.22x slower (gate_up at 64 tokens)."""
+    From the sweep of session 31 (an H100 of 132 SMs, ``scripts/bench_w4a16_plans.py --schemes
+    gptq --tokens 64,128,16 --quick --transposed-only``, bench/results/gpu-w4a16-plans-gemm-t-h100-s31.json):
+    over llama-8b's four layers (group 128) this rule's plans sum to 155.9 / 243.4 / 116.5 us at
+    64 / 128 / 16 tokens, against 152.7 / 219.8 / 110.4 for each layer's fastest plan and 179.4 /
+    360.0 / 132.5 for the plain GEMM's rule. Splitting for a number of programs an SM instead
+    (four: 218.8 / 312.4 / 116.6 us, with 128-deep tiles) made too many partial sums at 64-128
+    tokens; 128-deep tiles won on gate_up at 128 tokens and lost on qkv and at 64 tokens."""
     bm = min(256, max(16, 1 << (m - 1).bit_length()))
-    bn, bk = 64, min(bk, 64 if bm > 128 else 128)
-    tiles = -(-n // bn) * -(-m // bm)
-    split, k_split = split_k(tiles, k, bk, 4 * sms, _MAX_SPLIT["gemm"])
-    return Plan("gemm_t", bm, bn, bk, split, k_split, 4, 4 if bm <= 64 else 3)
+    bn, bk = 64, min(bk, 64)
+    k_blocks = -(-k // bk)
+    split = 1
+    while split * 2 <= min(_MAX_SPLIT["gemm"], k_blocks) and k / (split * 2) >= 768:
+        split *= 2  # the power of two nearest k / 1024 (768 and up rounds to another split)
+    while split > 1 and split * m * n * 4 > _GEMM_T_PARTIAL_BYTES:
+        split //= 2
+    k_split = -(-k_blocks // split) * bk
+    return Plan("gemm_t", bm, bn, bk, -(-k // k_split), k_split, 4, 4 if bm <= 64 else 3)
 
 
 def _int_gemv_plan(n: int, k: int, bk: int, sms: int) -> Plan:

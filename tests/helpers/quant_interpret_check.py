@@ -148,7 +148,7 @@ def main() -> int:
                     False, 28, dense_from=1024),
         check_w4a16("gemm_t g64 fp16 M=2 split bias", int_layout(512, 64, 64, 4, [64], False, f16, 22), 2, f16, True,
                     False, 22),
-        check_w4a16("gemm_t g128 (128 deep) act-order fp16 M=33 split bias",
+        check_w4a16("gemm_t g128 act-order fp16 M=33 split bias",
                     int_layout(1024, 64, 128, 4, [32, 32], True, f16, 29), 33, f16, True, False, 29),
         check_w4a16("gemm_t 8-bit g64 fp16 M=40", int_layout(256, 96, 64, 8, [64, 32], False, f16, 23), 40, f16,
                     False, False, 23),
