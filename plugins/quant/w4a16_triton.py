@@ -464,7 +464,8 @@ def _gemm_t_plan(m: int, n: int, k: int, bk: int, sms: int) -> Plan:
     gptq --tokens 64,128,16 --quick --transposed-only``, bench/results/gpu-w4a16-plans-gemm-t-h100-s31.json):
     over llama-8b's four layers (group 128) this rule's plans sum to 155.9 / 243.4 / 116.5 us at
     64 / 128 / 16 tokens, against 152.7 / 219.8 / 110.4 for each layer's fastest plan and 179.4 /
-    360.0 / 132.5 for the plain GEMM's rule. Splitting for a number of programs an SM instead
+    360.0 / 132.5 for the plain GEMM's rule (timed as the rule in a later call:
+    bench/results/gpu-w4a16-plans-gemm-t-rule2-h100-s31.json, 155.0 / 241.1 / 120.8). Splitting for a number of programs an SM instead
     (four: 218.8 / 312.4 / 116.6 us, with 128-deep tiles) made too many partial sums at 64-128
     tokens; 128-deep tiles won on gate_up at 128 tokens and lost on qkv and at 64 tokens."""
     bm = min(256, max(16, 1 << (m - 1).bit_length()))
