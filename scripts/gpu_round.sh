@@ -15,9 +15,8 @@
 #   bash scripts/gpu_round.sh sweep-fill       # the batch-1 fusions, decode plans and dense GEMV swept; tables filled; Loom reinstalled
 #   bash scripts/gpu_round.sh fp8-plans        # the FP8 attention kernel's decode launches swept (#20); its table filled; Loom reinstalled
 #
-# What is owed: docs/benchmarks.md's list at its end ("What is owed to the next round"): the PDL chain
-# test and bench_pdl.py, a W2 profile with prefill steps for FP8 weights + FP8 KV (#20), the MoE b1
-# profile with PDL (#22), the W4A16 GEMM plans at 65-128 tokens and quantize8b (#15), T1 on two GPUs (#21).
+# What is owed: docs/benchmarks.md's list at its end ("What is owed to the next round"): quantize8b
+# in a call of its own and W2 GPTQ on an H200 (#15), W2 FP8 KV alone with PDL (#20), T1 on two GPUs (#21).
 # Wheels and GGUF halves: docs/benchmarks.md ("Running on the H200").
 #
 # Every step has a time limit, and BUDGET_END (epoch seconds) makes later steps skip themselves
