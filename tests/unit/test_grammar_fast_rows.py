@@ -172,3 +172,47 @@ def test_token_bitmask_rows_pickle_as_bytes_and_every_row_stages_no_indices() ->
     assert some.rows is not None and some.rows.tolist() == [0, 2]
     logits = torch.randn(3, 5 * 32)
     assert torch.equal(every(logits.clone()), token_bitmask(rows, stage)(logits.clone()))
+
+
+def test_a_matcher_out_of_step_fails_its_request_alone(pool: tuple[GrammarCompilerPool, int, tuple[int, ...]]) -> None:
+    """Two sequences in one state: the second's matcher takes the token the first accepted as
+    pending. If it then refuses that token (a fault: the same state and token must give the same
+    state), its rows are left open, the other sequence's row is still filled (it takes the
+    state's fill), and its next accept refuses that request alone with INTERNAL; nothing raises."""
+    compiler, vocab, eos = pool
+    driver = StructuredOutput(compiler, vocab, eos, compile_timeout_s=60, fast_rows=True)
+    lead, lagging = new_seq("lead", SPECS[1], 0), new_seq("lagging", SPECS[1], 0)
+    for seq in (lead, lagging):
+        admit([driver], seq, SPECS[1])
+    a, z = 81, 106  # "a" and "z": the regex [a-c]{1,6} takes the first, refuses the second
+    for seq in (lead, lagging):
+        seq.token_ids.append(a)
+    assert driver.accept_step([(lead, [a]), (lagging, [a])]) == {}
+    entry = driver._matchers[lagging.seq_id]
+    assert entry.pending == [a]  # the lead accepted for it
+    entry.pending[:] = [z]  # out of step: its matcher will refuse the token it must catch up on
+
+    rows = driver.bitmask_rows([lagging, lead])
+    assert rows is not None and rows.rows == [0, 1]
+    mask = rows.tensor()
+    assert bool((mask[0] == -1).all())  # open: sample anything, the accept refuses it
+    reference = xg.GrammarMatcher(compiler.compile(SPECS[1]).result(), override_stop_tokens=list(eos))
+    assert reference.accept_token(a)
+    allowed = allowed_tokens(mask[1], vocab).tolist()  # the lead's row: filled, as a fresh matcher's
+    assert a in allowed and z not in allowed
+    assert allowed == allowed_tokens(_fill(reference, driver.words), vocab).tolist()
+
+    for seq in (lead, lagging):
+        seq.token_ids.append(a)
+    refusals = driver.accept_step([(lagging, [a]), (lead, [a])])
+    assert list(refusals) == [lagging.seq_id]
+    rejection = refusals[lagging.seq_id].rejection
+    assert (rejection.status, rejection.reason) == ("INTERNAL", "GRAMMAR_MATCHER_FAULT")
+    assert "refused token 106" in refusals[lagging.seq_id].message
+    assert driver.bitmask_rows([lead]) is not None  # the other sequence goes on
+
+
+def _fill(matcher: object, words: int) -> torch.Tensor:
+    row = torch.zeros(1, words, dtype=torch.int32)
+    matcher.fill_next_token_bitmask(row, 0)  # type: ignore[attr-defined]
+    return row[0]

@@ -107,6 +107,10 @@ class StructuredOutput:
         self._ready_since: float | None = None  # when the pool was first seen ready (self.clock)
         self._matchers: dict[int, _Matched] = {}  # seq_id -> its matcher
         self._dead_ends: dict[int, str] = {}  # seq_id -> why no token could follow
+        # seq_id -> why its matcher is out of step (it refused a token that a matcher in its state
+        # accepted: a fault of ours or xgrammar's). Its rows are left open and its next accept
+        # fails that request alone, as a refused token does; the batch goes on.
+        self._faults: dict[int, str] = {}
         self._bitmask = torch.empty(0, self.words, dtype=torch.int32)  # host rows, grown on demand
         self._batcher: xgrammar.BatchGrammarMatcher | None = None  # fills many rows on its threads
         # The fast path (LOOM_GRAMMAR_FAST_ROWS, on by default): see _fast_rows and _fast_accept.
@@ -222,6 +226,7 @@ class StructuredOutput:
         for sid in done:
             del self._matchers[sid]
             self._dead_ends.pop(sid, None)
+            self._faults.pop(sid, None)
 
     # -- steps --------------------------------------------------------------------------------------
     def any_matched(self, seqs: Seq[Sequence]) -> bool:
@@ -266,7 +271,7 @@ class StructuredOutput:
         j = 0
         for seq, guess in entries:
             matcher = self._sync(self._matchers[seq.seq_id])
-            if seq.is_finished or matcher.is_terminated():
+            if matcher is None or seq.is_finished or matcher.is_terminated():  # None: out of step
                 bitmask[j : j + 1 + len(guess)].fill_(-1)
                 j += 1 + len(guess)
                 continue
@@ -345,7 +350,10 @@ class StructuredOutput:
                 continue
             src = first_of.setdefault(entry.state, g)
             if src == g:
-                self._sync(entry)
+                if self._sync(entry) is None:  # out of step: its row open, the state's next row fills
+                    del first_of[entry.state]
+                    ended.append(g)
+                    continue
                 handles.append(entry.handle)
                 filled.append(g)
             else:
@@ -420,7 +428,10 @@ class StructuredOutput:
         dead_end = self._dead_ends.pop(seq.seq_id, None)
         if dead_end is not None:  # the vocabulary cannot spell what the grammar needs next
             return Refusal(seq.request_id, dead_end, Rejection("FAILED_PRECONDITION", entry.field, "GRAMMAR_DEAD_END"))
-        if not self._sync(entry).accept_token(token):  # the mask allowed it: a fault of ours
+        matcher = self._sync(entry)
+        if matcher is None:
+            return self._fault(seq, entry)
+        if not matcher.accept_token(token):  # the mask allowed it: a fault of ours
             return Refusal(seq.request_id, f"token {token} does not match the constraint after "
                            f"{seq.num_output_tokens - 1} generated tokens",
                            Rejection("INTERNAL", entry.field, "GRAMMAR_TOKEN_REJECTED"))
@@ -447,7 +458,8 @@ class StructuredOutput:
             entry = self._matchers.get(seq.seq_id)
             if entry is None:
                 continue
-            if len(tokens) == 1 and seq.seq_id not in self._dead_ends and not entry.matcher.is_terminated():
+            if (len(tokens) == 1 and seq.seq_id not in self._dead_ends and seq.seq_id not in self._faults
+                    and not entry.matcher.is_terminated()):
                 single.append((seq, entry, tokens[0]))
                 continue
             refusal = self.accept_tokens(seq, tokens)
@@ -471,7 +483,7 @@ class StructuredOutput:
         from xgrammar.base import _core
 
         refusals: dict[int, Refusal] = {}
-        matchers, dead_ends = self._matchers, self._dead_ends
+        matchers, dead_ends, faults = self._matchers, self._dead_ends, self._faults
         # Rows in one state given one token are one group: a matcher of the group that is up to date
         # accepts for all; the others take the token as pending.
         groups: dict[tuple[int, int], list[_Matched]] = {}
@@ -479,7 +491,8 @@ class StructuredOutput:
             entry = matchers.get(seq.seq_id)
             if entry is None:
                 continue
-            if len(toks) == 1 and not entry.terminated and not (dead_ends and seq.seq_id in dead_ends):
+            if (len(toks) == 1 and not entry.terminated and not (dead_ends and seq.seq_id in dead_ends)
+                    and not (faults and seq.seq_id in faults)):
                 groups.setdefault((entry.state, toks[0]), []).append(entry)
                 continue
             refusal = self.accept_tokens(seq, toks)
@@ -490,17 +503,28 @@ class StructuredOutput:
         handles: list[Any] = []
         tokens: list[int] = []
         leads: list[_Matched] = []
+        live: list[list[_Matched]] = []
         for (_, token), members in groups.items():
-            lead = next((m for m in members if not m.pending), members[0])
-            self._sync(lead)
+            lead = next((m for m in members if not m.pending), None)
+            while lead is None and members:  # every member lags: the first that catches up leads
+                if self._sync(members[0]) is None:
+                    out = members.pop(0)
+                    refusals[out.seq.seq_id] = self._fault(out.seq, out)
+                else:
+                    lead = members[0]
+            if lead is None:
+                continue
             handles.append(lead.handle)
             tokens.append(token)
             leads.append(lead)
+            live.append(members)
+        if not handles:
+            return refusals
         ok = _core.BatchGrammarMatcher.batch_accept_token(handles, tokens, False)
         # xgrammar's Array compares structurally with a list: all accepted in one comparison; any
         # other answer (a refusal, or another element type) is read element by element.
         every = ok == [1] * len(handles)
-        for k, (lead, token, members) in enumerate(zip(leads, tokens, groups.values(), strict=True)):
+        for k, (lead, token, members) in enumerate(zip(leads, tokens, live, strict=True)):
             if every or ok[k]:
                 self._accepted(lead, token)
                 for m in members:
@@ -512,15 +536,29 @@ class StructuredOutput:
                     refusals[m.seq.seq_id] = self._rejected(m.seq, m, token)
         return refusals
 
-    def _sync(self, entry: _Matched) -> xgrammar.GrammarMatcher:
-        """``entry``'s matcher, given the tokens another matcher in its state accepted for it."""
+    def _sync(self, entry: _Matched) -> xgrammar.GrammarMatcher | None:
+        """``entry``'s matcher, given the tokens another matcher in its state accepted for it; None
+        when it refuses one (out of step: recorded for :meth:`_fault`, never raised, since the
+        other sequences of the step must go on)."""
         if entry.pending:
             for token in entry.pending:
                 if not entry.matcher.accept_token(token):  # another matcher in this state accepted it
-                    raise RuntimeError(f"a grammar matcher refused token {token} that a matcher in the same "
-                                       "state accepted")
+                    self._faults[entry.seq.seq_id] = (
+                        f"the grammar's matcher refused token {token}, which a matcher in the same state "
+                        f"accepted, after {entry.seq.num_known_tokens - entry.seq.num_prompt_tokens} "
+                        "generated tokens")
+                    entry.pending.clear()
+                    return None
             entry.pending.clear()
+        if entry.seq.seq_id in self._faults:
+            return None
         return entry.matcher
+
+    def _fault(self, seq: Sequence, entry: _Matched) -> Refusal:
+        """The refusal of a sequence whose matcher is out of step (:meth:`_sync`)."""
+        # the fault stays recorded until the sequence is forgotten: its rows stay open meanwhile
+        message = self._faults.get(seq.seq_id, "the grammar's matcher is out of step")
+        return Refusal(seq.request_id, message, Rejection("INTERNAL", entry.field, "GRAMMAR_MATCHER_FAULT"))
 
     @staticmethod
     def _rejected(seq: Sequence, entry: _Matched, token: int) -> Refusal:
