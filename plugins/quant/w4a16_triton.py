@@ -447,18 +447,23 @@ def _wide_gemm_plan(m: int, n: int, k: int, bk: int, sms: int) -> Plan:
 
 
 # The transposed GEMM's float32 partial sums (split x M x N x 4 bytes) are written and read back
-# once: up to this size they stay in L2 (50 MB on the H100 / H200). Past it a split costs more
-# traffic than its parallelism saves (the sweep below: o_proj at 128 tokens, 16 splits 41 us
-# against 21 with 4).
-_GEMM_T_PARTIAL_BYTES = 20 << 20
+# once: up to about this size they stay in L2 (50 MB on the H100 / H200). Past it a split costs
+# more traffic than its parallelism saves (the sweep below: o_proj at 128 tokens, 16 splits and
+# 34 MB of partials 41 us against 21 with 4; down_proj at 128 tokens, 16 splits and 34 MB, was
+# still the fastest, 61.7 us against 66.8 with 8).
+_GEMM_T_PARTIAL_BYTES = 36 << 20
 
 
 def _gemm_t_plan(m: int, n: int, k: int, bk: int, sms: int) -> Plan:
     """2 to ``DENSE_FROM_TOKENS - 1`` tokens, 16-bit activations: :func:`_gemm_t_kernel` with
     tiles of 64 weight rows (one warpgroup's wgmma) by the smallest power of two from 16 that
     holds the tokens, 64 deep, 4 warps, 4 stages up to 64 tokens (3 above). K is split into
-    pieces of about 1,024 inputs (a power of two of them, at most 16), halved while the partial
-    sums would pass ``_GEMM_T_PARTIAL_BYTES``.
+    pieces of about 1,024 inputs (a power of two of them, at most 16); at 16 tokens or fewer
+    into pieces down to ~512 while the grid holds fewer than 3 programs an SM (qkv_proj and
+    o_proj: 8 splits, 14.2 and 10.8 us against 16.1 and 13.4 with 4); halved while the partial
+    sums would pass ``_GEMM_T_PARTIAL_BYTES`` (36 MB: gate_up_proj at 128 tokens keeps 2 splits,
+    118.2 us against 128.1 with 1, and down_proj 16, 61.7 against 66.8 with 8). Every split this
+    rule gives llama-8b's layers at 16, 64 and 128 tokens is the fastest of that sweep.
 
     From the sweep of session 31 (an H100 of 132 SMs, ``scripts/bench_w4a16_plans.py --schemes
     gptq --tokens 64,128,16 --quick --transposed-only``, bench/results/gpu-w4a16-plans-gemm-t-h100-s31.json):
@@ -474,6 +479,11 @@ def _gemm_t_plan(m: int, n: int, k: int, bk: int, sms: int) -> Plan:
     split = 1
     while split * 2 <= min(_MAX_SPLIT["gemm"], k_blocks) and k / (split * 2) >= 768:
         split *= 2  # the power of two nearest k / 1024 (768 and up rounds to another split)
+    if bm <= 16:  # a program's MMAs are short: pieces down to ~512 inputs for ~3 programs an SM
+        tiles = -(-n // bn)
+        while (split * 2 <= min(_MAX_SPLIT["gemm"], k_blocks) and k / (split * 2) >= 384
+               and tiles * split < 3 * sms):
+            split *= 2
     while split > 1 and split * m * n * 4 > _GEMM_T_PARTIAL_BYTES:
         split //= 2
     k_split = -(-k_blocks // split) * bk
