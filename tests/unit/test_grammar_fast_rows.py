@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers.broken_matchers import BrokenMatchers
 
 from loom.engine.sequence import Sequence, SequenceStatus
 from loom.engine.types import EngineRequest, SamplingParams, StoppingParams
@@ -210,6 +211,155 @@ def test_a_matcher_out_of_step_fails_its_request_alone(pool: tuple[GrammarCompil
     assert (rejection.status, rejection.reason) == ("INTERNAL", "GRAMMAR_MATCHER_FAULT")
     assert "refused token 106" in refusals[lagging.seq_id].message
     assert driver.bitmask_rows([lead]) is not None  # the other sequence goes on
+
+
+def _step_tokens(rows: TokenBitmaskRows, seqs: list[Sequence], vocab: int, eos: tuple[int, ...],
+                 rng: random.Random, twins: dict[int, int]) -> list[tuple[Sequence, list[int]]]:
+    """A token for each of ``seqs`` (all constrained and live) that its row allows, never EOS;
+    ``twins`` maps an index to the earlier one whose token it repeats (one state, one token)."""
+    mask = rows.tensor()
+    chosen: list[int] = []
+    for i in range(len(seqs)):
+        ids = [t for t in allowed_tokens(mask[i], vocab).tolist() if t not in eos]
+        chosen.append(chosen[twins[i]] if i in twins else rng.choice(ids))
+    for seq, token in zip(seqs, chosen, strict=True):
+        seq.token_ids.append(token)
+    return [(seq, [token]) for seq, token in zip(seqs, chosen, strict=True)]
+
+
+def _faulted_drivers(pool: tuple[GrammarCompilerPool, int, tuple[int, ...]], fast: bool
+                     ) -> tuple[StructuredOutput, StructuredOutput, list[Sequence]]:
+    """A driver and its reference, the same five sequences in both: JSON, a regex twice (twins:
+    one state while they take the same tokens), an EBNF grammar with min_new_tokens, JSON again
+    (grammars that last longer than the tests' steps)."""
+    compiler, vocab, eos = pool
+    under, reference = (StructuredOutput(compiler, vocab, eos, compile_timeout_s=60, fast_rows=fast) for _ in range(2))
+    regex = GrammarSpec("regex", "[a-c]{1,200}", "parameters.constraint.regex")
+    words = GrammarSpec("ebnf", 'root ::= ("yes" | "no") (" " ("yes" | "no"))*', "parameters.constraint.grammar")
+    specs, mins = [SPECS[0], regex, regex, words, SPECS[0]], [0, 0, 0, 4, 0]
+    seqs = [new_seq(f"s{i}", spec, m) for i, (spec, m) in enumerate(zip(specs, mins, strict=True))]
+    for seq, spec in zip(seqs, specs, strict=True):
+        admit([under, reference], seq, spec)
+    return under, reference, seqs
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "plain"])
+def test_a_batch_fill_that_raises_for_one_row_fills_every_other_row(
+        pool: tuple[GrammarCompilerPool, int, tuple[int, ...]], fast: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """xgrammar raises in the batch fill for one matcher: the rows are filled one by one, the
+    other rows as the reference fills them (the broken one's twin, whose row copied it on the
+    fast path, fills in its place), the broken row is left open, and the next accept fails that
+    request alone with INTERNAL GRAMMAR_MATCHER_FAULT; nothing raises."""
+    _, vocab, eos = pool
+    under, reference, seqs = _faulted_drivers(pool, fast)
+    broken = BrokenMatchers(monkeypatch)
+    rng, twins = random.Random(7), {2: 1}
+    for _ in range(2):  # a few tokens in: the twins share a state, one fill on the fast path
+        rows = reference.bitmask_rows(seqs)
+        assert rows is not None and under.bitmask_rows(seqs) == rows
+        items = _step_tokens(rows, seqs, vocab, eos, rng, twins)
+        assert under.accept_step(items) == {} and reference.accept_step(items) == {}
+    culprit = seqs[1]
+    broken.break_(under, culprit, fill=True)
+    got, want = under.bitmask_rows(seqs), reference.bitmask_rows(seqs)
+    assert broken.batch_fills == 1  # the batch call raised
+    assert got is not None and want is not None and got.rows == want.rows
+    got_t, want_t = got.tensor(), want.tensor()
+    for g in range(len(seqs)):
+        if g == 1:
+            assert bool((got_t[g] == -1).all())  # open: its accept fails the request
+        else:
+            assert torch.equal(got_t[g], want_t[g]), f"row {g} differs from the reference"
+    items = _step_tokens(want, seqs, vocab, eos, rng, twins)
+    refusals = under.accept_step(items)
+    assert reference.accept_step(items) == {}
+    assert list(refusals) == [culprit.seq_id]
+    refusal = refusals[culprit.seq_id]
+    assert (refusal.rejection.status, refusal.rejection.reason) == ("INTERNAL", "GRAMMAR_MATCHER_FAULT")
+    assert refusal.rejection.field == "parameters.constraint.regex"
+    assert "raised RuntimeError: injected: the matcher's fill failed while filling its mask" in refusal.message
+    culprit.status = SequenceStatus.FINISHED  # the engine fails its request
+    rest = [s for s in seqs if s is not culprit]
+    for _ in range(2):  # the others go on, as in the reference
+        rows = reference.bitmask_rows(rest)
+        assert rows is not None and under.bitmask_rows(rest) == rows
+        items = _step_tokens(rows, rest, vocab, eos, rng, {})
+        assert under.accept_step(items) == {} and reference.accept_step(items) == {}
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "plain"])
+def test_a_batch_accept_that_raises_for_one_row_accepts_every_other_row(
+        pool: tuple[GrammarCompilerPool, int, tuple[int, ...]], fast: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """xgrammar raises in the batch accept for one matcher, after its loop took the tokens of the
+    rows before it: those are not accepted twice (read from each matcher's history), the rows
+    after it accept one by one, the broken one's twin (whose matcher lagged: the broken one had
+    accepted for it) catches up and accepts, and the broken one's request alone is refused with
+    INTERNAL GRAMMAR_MATCHER_FAULT; the masks stay the reference's after."""
+    _, vocab, eos = pool
+    under, reference, seqs = _faulted_drivers(pool, fast)
+    broken = BrokenMatchers(monkeypatch)
+    rng, twins = random.Random(3), {2: 1}
+    rows = reference.bitmask_rows(seqs)
+    assert rows is not None and under.bitmask_rows(seqs) == rows
+    items = _step_tokens(rows, seqs, vocab, eos, rng, twins)
+    assert under.accept_step(items) == {} and reference.accept_step(items) == {}
+    culprit = seqs[1]
+    if fast:
+        assert under._matchers[seqs[2].seq_id].pending  # the culprit accepts for its twin
+    broken.break_(under, culprit, accept=True)
+    rows = reference.bitmask_rows(seqs)
+    assert rows is not None and under.bitmask_rows(seqs) == rows
+    items = _step_tokens(rows, seqs, vocab, eos, rng, twins)
+    refusals = under.accept_step(items)
+    assert broken.batch_accepts == 1  # the batch call raised, after the first row's token
+    assert reference.accept_step(items) == {}
+    assert list(refusals) == [culprit.seq_id]
+    refusal = refusals[culprit.seq_id]
+    assert (refusal.rejection.status, refusal.rejection.reason) == ("INTERNAL", "GRAMMAR_MATCHER_FAULT")
+    assert (f"raised RuntimeError: injected: the matcher's accept failed while accepting token {items[1][1][0]}"
+            in refusal.message)
+    culprit.status = SequenceStatus.FINISHED  # the engine fails its request
+    rest = [s for s in seqs if s is not culprit]
+    for _ in range(3):  # the others go on, as in the reference: no token taken twice, none missed
+        rows = reference.bitmask_rows(rest)
+        assert rows is not None and under.bitmask_rows(rest) == rows
+        items = _step_tokens(rows, rest, vocab, eos, rng, {})
+        assert under.accept_step(items) == {} and reference.accept_step(items) == {}
+
+
+def test_a_draft_walk_that_raises_opens_that_sequences_rows_alone(
+        pool: tuple[GrammarCompilerPool, int, tuple[int, ...]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sequence verifying drafts whose matcher raises while walking them: its rows are left
+    open and its next accept fails its request alone; the other sequences' rows (drafted or
+    not) are the reference's."""
+    _, vocab, eos = pool
+    under, reference, seqs = _faulted_drivers(pool, fast=True)
+    broken = BrokenMatchers(monkeypatch)
+    rng = random.Random(5)
+    rows = reference.bitmask_rows(seqs)
+    assert rows is not None
+    items = _step_tokens(rows, seqs, vocab, eos, rng, {})
+    assert under.accept_step(items) == {} and reference.accept_step(items) == {}
+    a, b, c = 81, 82, 83  # "a", "b", "c": the regex takes them
+    drafts = [[], [a, b], [c], [], []]  # the culprit (1) and its twin (2) verify drafts
+    culprit = seqs[1]
+    broken.break_(under, culprit, fill=True)
+    got, want = under.bitmask_rows(seqs, drafts), reference.bitmask_rows(seqs, drafts)
+    assert got is not None and want is not None and got.rows == want.rows == list(range(8))
+    got_t, want_t = got.tensor(), want.tensor()
+    for g in range(8):
+        if g in (1, 2, 3):  # the culprit's three rows
+            assert bool((got_t[g] == -1).all())
+        else:
+            assert torch.equal(got_t[g], want_t[g]), f"row {g} differs from the reference"
+    rows = reference.bitmask_rows(seqs)  # each sequence's first row (a fill moves no matcher)
+    assert rows is not None
+    items = _step_tokens(rows, seqs, vocab, eos, rng, {})
+    assert reference.accept_step(items) == {}
+    refusals = under.accept_step(items)
+    assert list(refusals) == [culprit.seq_id]
+    assert refusals[culprit.seq_id].rejection.reason == "GRAMMAR_MATCHER_FAULT"
+    assert "while walking its 2 draft tokens" in refusals[culprit.seq_id].message
 
 
 def _fill(matcher: object, words: int) -> torch.Tensor:

@@ -12,11 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.broken_matchers import BrokenMatchers
 
 from loom.config import EngineConfig
 from loom.engine.llm_engine import LLMEngine
+from loom.engine.sequence import Sequence
 from loom.engine.types import EngineOutput, EngineRequest, FinishReason, SamplingParams, StoppingParams
 from loom.frontend.tokenizer import Tokenizer
+from loom.structured.driver import StructuredOutput
 from loom.structured.grammars import choice_to_ebnf
 from loom.structured.spec import GrammarSpec
 
@@ -199,3 +202,77 @@ def test_finished_matchers_are_dropped_when_constrained_traffic_stops(engine: LL
     run(engine, [request("json", JSON_SPEC, n=2, do_sample=True, seed=3), request("plain", None, new=4)])
     run(engine, [request("plain-after", None, new=2)])  # steps with nothing held
     assert engine._structured is not None and engine._structured.num_matched == 0
+
+
+def _break_on_attach(monkeypatch: pytest.MonkeyPatch, request_id: str, *, fill: bool = False,
+                     accept: bool = False) -> BrokenMatchers:
+    """The matchers of ``request_id`` raise (on fill and/or accept, alone and in xgrammar's batch
+    calls) from the moment its grammar is ready."""
+    broken = BrokenMatchers(monkeypatch)
+    attach = StructuredOutput._attach
+
+    def attach_broken(self: StructuredOutput, seqs: list[Sequence], compiled: Any, spec: GrammarSpec) -> None:
+        attach(self, seqs, compiled, spec)
+        for seq in seqs:
+            if seq.request_id == request_id:
+                broken.break_(self, seq, fill=fill, accept=accept)
+
+    monkeypatch.setattr(StructuredOutput, "_attach", attach_broken)
+    return broken
+
+
+def _assert_faulted(outs: list[EngineOutput], field: str, *words: str) -> None:
+    last = outs[-1]
+    assert last.finish_reason is FinishReason.ERROR and last.rejection is not None, last
+    assert (last.rejection.status, last.rejection.reason, last.rejection.field) == (
+        "INTERNAL", "GRAMMAR_MATCHER_FAULT", field)
+    assert last.error is not None and all(w in last.error for w in words), last.error
+
+
+@pytest.mark.parametrize("how", ["fill", "accept"])
+def test_a_matcher_that_raises_fails_its_request_alone(engine: LLMEngine, tok: Tokenizer,
+                                                       monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """xgrammar raises for one request's matcher (filling its mask, or accepting its token) in a
+    batch with two other constrained requests (one before it, one after) and an unconstrained
+    one: that request fails with INTERNAL GRAMMAR_MATCHER_FAULT, the others end with valid
+    outputs (the plain one token for token as alone), and no step raises."""
+    plain_alone = run(engine, [request("plain", None, new=12)])[("plain", 0)]
+    broken = _break_on_attach(monkeypatch, "broken", fill=how == "fill", accept=how == "accept")
+    outs = run(engine, [
+        request("json", JSON_SPEC, do_sample=True, seed=5),
+        request("broken", REGEX, do_sample=True, seed=1),
+        request("choice", CHOICE),
+        request("plain", None, new=12),
+    ])
+    assert (broken.batch_fills, broken.batch_accepts) == ((1, 0) if how == "fill" else (0, 1))
+    doing = "while filling its mask" if how == "fill" else "while accepting token"
+    _assert_faulted(outs[("broken", 0)], REGEX.field, "the grammar's matcher raised RuntimeError: injected", doing)
+    assert finish(outs[("json", 0)]) is FinishReason.EOS_TOKEN
+    jsonschema.validate(json.loads(text(tok, outs[("json", 0)])), SCHEMA)
+    assert finish(outs[("choice", 0)]) is FinishReason.EOS_TOKEN
+    assert text(tok, outs[("choice", 0)]) in ("yes", "no", "maybe")
+    assert ids(outs[("plain", 0)]) == ids(plain_alone) and finish(outs[("plain", 0)]) is FinishReason.LENGTH
+
+
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
+@pytest.mark.parametrize("where", ["bitmask_rows", "accept_step"])
+def test_a_grammar_fault_outside_xgrammar_fails_the_constrained_requests_of_the_step(
+        model_dir: Path, engine: LLMEngine, monkeypatch: pytest.MonkeyPatch, scheduling: str, where: str) -> None:
+    """The engine's backstop: when the driver itself raises (a bug outside xgrammar) filling the
+    rows (the step is then sampled without a mask) or accepting the tokens, the step's
+    constrained requests fail with INTERNAL GRAMMAR_MATCHER_FAULT, the unconstrained one ends as
+    it does alone, and engine.step() never raises."""
+    plain_alone = run(engine, [request("plain", None, new=12)])[("plain", 0)]
+    subject = engine if scheduling == "sync" else make_engine(model_dir, async_scheduling="on")
+
+    def boom(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"injected: a bug in {where}")
+
+    monkeypatch.setattr(StructuredOutput, where, boom)
+    outs = run(subject, [request("json", JSON_SPEC, n=2, do_sample=True, seed=5), request("regex", REGEX),
+                         request("plain", None, new=12)])
+    doing = "while filling this step's token masks" if where == "bitmask_rows" else "while accepting this step's tokens"
+    for key, field in [(("json", 0), JSON_SPEC.field), (("json", 1), JSON_SPEC.field), (("regex", 0), REGEX.field)]:
+        _assert_faulted(outs[key], field, doing, f"RuntimeError: injected: a bug in {where}")
+    assert ids(outs[("plain", 0)]) == ids(plain_alone) and finish(outs[("plain", 0)]) is FinishReason.LENGTH
+    assert not subject.has_unfinished()

@@ -596,7 +596,7 @@ class LLMEngine:
             return outputs
         if prev is not None:
             outputs += self._complete(prev)
-        self._sample(launched)
+        outputs += self._sample(launched)  # (the requests failed on the way, if any)
         # Admissions may have grown the batch past the largest graph: check that again. (Penalties
         # and prompt logprobs were checked over every live sequence before scheduling.)
         if overlap and not drafts and self._overlap_helps():
@@ -681,22 +681,52 @@ class LLMEngine:
             seq.pending_row = row
         return _Launched(sched, planned, step, positions, guesses)
 
-    def _sample(self, launched: _Launched) -> LaunchedStep:
+    def _sample(self, launched: _Launched) -> list[EngineOutput]:
         """Queue a launched step's sampling if its grammar rows were left to fill: the matchers
         have seen every earlier token by now (the previous step was completed after this one's
-        forward was queued), so the rows are filled while the device runs the forward."""
+        forward was queued), so the rows are filled while the device runs the forward.
+
+        The driver turns a fault of one matcher into the failure of its own request; should the
+        rows still fail to fill (a fault outside xgrammar), the step's constrained requests fail
+        (INTERNAL, GRAMMAR_MATCHER_FAULT: their outputs are returned) and its rows are sampled
+        without a mask, so that the other requests go on."""
         step = launched.step
-        if isinstance(step, ForwardedStep):
-            assert self._structured is not None
+        if not isinstance(step, ForwardedStep):
+            return []
+        assert self._structured is not None
+        outputs: list[EngineOutput] = []
+        try:
             bitmask = self._structured.bitmask_rows(launched.planned.sample_seqs, launched.guesses)
-            step = launched.step = self.worker.sample(step, bitmask)
-        return step
+        except Exception as exc:
+            bitmask = None
+            outputs = self._fail_constrained(launched.planned.sample_seqs, exc)
+        launched.step = self.worker.sample(step, bitmask)
+        return outputs
+
+    def _fail_constrained(self, seqs: Seq[Sequence], exc: Exception) -> list[EngineOutput]:
+        """Fail the requests of ``seqs`` that follow a grammar, after filling their rows raised."""
+        assert self._structured is not None
+        failed = {s.request_id for s in seqs if not s.is_finished and self._structured.has_matcher(s)}
+        log.error("filling the step's grammar rows failed: its constrained requests fail, the others go on",
+                  requests=sorted(failed), error=repr(exc), exc_info=exc)
+        outputs: list[EngineOutput] = []
+        for seq in seqs:
+            if seq.request_id in failed and not seq.is_finished:
+                spec = seq.sampling.constraint
+                outputs += self.fail_request(
+                    seq.request_id, f"structured output failed while filling this step's token masks "
+                    f"({type(exc).__name__}: {exc}); a fault of the server, not of the request",
+                    Rejection("INTERNAL", spec.field if spec is not None else "parameters.constraint",
+                              "GRAMMAR_MATCHER_FAULT"))
+        return outputs
 
     def _complete(self, launched: _Launched) -> list[EngineOutput]:
         """Wait for a launched step and apply its tokens (the output processor)."""
-        result = self.worker.finish(self._sample(launched))
-        outputs = self.outputs.process(launched.planned, launched.positions, result, launched.sched.seqs,
-                                       self.speculator.proposed if self.speculator is not None else None)
+        outputs = self._sample(launched)  # (nothing when its sampling is queued already)
+        assert isinstance(launched.step, LaunchedStep)
+        result = self.worker.finish(launched.step)
+        outputs += self.outputs.process(launched.planned, launched.positions, result, launched.sched.seqs,
+                                        self.speculator.proposed if self.speculator is not None else None)
         num_drafts = launched.planned.plan.num_drafts
         if self.speculator is not None and num_drafts is not None:
             for seq, m, tokens in zip(launched.planned.sample_seqs, num_drafts, result.token_ids, strict=True):

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import structlog
+
 from loom.worker.step_plan import StepOutput
 
 from .block_manager import BlockManager
@@ -21,7 +23,9 @@ from .step_planner import PlannedStep
 from .types import EngineOutput, FinishReason, Rejection
 
 if TYPE_CHECKING:
-    from loom.structured.driver import StructuredOutput
+    from loom.structured.driver import Refusal, StructuredOutput
+
+log = structlog.get_logger(__name__)
 
 
 class OutputProcessor:
@@ -43,10 +47,8 @@ class OutputProcessor:
         usage and metrics do not count as drafts)."""
         self._prompt_logprobs(planned, result)
         outputs: list[EngineOutput] = []
-        refusals = self.grammars.accept_step(
-            [(seq, tokens) for seq, tokens in zip(planned.sample_seqs, result.token_ids, strict=True)
-             if not seq.is_finished and seq.seq_id not in result.failed]
-        ) if self.grammars is not None and self.grammars.any_matched(planned.sample_seqs) else {}
+        refusals = self._grammar_accepts(planned, result) if (
+            self.grammars is not None and self.grammars.any_matched(planned.sample_seqs)) else {}
         for i, seq in enumerate(planned.sample_seqs):
             if seq.is_finished:
                 continue  # finished or aborted while the step ran, or failed earlier in it
@@ -78,6 +80,30 @@ class OutputProcessor:
             if not seq.is_finished:  # blocks that filled while their last token was on the device
                 self.block_manager.register_full_blocks(seq)
         return outputs
+
+    def _grammar_accepts(self, planned: PlannedStep, result: StepOutput) -> dict[int, Refusal]:
+        """The matchers take the step's tokens; the refusals by seq_id. The driver turns a fault of
+        one matcher into a refusal of its own request; should accepting still raise (a fault
+        outside xgrammar), every constrained sequence of the step is refused (INTERNAL,
+        GRAMMAR_MATCHER_FAULT) and the others go on."""
+        grammars = self.grammars
+        assert grammars is not None
+        items = [(seq, tokens) for seq, tokens in zip(planned.sample_seqs, result.token_ids, strict=True)
+                 if not seq.is_finished and seq.seq_id not in result.failed]
+        try:
+            return grammars.accept_step(items)
+        except Exception as exc:
+            from loom.structured.driver import Refusal
+
+            constrained = [seq for seq, _ in items if grammars.has_matcher(seq)]
+            log.error("the grammar's matchers failed to accept the step's tokens: its constrained requests fail, "
+                      "the others go on", requests=sorted({s.request_id for s in constrained}), error=repr(exc),
+                      exc_info=exc)
+            message = (f"structured output failed while accepting this step's tokens ({type(exc).__name__}: "
+                       f"{exc}); a fault of the server, not of the request")
+            return {seq.seq_id: Refusal(seq.request_id, message, Rejection(
+                "INTERNAL", seq.sampling.constraint.field if seq.sampling.constraint is not None
+                else "parameters.constraint", "GRAMMAR_MATCHER_FAULT")) for seq in constrained}
 
     def _prompt_logprobs(self, planned: PlannedStep, result: StepOutput) -> None:
         """Accumulate prompt logprobs on the sequence, chunk by chunk (``seq.prompt_logprobs``)."""

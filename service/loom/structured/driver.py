@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import structlog
 import torch
 
 from loom import kernel_switches
@@ -51,6 +52,8 @@ from .vocabulary import VocabularyError
 
 if TYPE_CHECKING:
     import xgrammar
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass
@@ -74,6 +77,10 @@ class _Matched:
     # accepted them for it (the same state and token give the same state), so while matchers keep
     # in step one accepts for all; the matcher catches up when it is needed alone (_sync).
     pending: list[int] = dataclasses.field(default_factory=list)
+    # Tokens its own matcher has accepted (xgrammar keeps them all: its history, which a rollback
+    # past raises on). After a batch accept raised, this tells whether xgrammar's loop had reached
+    # this matcher before it stopped (_took).
+    taken: int = 0
 
 
 # (state id, token) -> state id entries, and grammar texts' start states, kept for sharing masks;
@@ -108,8 +115,9 @@ class StructuredOutput:
         self._matchers: dict[int, _Matched] = {}  # seq_id -> its matcher
         self._dead_ends: dict[int, str] = {}  # seq_id -> why no token could follow
         # seq_id -> why its matcher is out of step (it refused a token that a matcher in its state
-        # accepted: a fault of ours or xgrammar's). Its rows are left open and its next accept
-        # fails that request alone, as a refused token does; the batch goes on.
+        # accepted: a fault of ours or xgrammar's) or broken (xgrammar raised while filling its
+        # rows or accepting its token: _raised). Its rows are left open and its next accept fails
+        # that request alone, as a refused token does; the batch goes on.
         self._faults: dict[int, str] = {}
         self._bitmask = torch.empty(0, self.words, dtype=torch.int32)  # host rows, grown on demand
         self._batcher: xgrammar.BatchGrammarMatcher | None = None  # fills many rows on its threads
@@ -202,6 +210,7 @@ class StructuredOutput:
 
     def _accepted(self, entry: _Matched, token: int) -> None:
         """``entry``'s matcher has accepted ``token``: its state id and terminated flag follow."""
+        entry.taken += 1
         key = (entry.state, token)
         state = self._state_steps.get(key)
         if state is None:
@@ -267,41 +276,50 @@ class StructuredOutput:
         # on one core, against ~100 us for a Python loop of single fills).
         batch_matchers: list[xgrammar.GrammarMatcher] = []
         batch_rows: list[int] = []
-        batch_seqs: list[Sequence] = []
+        batch_entries: list[_Matched] = []
         j = 0
         for seq, guess in entries:
-            matcher = self._sync(self._matchers[seq.seq_id])
+            entry = self._matchers[seq.seq_id]
+            start, j = j, j + 1 + len(guess)  # its rows: bitmask[start:j]
+            matcher = self._sync(entry)
             if matcher is None or seq.is_finished or matcher.is_terminated():  # None: out of step
-                bitmask[j : j + 1 + len(guess)].fill_(-1)
-                j += 1 + len(guess)
+                bitmask[start:j].fill_(-1)
                 continue
+            first_rows.append((start, seq))
             if not guess:
                 batch_matchers.append(matcher)
-                batch_rows.append(j)
-                batch_seqs.append(seq)
-                first_rows.append((j, seq))
-                j += 1
+                batch_rows.append(start)
+                batch_entries.append(entry)
                 continue
             done = seq.num_known_tokens - seq.num_prompt_tokens  # output tokens before this step's
             walked = 0
-            for k in range(1 + len(guess)):
-                if k and walked == k - 1 and not matcher.is_terminated() and matcher.accept_token(guess[k - 1]):
-                    walked += 1
-                if walked == k:
-                    matcher.fill_next_token_bitmask(bitmask, j)
-                    if done + k < seq.stopping.min_new_tokens:
-                        self._hold_back_stops(bitmask[j], seq)
-                else:
-                    bitmask[j].fill_(-1)
-                if k == 0:
-                    first_rows.append((j, seq))
-                j += 1
-            if walked:
-                matcher.rollback(walked)
+            try:
+                for k in range(1 + len(guess)):
+                    if k and walked == k - 1 and not matcher.is_terminated() and matcher.accept_token(guess[k - 1]):
+                        walked += 1
+                    if walked == k:
+                        matcher.fill_next_token_bitmask(bitmask, start + k)
+                        if done + k < seq.stopping.min_new_tokens:
+                            self._hold_back_stops(bitmask[start + k], seq)
+                    else:
+                        bitmask[start + k].fill_(-1)
+                if walked:
+                    matcher.rollback(walked)
+            except Exception as exc:  # its rows open; its next accept fails its request alone
+                self._raised(entry, exc, f"walking its {len(guess)} draft tokens")
+                bitmask[start:j].fill_(-1)
         if batch_matchers:
-            self._batch_matcher().batch_fill_next_token_bitmask(batch_matchers, bitmask, batch_rows)
-            for g, seq in zip(batch_rows, batch_seqs, strict=True):
-                if seq.num_known_tokens - seq.num_prompt_tokens < seq.stopping.min_new_tokens:
+            try:
+                self._batch_matcher().batch_fill_next_token_bitmask(batch_matchers, bitmask, batch_rows)
+            except Exception:  # some matcher's fill raised: row by row, to find it and fill the others
+                for g, entry in zip(batch_rows, batch_entries, strict=True):
+                    if not self._fill_alone(entry, bitmask, g):
+                        bitmask[g].fill_(-1)
+            faults = self._faults
+            for g, entry in zip(batch_rows, batch_entries, strict=True):
+                seq = entry.seq
+                if (seq.num_known_tokens - seq.num_prompt_tokens < seq.stopping.min_new_tokens
+                        and not (faults and seq.seq_id in faults)):
                     self._hold_back_stops(bitmask[g], seq)
         empty = (bitmask == 0).all(dim=1).tolist()  # one pass: rows that allow no token
         for g, seq in first_rows:
@@ -362,7 +380,12 @@ class StructuredOutput:
                 holds.append(g)
         if handles:  # xgrammar's own object: its wrapper would build the handle list again
             batcher: Any = self._batch_matcher()._handle
-            batcher.batch_fill_next_token_bitmask(handles, bitmask, None if len(filled) == len(rows) else filled, False)
+            try:
+                batcher.batch_fill_next_token_bitmask(handles, bitmask, None if len(filled) == len(rows) else filled,
+                                                      False)
+            except Exception:  # some matcher's fill raised: row by row, to find it and fill the others
+                filled, copies = self._fill_rows_alone(entries, bitmask, filled, copies, ended)
+                holds = [g for g in holds if entries[g].seq.seq_id not in self._faults]
         words = bitmask.numpy()  # the same memory
         # Rows that allow no token (rare): only a filled row can be one (a copy is as empty as its
         # source, an open row is all ones, and clearing stop ids never empties a row: see
@@ -383,6 +406,38 @@ class StructuredOutput:
         if empty:
             self._mark_dead_ends(words, entries, sorted([*empty, *(g for g, src in copies if src in empty)]))
         return TokenBitmaskRows(rows, self.words, bitmask)
+
+    def _fill_rows_alone(self, entries: list[_Matched], bitmask: torch.Tensor, filled: list[int],
+                         copies: list[tuple[int, int]], ended: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
+        """:meth:`_fast_rows` after its batch fill raised: each of its rows filled alone. A matcher
+        whose own fill raises is a fault (:meth:`_raised`): its row is left open (added to
+        ``ended``) and the next row of its state, caught up, fills in its place for the copies.
+        Returns the rows filled and the copies left (row, the filled row of the same state)."""
+        copies_of: dict[int, list[int]] = {}
+        for g, first in copies:
+            copies_of.setdefault(first, []).append(g)
+        now_filled: list[int] = []
+        now_copies: list[tuple[int, int]] = []
+        for g in filled:
+            src: int | None = None  # the row of this state filled alone
+            for row in (g, *copies_of.get(g, ())):
+                if src is not None:
+                    now_copies.append((row, src))
+                elif (row == g or self._sync(entries[row]) is not None) and self._fill_alone(entries[row], bitmask, row):
+                    src = row
+                    now_filled.append(row)
+                else:  # a fault (its matcher raised, or is out of step): open
+                    ended.append(row)
+        return now_filled, now_copies
+
+    def _fill_alone(self, entry: _Matched, bitmask: torch.Tensor, g: int) -> bool:
+        """Fill row ``g`` from ``entry``'s matcher alone; False (a fault, recorded) when it raises."""
+        try:
+            entry.matcher.fill_next_token_bitmask(bitmask, g)
+        except Exception as exc:
+            self._raised(entry, exc, "filling its mask")
+            return False
+        return True
 
     def _mark_dead_ends(self, words: np.ndarray, entries: list[_Matched], empty: list[int]) -> None:
         for g in empty:
@@ -431,7 +486,12 @@ class StructuredOutput:
         matcher = self._sync(entry)
         if matcher is None:
             return self._fault(seq, entry)
-        if not matcher.accept_token(token):  # the mask allowed it: a fault of ours
+        try:
+            accepted = matcher.accept_token(token)
+        except Exception as exc:
+            self._raised(entry, exc, f"accepting token {token}")
+            return self._fault(seq, entry)
+        if not accepted:  # the mask allowed it: a fault of ours
             return Refusal(seq.request_id, f"token {token} does not match the constraint after "
                            f"{seq.num_output_tokens - 1} generated tokens",
                            Rejection("INTERNAL", entry.field, "GRAMMAR_TOKEN_REJECTED"))
@@ -468,9 +528,15 @@ class StructuredOutput:
         if single:
             import xgrammar as xg
 
-            ok = xg.BatchGrammarMatcher.batch_accept_token([m.matcher for _, m, _ in single], [t for *_, t in single])
+            try:
+                ok: list[bool | None] = list(xg.BatchGrammarMatcher.batch_accept_token(
+                    [m.matcher for _, m, _ in single], [t for *_, t in single]))
+            except Exception:  # some matcher's accept raised: row by row, to find it and accept the others
+                ok = [self._accept_after_batch(entry, token) for _, entry, token in single]
             for (seq, entry, token), accepted in zip(single, ok, strict=True):
-                if not accepted:  # the mask allowed it: a fault of ours
+                if accepted is None:  # it raised: a fault (_raised)
+                    refusals[seq.seq_id] = self._fault(seq, entry)
+                elif not accepted:  # the mask allowed it: a fault of ours
                     refusals[seq.seq_id] = self._rejected(seq, entry, token)
                 else:
                     self._accepted(entry, token)
@@ -520,7 +586,12 @@ class StructuredOutput:
             live.append(members)
         if not handles:
             return refusals
-        ok = _core.BatchGrammarMatcher.batch_accept_token(handles, tokens, False)
+        try:
+            ok = _core.BatchGrammarMatcher.batch_accept_token(handles, tokens, False)
+        except Exception:  # some matcher's accept raised: group by group, to find it and accept the others
+            for lead, token, members in zip(leads, tokens, live, strict=True):
+                self._accept_group_after_batch(lead, token, members, refusals)
+            return refusals
         # xgrammar's Array compares structurally with a list: all accepted in one comparison; any
         # other answer (a refusal, or another element type) is read element by element.
         every = ok == [1] * len(handles)
@@ -542,20 +613,90 @@ class StructuredOutput:
         other sequences of the step must go on)."""
         if entry.pending:
             for token in entry.pending:
-                if not entry.matcher.accept_token(token):  # another matcher in this state accepted it
-                    self._faults[entry.seq.seq_id] = (
+                try:
+                    accepted = entry.matcher.accept_token(token)
+                except Exception as exc:
+                    self._raised(entry, exc, f"catching up on token {token}, which a matcher in the same state "
+                                 "accepted")
+                    accepted = False
+                if not accepted:  # another matcher in this state accepted it
+                    self._faults.setdefault(entry.seq.seq_id, (
                         f"the grammar's matcher refused token {token}, which a matcher in the same state "
                         f"accepted, after {entry.seq.num_known_tokens - entry.seq.num_prompt_tokens} "
-                        "generated tokens")
+                        "generated tokens"))
                     entry.pending.clear()
                     return None
+                entry.taken += 1
             entry.pending.clear()
         if entry.seq.seq_id in self._faults:
             return None
         return entry.matcher
 
+    def _raised(self, entry: _Matched, exc: Exception, doing: str) -> None:
+        """xgrammar raised for ``entry``'s matcher while ``doing``: a fault of that sequence alone,
+        recorded for :meth:`_fault` (its rows are left open, its next accept fails its request with
+        INTERNAL); the other sequences of the step go on."""
+        seq = entry.seq
+        generated = seq.num_known_tokens - seq.num_prompt_tokens
+        self._faults.setdefault(seq.seq_id, f"the grammar's matcher raised {type(exc).__name__}: {exc} while "
+                                            f"{doing}, after {generated} generated tokens")
+        log.error("grammar matcher fault: its request fails, the others go on", request_id=seq.request_id,
+                  field=entry.field, doing=doing, generated_tokens=generated, error=repr(exc))
+
+    def _took(self, entry: _Matched) -> bool:
+        """Whether ``entry``'s matcher holds one token more than it is known to have accepted: a
+        batch accept that raised had reached it (xgrammar's loop goes row by row, and stops at the
+        row that raises). Read on a fork: rolling back past a matcher's history raises."""
+        probe = entry.matcher.fork()
+        try:
+            probe.rollback(entry.taken + 1)
+        except Exception:  # its history is no longer than what it is known to have accepted
+            return False
+        return True
+
+    def _accept_after_batch(self, entry: _Matched, token: int) -> bool | None:
+        """``token`` into ``entry``'s matcher after the batch accept that held it raised: True if
+        accepted (by that batch, before it stopped, or now), False if refused, None if it raised (a
+        fault, recorded)."""
+        try:
+            return self._took(entry) or bool(entry.matcher.accept_token(token))
+        except Exception as exc:
+            self._raised(entry, exc, f"accepting token {token}")
+            return None
+
+    def _accept_group_after_batch(self, lead: _Matched, token: int, members: list[_Matched],
+                                  refusals: dict[int, Refusal]) -> None:
+        """:meth:`_fast_accept`'s work for one group (rows in one state given one token) after the
+        batch accept raised: its lead, or if that one is a fault, the next member that catches up,
+        accepts for all; a fault fails its own request alone."""
+        rest = [lead, *(m for m in members if m is not lead)]
+        while rest:
+            entry = rest.pop(0)
+            if entry is lead:
+                accepted = self._accept_after_batch(entry, token)
+            elif self._sync(entry) is None:
+                accepted = None
+            else:
+                try:
+                    accepted = bool(entry.matcher.accept_token(token))
+                except Exception as exc:
+                    self._raised(entry, exc, f"accepting token {token}")
+                    accepted = None
+            if accepted is None:
+                refusals[entry.seq.seq_id] = self._fault(entry.seq, entry)
+            elif accepted:
+                self._accepted(entry, token)
+                for m in rest:
+                    m.pending.append(token)
+                    m.state, m.terminated = entry.state, entry.terminated
+                return
+            else:  # the mask allowed it: a fault of ours (and the same for every row in that state)
+                for m in (entry, *rest):
+                    refusals[m.seq.seq_id] = self._rejected(m.seq, m, token)
+                return
+
     def _fault(self, seq: Sequence, entry: _Matched) -> Refusal:
-        """The refusal of a sequence whose matcher is out of step (:meth:`_sync`)."""
+        """The refusal of a sequence whose matcher is out of step (:meth:`_sync`) or raised (:meth:`_raised`)."""
         # the fault stays recorded until the sequence is forgotten: its rows stay open meanwhile
         message = self._faults.get(seq.seq_id, "the grammar's matcher is out of step")
         return Refusal(seq.request_id, message, Rejection("INTERNAL", entry.field, "GRAMMAR_MATCHER_FAULT"))
