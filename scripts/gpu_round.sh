@@ -65,26 +65,26 @@ bench)
   echo "== $name (rc $rc, $(( $(left) )) s left)"; grep -E "^(W[0-9]|C3|S1|L1)|ratio|Error|error" "$OUT/$name.log" | tail -12
   ;;
 pending-random)
-  BENCH_MAX_S=170 "$0" bench w5int4 --workloads W5 --model-id random:llama-8b --speculator-option model_id=random:llama-8b \
+  BENCH_MAX_S=170 bash "$0" bench w5int4 --workloads W5 --model-id random:llama-8b --speculator-option model_id=random:llama-8b \
     --speculator-option quantize=gptq --speculator-option kv_tokens=16384 --cuda-memory-fraction 0.6
   t=$(left); [ "$t" -gt 150 ] && timeout $(( t - 60 )) python3 scripts/bench_w4a16_plans.py --schemes gptq \
     --tokens 16,64,256 --quick --budget-s $(( t - 90 )) --out "$OUT/w4a16-plans-m16-256.json" > "$OUT/w4a16.log" 2>&1
-  "$0" bench w6fp8kv --workloads W1,W2 --model-id random:llama-8b --kv-cache-dtype fp8
-  "$0" bench w3 --workloads W3 --model-id random:llama-8b --request-rate 24.9 --max-step-latency-ms 50
+  bash "$0" bench w6fp8kv --workloads W1,W2 --model-id random:llama-8b --kv-cache-dtype fp8
+  bash "$0" bench w3 --workloads W3 --model-id random:llama-8b --request-rate 24.9 --max-step-latency-ms 50
   ;;
 w6int)
   t=$(left); [ "$t" -gt 200 ] && timeout 150 python3 scripts/bench_w4a16_plans.py --schemes gptq,awq --tokens 1 \
     --quick --budget-s 120 --out "$OUT/w4a16-plans-m1-int.json" > "$OUT/w4a16-m1.log" 2>&1; tail -8 "$OUT/w4a16-m1.log"
-  BENCH_MAX_S=150 "$0" bench w6gptq --workloads W1 --model-id random:llama-8b --quantize gptq
-  BENCH_MAX_S=150 "$0" bench w6awq --workloads W1 --model-id random:llama-8b --quantize awq
-  BENCH_MAX_S=150 "$0" bench w6bf16 --workloads W1 --model-id random:llama-8b
+  BENCH_MAX_S=150 bash "$0" bench w6gptq --workloads W1 --model-id random:llama-8b --quantize gptq
+  BENCH_MAX_S=150 bash "$0" bench w6awq --workloads W1 --model-id random:llama-8b --quantize awq
+  BENCH_MAX_S=150 bash "$0" bench w6bf16 --workloads W1 --model-id random:llama-8b
   ;;
 quantize8b)
   t=$(left); [ "$t" -gt 300 ] || { echo "quantize8b: skipped, ${t}s left"; exit 0; }
   ( cd /tmp && /usr/bin/time -v timeout $(( t - 150 )) python3 -m loom.cli quantize --method gptq --group-size 128 \
       --device cuda random:llama-8b /tmp/llama-8b-gptq --force ) > "$OUT/quantize8b.log" 2>&1
   grep -E "wrote|Maximum resident|Elapsed|Error|error" "$OUT/quantize8b.log" | tail -6
-  [ -f /tmp/llama-8b-gptq/config.json ] && BENCH_MAX_S=140 "$0" bench w6ckpt --workloads W1 --model-id /tmp/llama-8b-gptq
+  [ -f /tmp/llama-8b-gptq/config.json ] && BENCH_MAX_S=140 bash "$0" bench w6ckpt --workloads W1 --model-id /tmp/llama-8b-gptq
   ;;
 moeprof)
   t=$(left); [ "$t" -gt 150 ] && timeout $(( t - 30 )) python3 scripts/profile_decode.py random:qwen3-30b-a3b 1 "$OUT" \
@@ -112,8 +112,8 @@ fp8-plans)  # #20: the FP8 kernel's decode launches swept, its table filled, Loo
   python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/loomsite . || exit 1
   ;;
 pending-smollm2)
-  "$0" bench s1 --workloads S1 --s1-repeats 5
-  "$0" bench w5a --workloads C3
+  bash "$0" bench s1 --workloads S1 --s1-repeats 5
+  bash "$0" bench w5a --workloads C3
   ;;
 *) echo "unknown phase $phase"; exit 2;;
 esac
