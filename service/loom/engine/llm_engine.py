@@ -706,18 +706,13 @@ class LLMEngine:
     def _fail_constrained(self, seqs: Seq[Sequence], exc: Exception) -> list[EngineOutput]:
         """Fail the requests of ``seqs`` that follow a grammar, after filling their rows raised."""
         assert self._structured is not None
-        failed = {s.request_id for s in seqs if not s.is_finished and self._structured.has_matcher(s)}
+        refused = {r.request_id: r for s in seqs if not s.is_finished
+                   and (r := self._structured.host_fault(s, "filling this step's token masks", exc)) is not None}
         log.error("filling the step's grammar rows failed: its constrained requests fail, the others go on",
-                  requests=sorted(failed), error=repr(exc), exc_info=exc)
+                  requests=sorted(refused), error=repr(exc), exc_info=exc)
         outputs: list[EngineOutput] = []
-        for seq in seqs:
-            if seq.request_id in failed and not seq.is_finished:
-                spec = seq.sampling.constraint
-                outputs += self.fail_request(
-                    seq.request_id, f"structured output failed while filling this step's token masks "
-                    f"({type(exc).__name__}: {exc}); a fault of the server, not of the request",
-                    Rejection("INTERNAL", spec.field if spec is not None else "parameters.constraint",
-                              "GRAMMAR_MATCHER_FAULT"))
+        for r in refused.values():
+            outputs += self.fail_request(r.request_id, r.message, r.rejection)
         return outputs
 
     def _complete(self, launched: _Launched) -> list[EngineOutput]:

@@ -93,17 +93,12 @@ class OutputProcessor:
         try:
             return grammars.accept_step(items)
         except Exception as exc:
-            from loom.structured.driver import Refusal
-
-            constrained = [seq for seq, _ in items if grammars.has_matcher(seq)]
+            refused = {seq.seq_id: r for seq, _ in items
+                       if (r := grammars.host_fault(seq, "accepting this step's tokens", exc)) is not None}
             log.error("the grammar's matchers failed to accept the step's tokens: its constrained requests fail, "
-                      "the others go on", requests=sorted({s.request_id for s in constrained}), error=repr(exc),
-                      exc_info=exc)
-            message = (f"structured output failed while accepting this step's tokens ({type(exc).__name__}: "
-                       f"{exc}); a fault of the server, not of the request")
-            return {seq.seq_id: Refusal(seq.request_id, message, Rejection(
-                "INTERNAL", seq.sampling.constraint.field if seq.sampling.constraint is not None
-                else "parameters.constraint", "GRAMMAR_MATCHER_FAULT")) for seq in constrained}
+                      "the others go on", requests=sorted({r.request_id for r in refused.values()}),
+                      error=repr(exc), exc_info=exc)
+            return refused
 
     def _prompt_logprobs(self, planned: PlannedStep, result: StepOutput) -> None:
         """Accumulate prompt logprobs on the sequence, chunk by chunk (``seq.prompt_logprobs``)."""

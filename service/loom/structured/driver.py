@@ -670,30 +670,33 @@ class StructuredOutput:
         batch accept raised: its lead, or if that one is a fault, the next member that catches up,
         accepts for all; a fault fails its own request alone."""
         rest = [lead, *(m for m in members if m is not lead)]
-        while rest:
-            entry = rest.pop(0)
-            if entry is lead:
-                accepted = self._accept_after_batch(entry, token)
-            elif self._sync(entry) is None:
-                accepted = None
-            else:
-                try:
-                    accepted = bool(entry.matcher.accept_token(token))
-                except Exception as exc:
-                    self._raised(entry, exc, f"accepting token {token}")
-                    accepted = None
+        for i, entry in enumerate(rest):
+            # the lead may have taken the token before the batch stopped; the others catch up first
+            accepted = (None if entry is not lead and self._sync(entry) is None
+                        else self._accept_after_batch(entry, token))
             if accepted is None:
                 refusals[entry.seq.seq_id] = self._fault(entry.seq, entry)
             elif accepted:
                 self._accepted(entry, token)
-                for m in rest:
+                for m in rest[i + 1:]:
                     m.pending.append(token)
                     m.state, m.terminated = entry.state, entry.terminated
                 return
             else:  # the mask allowed it: a fault of ours (and the same for every row in that state)
-                for m in (entry, *rest):
+                for m in rest[i:]:
                     refusals[m.seq.seq_id] = self._rejected(m.seq, m, token)
                 return
+
+    def host_fault(self, seq: Sequence, doing: str, exc: Exception) -> Refusal | None:
+        """The refusal of ``seq``'s request when the grammar's host work raised outside xgrammar
+        while ``doing`` (the engine's backstop: every constrained sequence of that step fails
+        so); None for a sequence without a matcher."""
+        entry = self._matchers.get(seq.seq_id)
+        if entry is None:
+            return None
+        return Refusal(seq.request_id, f"structured output failed while {doing} ({type(exc).__name__}: {exc}); "
+                       "a fault of the server, not of the request",
+                       Rejection("INTERNAL", entry.field, "GRAMMAR_MATCHER_FAULT"))
 
     def _fault(self, seq: Sequence, entry: _Matched) -> Refusal:
         """The refusal of a sequence whose matcher is out of step (:meth:`_sync`) or raised (:meth:`_raised`)."""
