@@ -84,7 +84,7 @@ quantize8b)
   ( cd /tmp && /usr/bin/time -v timeout $(( t - 150 )) python3 -m loom.cli quantize --method gptq --group-size 128 \
       --device cuda random:llama-8b /tmp/llama-8b-gptq --force ) > "$OUT/quantize8b.log" 2>&1
   grep -E "wrote|Maximum resident|Elapsed|Error|error" "$OUT/quantize8b.log" | tail -6
-  [ -f /tmp/llama-8b-gptq/config.json ] && BENCH_MAX_S=140 bash "$0" bench w6ckpt --workloads W1 --model-id /tmp/llama-8b-gptq
+  [ -f /tmp/llama-8b-gptq/config.json ] && BENCH_MAX_S=140 bash "$0" bench w6ckpt --workloads W1,W2 --model-id /tmp/llama-8b-gptq
   ;;
 moeprof)
   t=$(left); [ "$t" -gt 150 ] && timeout $(( t - 30 )) python3 scripts/profile_decode.py random:qwen3-30b-a3b 1 "$OUT" \

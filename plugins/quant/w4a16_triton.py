@@ -695,11 +695,13 @@ def _fused(x2: torch.Tensor, layout: W4A16Layout, seg: Segment, bias: torch.Tens
                                                      BLOCK_N=block, num_warps=4, **pdl_launch(x2.device))
 
 
-def dequantize_t(layout: W4A16Layout, dtype: torch.dtype, p: Plan | None = None) -> torch.Tensor:
-    """``W^T [K, N]`` in ``dtype``, in the layer's input order, by the dequantizing kernel."""
+def dequantize_t(layout: W4A16Layout, dtype: torch.dtype, p: Plan | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """``W^T [K, N]`` in ``dtype``, in the layer's input order, by the dequantizing kernel (into
+    ``out`` when given: a contiguous ``[K, N]`` tensor of ``dtype``)."""
     k, n = layout.in_features, layout.out_features
     p = p or plan(DENSE_FROM_TOKENS, n, k, layout.group_size, 1, DENSE_FROM_TOKENS)
-    wt = torch.empty(k, n, dtype=dtype, device=layout.qweight.device)
+    wt = torch.empty(k, n, dtype=dtype, device=layout.qweight.device) if out is None else out
     for seg in layout.segments:
         perm, qw, s, z, lut = _seg_args(layout, seg)
         dst = wt[:, seg.start:seg.end]
