@@ -38,9 +38,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from w4a16_sass import _OP, disassemble  # noqa: E402 (the same disassembly)
 
 # PTX global reads / atomics whose place against the wait is checked.
-_PTX_MEM = re.compile(r"^\s*(?:@%p\d+\s+)?(ld\.global|cp\.async(?!\.bulk\.prefetch)|atom\.|red\.|ld\.param)", re.M)
-# The L2 prefetch a GEMV may issue for its weights before the wait (``PREFETCH``; not a read).
-_PTX_PREFETCH = re.compile(r"cp\.async\.bulk\.prefetch\.L2")
+_PTX_MEM = re.compile(r"^\s*(?:@%p\d+\s+)?(ld\.global|cp\.async|atom\.|red\.|ld\.param)", re.M)
 # SASS: global loads, asynchronous copies, atomics (LDG, LDGSTS, ATOMG, RED) and the PDL opcodes.
 _SASS_MEM = ("LDG", "LDGSTS", "ATOMG", "ATOM", "RED", "UBLKCP", "UTMALDG")
 
@@ -54,7 +52,6 @@ class Case:
     num_warps: int
     num_stages: int | None = None
     plain_ints: tuple[str, ...] = ()  # integer arguments not specialized as multiples of 16
-    prefetch: bool = False  # also compile USE_PDL with PREFETCH (its weights asked of the L2 before the wait)
 
 
 def compile_sm90(fn: Any, sig: dict[str, str], consts: dict[str, Any], num_warps: int,
@@ -152,10 +149,10 @@ def _cases() -> list[Case]:
     return [
         Case("dense GEMV 64x128 (qkv)", lambda: dg._dense_gemv_kernel, gemv_sig,
              dict(gemv_consts, PARTIAL=False, FUSED_REDUCE=False, BLOCK_N=64, BLOCK_K=128, BLOCK_S=1), 4, 3,
-             ("SPLIT", "M"), prefetch=True),
+             ("SPLIT", "M")),
         Case("dense GEMV split 8, last merges (o_proj)", lambda: dg._dense_gemv_kernel, gemv_sig,
              dict(gemv_consts, PARTIAL=True, FUSED_REDUCE=True, BLOCK_N=64, BLOCK_K=128, BLOCK_S=8), 4, 3,
-             ("SPLIT", "M"), prefetch=True),
+             ("SPLIT", "M")),
         Case("split-K sum", lambda: sk.split_sum_kernel, split_sig, dict(HAS_BIAS=False, BLOCK_N=256), 4, None,
              ("SPLIT",)),
         Case("add + RMSNorm (H 2048)", lambda: fo._add_rms_norm_kernel, norm_sig,
@@ -185,7 +182,7 @@ def _cases() -> list[Case]:
              dict(a_ptr=bf, **moe_ptrs, N="i32", K="i32", H="i32", stride_at="i32", stride_we="i32",
                   stride_wn="i32", stride_ot="i32"), moe_consts, cfg.num_warps, cfg.num_stages, ("N",)),
         Case("W4A16 int GEMV (g128, 64x128)", lambda: wt._gemv_int_kernel, w4_sig, w4_consts, 4, 2,
-             ("K_SPLIT", "MAGIC", "HI_SHIFT"), prefetch=True),
+             ("K_SPLIT", "MAGIC", "HI_SHIFT")),
     ]
 
 
@@ -202,11 +199,8 @@ def _ptx_report(ptx: str) -> dict[str, Any]:
     wait_at = body.find("griddepcontrol.wait")
     mem = [m.start() for m in _PTX_MEM.finditer(body) if not m.group(1).startswith("ld.param")]
     before = sum(1 for p in mem if wait_at >= 0 and p < wait_at)
-    prefetches = [m.start() for m in _PTX_PREFETCH.finditer(body)]
     return {"ptx_wait": waits, "ptx_launch_dependents": launches, "ptx_global_accesses": len(mem),
-            "ptx_global_accesses_before_wait": before,
-            "ptx_prefetches_before_wait": sum(1 for p in prefetches if wait_at >= 0 and p < wait_at),
-            "ptx_prefetches_after_wait": sum(1 for p in prefetches if wait_at < 0 or p > wait_at)}
+            "ptx_global_accesses_before_wait": before}
 
 
 def _sass_ops(sass: str) -> list[str]:
@@ -250,21 +244,6 @@ def check(case: Case) -> dict[str, Any]:
         problems.append("a global access precedes the first PDL opcode in the SASS")
     if regs_on != regs_off or sp_on != sp_off:
         problems.append(f"registers / spills changed: {regs_off}/{sp_off} -> {regs_on}/{sp_on}")
-    if out["ptx_on"]["ptx_prefetches_before_wait"] or out["ptx_on"]["ptx_prefetches_after_wait"]:
-        problems.append("the PDL variant prefetches without PREFETCH")
-    if case.prefetch:
-        compiled = compile_sm90(fn, case.sig, {**case.consts, "USE_PDL": True, "PREFETCH": True}, case.num_warps,
-                                case.num_stages, case.plain_ints)
-        sass, regs_pf, sp_pf = disassemble(compiled)
-        ptx_pf = _ptx_report(compiled.asm["ptx"])
-        out.update(ptx_prefetch=ptx_pf, instructions_prefetch=len(_sass_ops(sass)), registers_prefetch=regs_pf,
-                   spills_prefetch=sp_pf)
-        if not ptx_pf["ptx_prefetches_before_wait"] or ptx_pf["ptx_prefetches_after_wait"]:
-            problems.append("the PREFETCH variant's L2 prefetches are not all before the wait")
-        if ptx_pf["ptx_global_accesses_before_wait"]:
-            problems.append("the PREFETCH variant reads global memory before the wait")
-        if sp_pf:
-            problems.append(f"the PREFETCH variant spills ({sp_pf} bytes)")
     out["problems"] = problems
     return out
 
@@ -292,8 +271,6 @@ def main() -> None:
                   f"{row['ptx_on']['ptx_global_accesses_before_wait']} before the wait; SASS first PDL op at "
                   f"{row['sass_on']['sass_first_pdl_op_at']}, first global access at "
                   f"{row['sass_on']['sass_first_global_access_at']}"
-                  + (f"; PREFETCH: {row['ptx_prefetch']['ptx_prefetches_before_wait']} L2 prefetches before the "
-                     f"wait, registers {row['registers_prefetch']}" if "ptx_prefetch" in row else "")
                   + (f": {'; '.join(row['problems'])}" if row["problems"] else ""))
         else:
             print(f"FAIL {row['case']}: {'; '.join(row['problems'])}")

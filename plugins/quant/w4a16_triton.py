@@ -47,7 +47,7 @@ from loom.layers.split_k import split_k
 from loom.layers.split_k import split_sum_kernel as _split_sum_kernel
 from loom.layers.split_k import store_gemv as _store_gemv
 from loom.layers.triton_jit import jit as _jit
-from loom.layers.triton_jit import pdl_launch, pdl_prefetch_launch, pdl_prologue, prefetch_l2
+from loom.layers.triton_jit import pdl_launch, pdl_prologue
 
 from .w4a16_layout import Segment, W4A16Layout
 
@@ -158,7 +158,7 @@ def _gemv_int_kernel(x_ptr, perm_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr,
                      GROUP: tl.constexpr, BITS: tl.constexpr, F: tl.constexpr, WORDS: tl.constexpr,
                      HAS_PERM: tl.constexpr, EVEN_K: tl.constexpr, X_PAIRS: tl.constexpr,
                      HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+                     BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
     """The one-token GEMV for integer codes whose K tiles lie in one group (``GROUP % BLOCK_K
     == 0``), written for the ALU: about 3 instructions a weight, where :func:`_gemv_kernel`'s
     unpack-convert-scale spends about 13 and runs at a third of the read bandwidth.
@@ -177,15 +177,10 @@ def _gemv_int_kernel(x_ptr, perm_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr,
       of its float32, so either half becomes a float with one shift or mask.
 
     ``scripts/w4a16_sass.py`` counts the instructions of the compiled loop (sm_90, no GPU)."""
+    if USE_PDL:  # x comes from the kernel before
+        pdl_prologue()
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
-    if USE_PDL:  # x comes from the kernel before; the packed weights never do
-        if PREFETCH:  # this program's word rows asked of the L2 while that kernel finishes
-            row_bytes = (tl.minimum(BLOCK_N, N - pid_n * BLOCK_N) * 4) // 16 * 16
-            for k0 in range(pid_s * K_SPLIT, tl.minimum(pid_s * K_SPLIT + K_SPLIT, K), BLOCK_K):
-                rows = k0 // F + tl.arange(0, WORDS)
-                prefetch_l2(qw_ptr + rows.to(tl.int64) * stride_qk + pid_n * BLOCK_N, rows < K // F, row_bytes)
-        pdl_prologue()
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     HALF: tl.constexpr = 16 // BITS  # codes in a word's low half
@@ -681,9 +676,7 @@ def _fused(x2: torch.Tensor, layout: W4A16Layout, seg: Segment, bias: torch.Tens
             EVEN_K=k % p.block_k == 0,
             X_PAIRS=x2.dtype == torch.bfloat16 and seg.perm is None and x2.data_ptr() % 4 == 0,
             HAS_BIAS=bias is not None, PARTIAL=partial, BLOCK_N=p.block_n, BLOCK_K=p.block_k,
-            num_warps=p.num_warps, num_stages=p.num_stages, **pdl_launch(x2.device),
-            **pdl_prefetch_launch(x2.device, qw.numel() * 4,
-                                  qw.data_ptr() % 16 == 0 and qw.stride(0) % 4 == 0 and p.block_n % 4 == 0))
+            num_warps=p.num_warps, num_stages=p.num_stages, **pdl_launch(x2.device))
     elif p.kind == "gemv":
         _gemv_kernel[(triton.cdiv(n, p.block_n), p.split)](x2, perm, qw, s, z, lut, b, target, n, k, p.k_split, qw.stride(0), s.stride(0),
                            stride_os, **flags)

@@ -42,12 +42,6 @@ Two narrower switches, read the same way:
   finishes and waits (``griddepcontrol.wait``) before reading anything. Off, every kernel
   compiles and launches exactly as without the switch (docs/gpu-kernels.md, "Programmatic
   Dependent Launch").
-- ``LOOM_PDL_PREFETCH=0`` (:data:`pdl_prefetch`): with PDL on, the one-token GEMVs (the dense
-  and FP8 ``_dense_gemv_kernel``, the W4A16 integer-code ``_gemv_int_kernel``) no longer ask the
-  L2 for their program's weights *before* ``griddepcontrol.wait`` (``cp.async.bulk.prefetch``:
-  weights are never written by an earlier kernel, so they may be fetched while it still runs),
-  and read them only after the wait, as every other kernel does (docs/gpu-kernels.md, "Weights
-  fetched before the wait").
 - ``LOOM_GRAMMAR_FAST_ROWS=0`` (:data:`grammar_fast_rows`, read when the structured-output
   driver is built): its bitmask rows and accepted tokens take the plain path (a fill per row
   set, an ``is_terminated`` query per row, no sharing of masks between matchers in the same
@@ -84,8 +78,6 @@ moe_router_epilogue: bool = os.environ.get("LOOM_MOE_ROUTER_EPILOGUE", "1") != "
 moe_norm_router: bool = os.environ.get("LOOM_MOE_NORM_ROUTER", "1") != "0"
 grammar_fast_rows: bool = os.environ.get("LOOM_GRAMMAR_FAST_ROWS", "1") != "0"
 pdl: bool = os.environ.get("LOOM_PDL", "1") not in ("0", "off", "false", "no")
-# ``LOOM_PDL_PREFETCH=0``: see the docstring.
-pdl_prefetch: bool = os.environ.get("LOOM_PDL_PREFETCH", "1") not in ("0", "off", "false", "no")
 
 
 @contextlib.contextmanager

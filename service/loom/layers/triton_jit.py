@@ -72,23 +72,6 @@ def pdl_enabled(device: Any) -> bool:
     return kernel_switches.pdl and _device_has_pdl(device.type, device.index)
 
 
-def pdl_prefetch_launch(device: Any, nbytes: int, aligned: bool) -> Mapping[str, bool]:
-    """``{"PREFETCH": True}`` where a PDL launch on ``device`` may ask the L2 for a weight of
-    ``nbytes`` before its wait (:func:`prefetch_l2`): PDL on, ``kernel_switches.pdl_prefetch``,
-    every range the kernel prefetches 16-byte aligned (``aligned``), and the weight at most
-    :data:`PREFETCH_MAX_BYTES` (a larger one would push its own first lines out of the L2 before
-    the kernel reads them). Else none (the kernel's ``PREFETCH`` keeps its default, False)."""
-    if kernel_switches.pdl_prefetch and aligned and nbytes <= PREFETCH_MAX_BYTES and pdl_enabled(device):
-        return _PREFETCH_ON
-    return _PDL_OFF
-
-
-# Weights up to this size are asked of the L2 before a GEMV's wait: the H200's L2 holds 50 MB,
-# and the kernel before (attention, a norm) needs a little of it too.
-PREFETCH_MAX_BYTES = 32 << 20
-_PREFETCH_ON: Mapping[str, bool] = {"PREFETCH": True}
-
-
 def pdl_launch(device: Any) -> Mapping[str, bool]:
     """The keywords to add to a launch on ``device``: ``{"USE_PDL": True, "launch_pdl": True}``
     where :func:`pdl_enabled`, else none (the kernel's ``USE_PDL`` keeps its default, False).
@@ -112,22 +95,7 @@ if HAS_TRITON:
         the time the signal fires."""
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-
-    @jit
-    def prefetch_l2(ptrs, mask, nbytes):  # type: ignore[no-untyped-def]  # (Triton arguments: untyped)
-        """Ask the L2 for ``nbytes`` bytes at each of ``ptrs`` where ``mask`` (a block of
-        pointers, each 16-byte aligned; ``nbytes`` a multiple of 16): ``cp.async.bulk.prefetch.L2``
-        (sm_90), a hint with no result and no effect on any value read later. A GEMV issues it for
-        its weights before ``griddepcontrol.wait``: the weights are never written by an earlier
-        kernel, so they stream into the L2 while that kernel finishes, and the loads after the
-        wait find them there."""
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; mov.b32 $0, 0; }",
-            "=r,l,r,r", [ptrs, mask.to(tl.int32), nbytes], dtype=tl.int32, is_pure=False, pack=1)
 else:
-
-    def prefetch_l2(ptrs: Any, mask: Any, nbytes: Any) -> None:
-        """Never called without Triton (kernels are not launched)."""
 
     def pdl_prologue() -> None:
         """Never called without Triton (kernels are not launched)."""
