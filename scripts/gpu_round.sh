@@ -10,13 +10,12 @@
 #   bash scripts/gpu_round.sh pending-random   # the measurements still owed on random models (below)
 #   bash scripts/gpu_round.sh pending-smollm2  # ... and on SmolLM2 (after gguf and xgrammar)
 #   bash scripts/gpu_round.sh w6int            # the integer-code GEMV: M=1 sweep beside the general one, W1 int4 / bf16
-#   bash scripts/gpu_round.sh quantize8b       # loom quantize --method gptq random:llama-8b on the GPU, then W1 served from it
+#   bash scripts/gpu_round.sh quantize8b       # loom quantize --method gptq random:llama-8b on the GPU, then W1 and W2 served from it
 #   bash scripts/gpu_round.sh moeprof          # where a Qwen3-30B-A3B-shaped decode step goes (#22: 3.4 of 4.8 ms outside the experts)
 #   bash scripts/gpu_round.sh sweep-fill       # the batch-1 fusions, decode plans and dense GEMV swept; tables filled; Loom reinstalled
 #   bash scripts/gpu_round.sh fp8-plans        # the FP8 attention kernel's decode launches swept (#20); its table filled; Loom reinstalled
 #
-# What is owed: docs/benchmarks.md's list at its end ("What is owed to the next round"): quantize8b
-# in a call of its own and W2 GPTQ on an H200 (#15), W2 FP8 KV alone with PDL (#20), T1 on two GPUs (#21).
+# What is owed: docs/benchmarks.md's list at its end ("What is owed to the next round").
 # Wheels and GGUF halves: docs/benchmarks.md ("Running on the H200").
 #
 # Every step has a time limit, and BUDGET_END (epoch seconds) makes later steps skip themselves
