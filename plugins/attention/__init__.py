@@ -10,25 +10,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Iterable
 
-from loom.plugin_api import AttentionBackendSpec, hookimpl
-
-
-def _load_torch() -> type:
-    from .torch_backend import TorchAttentionBackend
-
-    return TorchAttentionBackend
-
-
-def _load_paged() -> type:
-    from .paged_triton import PagedAttentionBackend
-
-    return PagedAttentionBackend
-
-
-def _load_flash() -> type:
-    from .flash_attn_backend import FlashAttentionBackend
-
-    return FlashAttentionBackend
+from loom.plugin_api import AttentionBackendSpec, hookimpl, lazy_import
 
 
 def _cuda_available() -> bool:
@@ -57,7 +39,7 @@ BACKENDS: list[AttentionBackendSpec] = [
     AttentionBackendSpec(
         name="torch",
         summary="PyTorch SDPA over the paged KV cache; runs on CPU and CUDA, the reference backend",
-        load=_load_torch,
+        load=lazy_import(__name__, ".torch_backend", "TorchAttentionBackend"),
         devices=("cpu", "cuda"),
         priority=0,
     ),
@@ -65,7 +47,7 @@ BACKENDS: list[AttentionBackendSpec] = [
         name="paged",
         summary="Triton paged attention (GQA-grouped decode with split-K, varlen prefill on cached "
         "context, sliding windows); CUDA-graph capturable decode",
-        load=_load_paged,
+        load=lazy_import(__name__, ".paged_triton", "PagedAttentionBackend"),
         check=_check_paged,
         devices=("cuda",),
         priority=10,
@@ -73,7 +55,7 @@ BACKENDS: list[AttentionBackendSpec] = [
     AttentionBackendSpec(
         name="flash",
         summary="flash-attn 2 varlen prefill and decode over the paged KV cache (needs --block-size 256)",
-        load=_load_flash,
+        load=lazy_import(__name__, ".flash_attn_backend", "FlashAttentionBackend"),
         check=_check_flash,
         devices=("cuda",),
         priority=20,

@@ -20,83 +20,40 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from loom.plugin_api import QuantizerSpec, hookimpl
-
-
-def _load_gguf() -> type:
-    from .gguf import GGUFConfig
-
-    return GGUFConfig
-
-
-def _check_gguf() -> str | None:
-    from .gguf import cpu_unsupported_reason
-
-    return cpu_unsupported_reason()
-
-
-def _load_gptq() -> type:
-    from .gptq import GPTQConfig
-
-    return GPTQConfig
-
-
-def _load_awq() -> type:
-    from .awq import AWQConfig
-
-    return AWQConfig
-
-
-def _load_fp8() -> type:
-    from .fp8 import FP8Config
-
-    return FP8Config
-
-
-def _check_fp8() -> str | None:
-    from .fp8 import unsupported_reason
-
-    return unsupported_reason()
-
-
-def _load_nf4() -> type:
-    from .nf4 import NF4Config
-
-    return NF4Config
-
+from loom.plugin_api import QuantizerSpec, hookimpl, lazy_call, lazy_import
 
 QUANTIZERS: list[QuantizerSpec] = [
     QuantizerSpec(
         name="gguf",
         summary="GGUF Q4_0/Q4_1/Q4_K/Q8_0 weights kept in their blocks, exact fp32 dequant in a CPU kernel (AVX2)",
-        load=_load_gguf,
-        check=_check_gguf,
+        load=lazy_import(__name__, ".gguf", "GGUFConfig"),
+        check=lazy_call(__name__, ".gguf", "cpu_unsupported_reason"),
     ),
     QuantizerSpec(
         name="gptq",
         summary="GPTQ checkpoints (gptq v1 and gptq_v2, 2/4/8-bit, groups or per channel, act-order); Triton "
                 "W4A16 GEMV / GEMM on CUDA, dequantized per layer on the CPU",
-        load=_load_gptq,
+        load=lazy_import(__name__, ".gptq", "GPTQConfig"),
     ),
     QuantizerSpec(
         name="awq",
         summary="AWQ GEMM checkpoints (4-bit, zero points); repacked for the Triton W4A16 kernels on CUDA, "
                 "dequantized per layer on the CPU",
-        load=_load_awq,
+        load=lazy_import(__name__, ".awq", "AWQConfig"),
     ),
     QuantizerSpec(
         name="fp8",
         summary="FP8 e4m3 checkpoints (vLLM fp8, compressed-tensors; per-tensor or per-channel scales, static or "
                 "dynamic activations) or --quantize fp8 while loading; torch._scaled_mm on CUDA (compute "
                 "capability 8.9+), W8A8 emulated on the CPU",
-        load=_load_fp8,
-        check=_check_fp8,
+        load=lazy_import(__name__, ".fp8", "FP8Config"),
+        check=lazy_call(__name__, ".fp8", "unsupported_reason"),
     ),
     QuantizerSpec(
         name="nf4",
         summary="bitsandbytes NF4 checkpoints (double quant or not) or --quantize nf4 while loading; Loom's Triton "
                 "NF4 kernels on CUDA, dequantized per layer on the CPU (bitsandbytes not needed)",
-        load=_load_nf4,
+        load=lazy_import(__name__, ".nf4", "NF4Config"),
     ),
 ]
 

@@ -90,11 +90,6 @@ class AWQConfig(QuantizationConfig):
     quantizes_random_weights = True  # random:NAME: round to nearest while loading (int_while_loading)
 
     @classmethod
-    def for_checkpoint(cls, model_dir: Path) -> bool:
-        qconfig = checkpoint_quantization_config(model_dir)
-        return qconfig is not None and str(qconfig.get("quant_method", "")).lower() == "awq"
-
-    @classmethod
     def check_checkpoint_config(cls, quantization_config: dict[str, Any]) -> None:
         parse_awq(quantization_config)
 

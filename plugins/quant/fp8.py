@@ -281,11 +281,6 @@ class FP8Config(QuantizationConfig):
     quantizes_while_loading = True
 
     @classmethod
-    def for_checkpoint(cls, model_dir: Path) -> bool:
-        qconfig = checkpoint_quantization_config(model_dir)
-        return qconfig is not None and str(qconfig.get("quant_method", "")).lower() in cls.quant_methods
-
-    @classmethod
     def check_checkpoint_config(cls, quantization_config: dict[str, Any]) -> None:
         FP8Scheme.from_config(quantization_config)
 

@@ -277,11 +277,6 @@ class GPTQConfig(QuantizationConfig):
     quantizes_random_weights = True  # random:NAME: round to nearest while loading (int_while_loading)
 
     @classmethod
-    def for_checkpoint(cls, model_dir: Path) -> bool:
-        qconfig = checkpoint_quantization_config(model_dir)
-        return qconfig is not None and str(qconfig.get("quant_method", "")).lower() == "gptq"
-
-    @classmethod
     def check_checkpoint_config(cls, quantization_config: dict[str, Any]) -> None:
         GPTQSettings.parse(quantization_config)
 

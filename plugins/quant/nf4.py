@@ -352,11 +352,6 @@ class NF4Config(QuantizationConfig):
     quantizes_while_loading = True
 
     @classmethod
-    def for_checkpoint(cls, model_dir: Path) -> bool:
-        qconfig = checkpoint_quantization_config(model_dir)
-        return qconfig is not None and str(qconfig.get("quant_method", "")).lower() == "bitsandbytes"
-
-    @classmethod
     def check_checkpoint_config(cls, quantization_config: dict[str, Any]) -> None:
         parse_bnb(quantization_config)
 

@@ -8,35 +8,21 @@ third-party package registers its own (``loom_speculative_decoders``).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
-from loom.plugin_api import SpeculativeDecoderSpec, hookimpl
-
-
-def _load_ngram() -> Any:
-    from .ngram import NgramProposer
-
-    return NgramProposer
-
-
-def _load_draft() -> Any:
-    from .draft_model import DraftModelProposer
-
-    return DraftModelProposer
-
+from loom.plugin_api import SpeculativeDecoderSpec, hookimpl, lazy_import
 
 SPECULATIVE_DECODERS: list[SpeculativeDecoderSpec] = [
     SpeculativeDecoderSpec(
         name="ngram",
         summary="prompt lookup: drafts what followed the latest earlier occurrence of the last n tokens "
         "(options min_n, max_n)",
-        load=_load_ngram,
+        load=lazy_import(__name__, ".ngram", "NgramProposer"),
     ),
     SpeculativeDecoderSpec(
         name="draft",
         summary="a draft model with the target's tokenizer guesses greedily on a worker of its own "
         "(options model_id, quantize, kv_tokens)",
-        load=_load_draft,
+        load=lazy_import(__name__, ".draft_model", "DraftModelProposer"),
     ),
 ]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from pathlib import Path
 
 import pytest
 
@@ -109,3 +110,41 @@ def test_misspelled_hook_fails_loudly() -> None:
     reg = PluginRegistry()
     with pytest.raises(Exception, match="unknown hook"):
         reg.register(Typo(), "typo", "dist")
+
+
+def test_lazy_import_and_call_import_only_when_called(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The built-in specs' ``load`` / ``check``: the module is imported when the spec is used,
+    not when it is listed, and every built-in loads the class it names."""
+    import sys
+
+    from loom.plugin_api import lazy_call, lazy_import
+
+    monkeypatch.delitem(sys.modules, "json.tool", raising=False)
+    load = lazy_import("json", ".tool", "main")
+    assert "json.tool" not in sys.modules
+    assert load() is sys.modules["json.tool"].main
+    assert lazy_call("os", "os", "getcwd")() == __import__("os").getcwd()
+    for info in default_registry().infos():
+        reason = info.spec.check()
+        assert reason is None or isinstance(reason, str), info.spec.name
+        if reason is None:  # (an unavailable one may not import here: flash-attn missing)
+            assert isinstance(info.spec.load(), type), info.spec.name
+
+
+def test_quantization_config_serves_its_quant_methods_by_default(tmp_path: Path) -> None:
+    """A quantizer that names ``quant_methods`` needs no ``for_checkpoint`` of its own."""
+    from loom.plugin_api import QuantizationConfig
+
+    class Mine(QuantizationConfig):
+        quant_methods = ("mine", "mine-v2")
+
+        def get_linear_method(self, layer: object, prefix: str) -> None:
+            return None
+
+    config = tmp_path / "config.json"
+    for body, want in (({"quantization_config": {"quant_method": "MINE"}}, True),
+                       ({"quantization_config": {"quant_method": "mine-v2"}}, True),
+                       ({"quantization_config": {"quant_method": "gptq"}}, False),
+                       ({"architectures": ["LlamaForCausalLM"]}, False)):
+        config.write_text(json.dumps(body))
+        assert Mine.for_checkpoint(tmp_path) is want, body

@@ -21,6 +21,8 @@ from .specs import (
     ModelArchitectureSpec,
     QuantizerSpec,
     SpeculativeDecoderSpec,
+    lazy_call,
+    lazy_import,
     normalise_name,
 )
 from .speculative import DraftRequest, Proposer, ProposerContext
@@ -76,6 +78,8 @@ __all__ = [
     "default_registry",
     "hookimpl",
     "kv_fp8",
+    "lazy_call",
+    "lazy_import",
     "normalise_name",
     "set_weight_attrs",
     "write_kv",

@@ -164,9 +164,12 @@ class QuantizationConfig(ABC):
     quantizes_random_weights: ClassVar[bool] = False
 
     @classmethod
-    @abstractmethod
     def for_checkpoint(cls, model_dir: Path) -> bool:
-        """True when the checkpoint carries weights in this quantizer's own format."""
+        """True when the checkpoint carries weights in this quantizer's own format. By default:
+        config.json's ``quantization_config.quant_method`` is one of :attr:`quant_methods`
+        (case-insensitive); a format told otherwise (a GGUF file) overrides it."""
+        qconfig = checkpoint_quantization_config(model_dir)
+        return qconfig is not None and str(qconfig.get("quant_method", "")).lower() in cls.quant_methods
 
     @classmethod
     def check_checkpoint_config(cls, quantization_config: dict[str, Any]) -> None:

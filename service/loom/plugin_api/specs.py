@@ -8,6 +8,8 @@ run here, or a sentence saying why not (for example "flash-attn is not installed
 
 from __future__ import annotations
 
+import functools
+import importlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +25,26 @@ def normalise_name(name: str) -> str:
 
 def _always_available() -> str | None:
     return None
+
+
+def _attribute(package: str, module: str, name: str) -> Any:
+    return getattr(importlib.import_module(module, package), name)
+
+
+def _call(package: str, module: str, name: str) -> Any:
+    return _attribute(package, module, name)()
+
+
+def lazy_import(package: str, module: str, name: str) -> Callable[[], Any]:
+    """A spec's ``load``: ``name`` from ``module`` (relative to ``package``: pass ``__name__``),
+    imported only when called, e.g. ``load=lazy_import(__name__, ".gptq", "GPTQConfig")``."""
+    return functools.partial(_attribute, package, module, name)
+
+
+def lazy_call(package: str, module: str, name: str) -> Callable[[], Any]:
+    """A spec's ``check``: calls ``name`` from ``module`` (imported then) and returns its answer,
+    e.g. ``check=lazy_call(__name__, ".fp8", "unsupported_reason")``."""
+    return functools.partial(_call, package, module, name)
 
 
 @dataclass(frozen=True)
