@@ -14,6 +14,7 @@
 #   bash scripts/gpu_round.sh moeprof          # where a Qwen3-30B-A3B-shaped decode step goes (#22: 3.4 of 4.8 ms outside the experts)
 #   bash scripts/gpu_round.sh sweep-fill       # the batch-1 fusions, decode plans and dense GEMV swept; tables filled; Loom reinstalled
 #   bash scripts/gpu_round.sh fp8-plans        # the FP8 attention kernel's decode launches swept (#20); its table filled; Loom reinstalled
+#   bash scripts/gpu_round.sh fp8-fast-accum   # _scaled_mm's fast accumulation timed and its error counted, W2 FP8 with and without it
 #
 # What is owed: docs/benchmarks.md's list at its end ("What is owed to the next round").
 # Wheels and GGUF halves: docs/benchmarks.md ("Running on the H200").
@@ -109,6 +110,17 @@ fp8-plans)  # #20: the FP8 kernel's decode launches swept, its table filled, Loo
     --fill-table "$OUT/fp8-decode-plans-h200.json"
   tar cf "$OUT/fp8-table.tar" plugins/attention/fp8_decode_plan_table.py
   python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/loomsite . || exit 1
+  ;;
+fp8-fast-accum)  # #15 / #20: row-wise _scaled_mm with and without fast accumulation, then W2 FP8 both ways
+  timeout 60 python3 scripts/bench_fp8_fast_accum.py --tokens 256,16384,16 --out "$OUT/fp8-fast-accum.json" \
+    > "$OUT/fp8-fast-accum.log" 2>&1; grep -E "^M=|Error" "$OUT/fp8-fast-accum.log"
+  LOOM_FP8_FAST_ACCUM=1 BENCH_MAX_S=60 bash "$0" bench w2-fp8-fast --workloads W2 --model-id random:llama-8b --quantize fp8
+  LOOM_FP8_FAST_ACCUM=0 BENCH_MAX_S=60 bash "$0" bench w2-fp8-slow --workloads W2 --model-id random:llama-8b --quantize fp8
+  BENCH_MAX_S=60 bash "$0" bench w2-bf16 --workloads W2 --model-id random:llama-8b
+  LOOM_FP8_FAST_ACCUM=1 BENCH_MAX_S=60 bash "$0" bench w2-fp8-fp8kv-fast --workloads W2 --model-id random:llama-8b \
+    --quantize fp8 --kv-cache-dtype fp8
+  LOOM_FP8_FAST_ACCUM=1 timeout 120 python3 -m pytest -m gpu tests/gpu/test_quant_kernels_gpu.py -k fp8 -q \
+    -p no:cacheprovider -n 6 2>&1 | tail -3
   ;;
 pending-smollm2)
   bash "$0" bench s1 --workloads S1 --s1-repeats 5

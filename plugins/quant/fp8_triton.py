@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from loom import kernel_switches
 from loom.layers.triton_jit import jit as _jit
 from loom.layers.triton_jit import pdl_launch, pdl_prologue
 
@@ -164,13 +165,16 @@ def fp8_linear(x: torch.Tensor, state: FP8GpuWeights, bias: torch.Tensor | None)
     lead = x.shape[:-1]
     xq, xs = quantize_rows(x.reshape(-1, k), state.input_scale)
     w = state.weight.t()  # [K, N] column-major
+    fast = kernel_switches.fp8_fast_accum
     if state.rowwise:
-        y = torch._scaled_mm(xq, w, scale_a=xs, scale_b=state.scale_row, out_dtype=x.dtype)
+        y = torch._scaled_mm(xq, w, scale_a=xs, scale_b=state.scale_row, out_dtype=x.dtype, use_fast_accum=fast)
     elif state.scale_scalar is not None and state.input_scale is not None:
-        y = torch._scaled_mm(xq, w, scale_a=state.input_scale, scale_b=state.scale_scalar, out_dtype=x.dtype)
+        y = torch._scaled_mm(xq, w, scale_a=state.input_scale, scale_b=state.scale_scalar, out_dtype=x.dtype,
+                             use_fast_accum=fast)
     else:
         one = torch.ones((), dtype=torch.float32, device=x.device)
-        y = (torch._scaled_mm(xq, w, scale_a=one, scale_b=one, out_dtype=torch.float32) * xs * state.scale_row)
+        y = (torch._scaled_mm(xq, w, scale_a=one, scale_b=one, out_dtype=torch.float32, use_fast_accum=fast)
+             * xs * state.scale_row)
         y = y.to(x.dtype)
     if bias is not None:
         y = y + bias

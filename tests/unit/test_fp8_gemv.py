@@ -130,3 +130,35 @@ def test_warm_up_counts_compile_both_variants(monkeypatch: pytest.MonkeyPatch) -
         assert list(fp8.FP8LinearMethod(fp8.FP8Scheme(True, "dynamic")).warm_up_token_counts(layer, 64)) == [1, 2]
     monkeypatch.setattr(kernel_switches, "fp8_gemv", False)
     assert fp8_gemv.layer_warm_up_token_counts(layer, 4096) == ()
+
+
+def test_fp8_gemm_passes_the_fast_accum_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``LOOM_FP8_FAST_ACCUM`` reaches every ``torch._scaled_mm`` call of the W8A8 path, off by
+    default (no GPU has measured it yet: docs/quantization.md)."""
+    import torch
+
+    from loom import kernel_switches
+    from loom_plugins.quant import fp8_triton
+
+    assert kernel_switches.fp8_fast_accum is False
+    seen: list[bool] = []
+
+    def fake_scaled_mm(a: torch.Tensor, b: torch.Tensor, *, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                       out_dtype: torch.dtype, use_fast_accum: bool) -> torch.Tensor:
+        seen.append(use_fast_accum)
+        return torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_mm", fake_scaled_mm)
+    monkeypatch.setattr(fp8_triton, "quantize_rows",
+                        lambda x, s: (x.to(torch.float8_e4m3fn), torch.ones(x.shape[0], 1)))
+    weight = torch.zeros(32, 16, dtype=torch.float8_e4m3fn)
+    row = torch.ones(1, 32)
+    states = [fp8_triton.FP8GpuWeights(weight, row, None, None, True, torch.bfloat16),  # row-wise
+              fp8_triton.FP8GpuWeights(weight, row, torch.ones(()), torch.ones(1), False, torch.bfloat16),
+              fp8_triton.FP8GpuWeights(weight, row, None, None, False, torch.bfloat16)]  # float32 out, scaled after
+    x = torch.zeros(8, 16, dtype=torch.bfloat16)
+    for fast in (False, True):
+        monkeypatch.setattr(kernel_switches, "fp8_fast_accum", fast)
+        for state in states:
+            assert fp8_triton.fp8_linear(x, state, None).shape == (8, 32)
+    assert seen == [False] * 3 + [True] * 3
