@@ -60,7 +60,6 @@ def main() -> None:
                         xq, wt, scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16, use_fast_accum=fast), device, reps=5)
             bf = out.new_empty(m, n)
             row["bf16_us"] = 1e6 * _time_graphed(lambda x=x, w16=w16, bf=bf: torch.matmul(x, w16.t(), out=bf), device, reps=5)
-            # the bf16 product's own error against the same reference (its operands are not e4m3: scale only)
             for key in sums:
                 sums[key] += row[f"{key}_us"]
             print(json.dumps({k: (round(v, 5) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
