@@ -58,7 +58,7 @@ def main() -> None:
                 row[f"{mode}_us"] = 1e6 * _time_graphed(
                     lambda xq=xq, wt=wt, xs=xs, ws=ws, fast=fast: torch._scaled_mm(
                         xq, wt, scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16, use_fast_accum=fast), device, reps=5)
-            bf = out.new_empty(m, n)
+            bf = torch.empty(m, n, device=device, dtype=torch.bfloat16)
             row["bf16_us"] = 1e6 * _time_graphed(lambda x=x, w16=w16, bf=bf: torch.matmul(x, w16.t(), out=bf), device, reps=5)
             for key in sums:
                 sums[key] += row[f"{key}_us"]
