@@ -70,6 +70,10 @@ class EngineConfig:
     # cached up to this many MiB.
     grammar_compile_timeout: float = 10.0
     grammar_cache_mib: int = 256
+    # auto | on | off: the grammar matchers in a process of their own (loom.structured.grammar_process),
+    # which fills a step's token masks while the engine finishes the step before; auto: with
+    # asynchronous scheduling on one shard.
+    grammar_process: str = "auto"
     # Speculative decoding (loom/spec/): up to this many draft tokens per sequence and step
     # (TGI's --speculate); 0 is off. The proposer is a speculative-decoder plugin by name.
     speculate: int = 0
@@ -145,6 +149,8 @@ class EngineConfig:
                               f"{self.grammar_compile_timeout}")
         if self.grammar_cache_mib < 0:
             raise ConfigError(f"--grammar-cache-mib must be at least 0, got {self.grammar_cache_mib}")
+        if self.grammar_process not in ("auto", "on", "off"):
+            raise ConfigError(f"--grammar-process must be auto, on or off; got {self.grammar_process!r}")
         self._check_lora()
         if self.max_step_latency_ms is not None and not 0 < self.max_step_latency_ms < float("inf"):
             raise ConfigError(f"--max-step-latency-ms must be a positive number of milliseconds, got "

@@ -16,6 +16,7 @@ import sys
 import structlog
 
 _progress_bars: bool | None = None  # None: not configured; bars when stderr is a terminal
+_settings: tuple[bool, str] = (False, "INFO")  # (json_output, level) of the last configure_logging
 
 
 def progress_bars_enabled() -> bool:
@@ -38,8 +39,14 @@ def _disable_library_progress_bars() -> None:
         transformers_logging.disable_progress_bar()
 
 
+def logging_settings() -> tuple[bool, str]:
+    """``(json_output, level)`` as this process configured them: a helper process it starts logs alike."""
+    return _settings
+
+
 def configure_logging(json_output: bool = False, level: str = "INFO", process: str = "server") -> None:
-    global _progress_bars
+    global _progress_bars, _settings
+    _settings = (json_output, level)
 
     def add_process(logger: object, method: str, event_dict: structlog.types.EventDict) -> structlog.types.EventDict:
         # Not only a contextvar: threads (a kernel compiling in the background) start without one.

@@ -1,7 +1,8 @@
 """Structured output through a real server on the real SmolLM2 (CPU): every output that ends by
 EOS validates against its schema (jsonschema), regex and choice outputs match, bad constraints
 are refused with the right status before queueing, a slowly compiling grammar leaves the other
-requests' tokens flowing, and the compile time limit fires (a server of its own, tiny model)."""
+requests' tokens flowing, and the compile time limit fires (a server of its own, tiny model, its
+matchers in a grammar process)."""
 
 from __future__ import annotations
 
@@ -239,8 +240,10 @@ def test_metrics_count_constrained_requests_and_cache_hits(smol_server: ServerPr
 
 @pytest.fixture(scope="module")
 def short_limit_server(tiny_llama_dir: Path, server_logs: Path) -> Iterator[ServerProcess]:
+    # Its matchers in a process of their own (as auto chooses on a GPU): the time limit and the
+    # compile cache live there.
     server = start_server(tiny_llama_dir, server_logs, "grammar-timeout", "--max-total-tokens", "1024",
-                          "--grammar-compile-timeout", "0.5")
+                          "--grammar-compile-timeout", "0.5", "--async-scheduling", "on", "--grammar-process", "on")
     yield server
     server.stop()
 

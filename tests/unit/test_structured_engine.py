@@ -151,15 +151,17 @@ def test_logprobs_are_those_of_the_constrained_distribution(engine: LLMEngine, t
     assert sum(math.exp(lp) for _, lp in top) <= 1.0 + 1e-4
 
 
-def test_async_scheduling_gives_the_same_outputs(model_dir: Path, engine: LLMEngine) -> None:
+@pytest.mark.parametrize("grammar_process", ["off", "on"])
+def test_async_scheduling_gives_the_same_outputs(model_dir: Path, engine: LLMEngine, grammar_process: str) -> None:
     """Constrained steps stay asynchronous: the forward is queued, the previous step's tokens are
-    read back, and only then are the grammar rows filled and the sampling queued. A completion
-    whose grammar ends (the choice) has one row too many in the next step, dropped."""
+    read back, and only then are the grammar rows filled and the sampling queued (off), or the rows
+    are filled in the grammar process meanwhile and the sampling is queued at the next launch (on).
+    A completion whose grammar ends (the choice) has one row too many in the next step, dropped."""
     reqs = [request("json", JSON_SPEC, do_sample=True, seed=9), request("plain", None, new=10, do_sample=True, seed=2),
             request("regex", REGEX, n=2, do_sample=True, seed=4), request("choice", CHOICE),
             request("min", REGEX, min_new=3)]
     sync = run(engine, reqs)
-    overlapped = make_engine(model_dir, async_scheduling="on")
+    overlapped = make_engine(model_dir, async_scheduling="on", grammar_process=grammar_process)
     forced = run(overlapped, reqs)
     assert {k: ids(v) for k, v in forced.items()} == {k: ids(v) for k, v in sync.items()}
     assert forced[("choice", 0)][-1].finish_reason is FinishReason.EOS_TOKEN
@@ -167,6 +169,7 @@ def test_async_scheduling_gives_the_same_outputs(model_dir: Path, engine: LLMEng
     again = run(overlapped, [request("again", REGEX, n=2, do_sample=True, seed=4)])
     assert overlapped.num_async_steps > before
     assert [ids(again[("again", i)]) for i in range(2)] == [ids(sync[("regex", i)]) for i in range(2)]
+    overlapped.close()
 
 
 def test_aborted_while_compiling_and_bad_grammar_refused(engine: LLMEngine) -> None:
@@ -263,7 +266,8 @@ def test_a_grammar_fault_outside_xgrammar_fails_the_constrained_requests_of_the_
     constrained requests fail with INTERNAL GRAMMAR_MATCHER_FAULT, the unconstrained one ends as
     it does alone, and engine.step() never raises."""
     plain_alone = run(engine, [request("plain", None, new=12)])[("plain", 0)]
-    subject = engine if scheduling == "sync" else make_engine(model_dir, async_scheduling="on")
+    # (the driver in this process: the one patched; tests/unit/test_grammar_process.py injects faults there)
+    subject = engine if scheduling == "sync" else make_engine(model_dir, async_scheduling="on", grammar_process="off")
 
     def boom(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(f"injected: a bug in {where}")

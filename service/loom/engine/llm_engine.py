@@ -16,7 +16,7 @@ import random
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, TextIO
 
 import structlog
@@ -54,6 +54,7 @@ from .types import (
 if TYPE_CHECKING:
     from loom.lora.manager import AdapterManager
     from loom.structured.driver import StructuredOutput
+    from loom.structured.grammar_process import GrammarProcess
 
 log = structlog.get_logger(__name__)
 
@@ -93,6 +94,8 @@ class _Launched:
     step: LaunchedStep | ForwardedStep  # ForwardedStep: its grammar rows and sampling are still due
     positions: list[int]  # where each sampled sequence's first new token goes in its token_ids
     guesses: list[list[int]] | None = None  # each sampled sequence's drafts, for its grammar rows
+    # requests failed when its sampling was queued at the next step's launch (returned with its outputs)
+    early: list[EngineOutput] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -118,6 +121,8 @@ class LLMEngine:
         """Stop the other tensor-parallel ranks (nothing to do with one shard). Idempotent."""
         if isinstance(self.worker, ShardedWorker):
             self.worker.close()
+        if self._structured is not None:
+            self._structured.close()
 
     def _start(self, config: EngineConfig, registry: PluginRegistry, started: float) -> None:
         """Size the pool, warm up, capture graphs: everything after the worker loaded the model."""
@@ -127,7 +132,7 @@ class LLMEngine:
         self.vocab_size = model.vocab_size
         self.requests: dict[str, list[Sequence]] = {}
         # Structured output, made on the first constrained request (see _structured_output).
-        self._structured: StructuredOutput | None = None
+        self._structured: StructuredOutput | GrammarProcess | None = None
         self._rng = random.Random(config.seed)  # None: seeded from the OS
         self.num_steps = 0
         self._inflight: _Launched | None = None  # a launched step whose results are not read yet
@@ -503,21 +508,39 @@ class LLMEngine:
         return self._with_grammar_stats(stats)
 
     # -- structured output (loom.structured) ----------------------------------------------------------
-    def _structured_output(self) -> StructuredOutput:
+    def _structured_output(self) -> StructuredOutput | GrammarProcess:
         """The structured-output driver, made on first use: its workers describe the vocabulary
-        and compile grammars on their own threads."""
+        and compile grammars on their own threads. With asynchronous scheduling on one shard
+        (``grammar_process`` auto) it runs in a process of its own, which fills a step's rows
+        while this thread finishes the step before (loom.structured.grammar_process)."""
         if self._structured is None:
-            from loom.structured.compiler_pool import GrammarCompilerPool
-            from loom.structured.driver import StructuredOutput
-            from loom.structured.vocabulary import vocabulary_from_model_dir
-
             model_dir, vocab, eos = self.worker.info.model_dir, self.vocab_size, self.eos_token_ids
             threads = max(1, min(8, (os.cpu_count() or 2) // 2))
-            pool = GrammarCompilerPool(lambda: vocabulary_from_model_dir(model_dir, vocab, eos), workers=2,
-                                       cache_bytes=self.config.grammar_cache_mib << 20, compiler_threads=threads)
-            self._structured = StructuredOutput(pool, vocab, eos, self.config.grammar_compile_timeout)
+            cache_bytes = self.config.grammar_cache_mib << 20
+            if self._grammar_process_wanted():
+                from loom.structured.grammar_process import GrammarProcess, ProcessConfig
+
+                self._structured = GrammarProcess(ProcessConfig(
+                    str(model_dir), vocab, tuple(eos), self.config.grammar_compile_timeout, cache_bytes,
+                    compiler_threads=threads, fault_injection=self.config.fault_injection))
+            else:
+                from loom.structured.compiler_pool import GrammarCompilerPool
+                from loom.structured.driver import StructuredOutput
+                from loom.structured.vocabulary import vocabulary_from_model_dir
+
+                pool = GrammarCompilerPool(lambda: vocabulary_from_model_dir(model_dir, vocab, eos), workers=2,
+                                           cache_bytes=cache_bytes, compiler_threads=threads)
+                self._structured = StructuredOutput(pool, vocab, eos, self.config.grammar_compile_timeout)
             self.outputs.grammars = self._structured
         return self._structured
+
+    def _grammar_process_wanted(self) -> bool:
+        """``grammar_process`` on, or auto where it pays: the rows are filled in the other process
+        while a step is in flight, which only asynchronous scheduling gives it time for."""
+        mode = self.config.grammar_process
+        if mode == "auto":
+            return self._async and self.config.num_shard == 1
+        return mode == "on"
 
     def _admit_constrained(self) -> list[EngineOutput]:
         """Requests whose grammar compiled join the scheduler; refused ones fail (at step start)."""
@@ -538,7 +561,7 @@ class LLMEngine:
     def _with_grammar_stats(self, stats: EngineStats) -> EngineStats:
         if self._structured is None:
             return stats
-        s = self._structured.pool.snapshot()
+        s = self._structured.compile_stats()
         return replace(stats, grammar_cache_queries=s.queries, grammar_cache_hits=s.hits,
                        grammar_compile_timeouts=s.timeouts, grammar_compile_buckets=tuple(s.buckets),
                        grammar_compile_seconds=s.seconds_sum)
@@ -583,7 +606,7 @@ class LLMEngine:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = started
         try:
-            launched = self._launch(sched, drafts)
+            launched = self._launch(sched, drafts, prev)
         except ShardLostError:
             raise  # not one request's fault: the engine cannot step any more
         except Exception as exc:  # one request's fault must not fail the others
@@ -596,10 +619,13 @@ class LLMEngine:
             return outputs
         if prev is not None:
             outputs += self._complete(prev)
-        outputs += self._sample(launched)  # (the requests failed on the way, if any)
         # Admissions may have grown the batch past the largest graph: check that again. (Penalties
         # and prompt logprobs were checked over every live sequence before scheduling.)
-        if overlap and not drafts and self._overlap_helps():
+        inflight = overlap and not drafts and self._overlap_helps()
+        if not (inflight and self._structured is not None and self._structured.fills_ahead):
+            outputs += self._sample(launched)  # (the requests failed on the way, if any)
+        # else its rows are filled elsewhere meanwhile: its sampling is queued at the next launch
+        if inflight:
             self._inflight = launched
             self.num_async_steps += 1
         else:
@@ -651,19 +677,25 @@ class LLMEngine:
         return any(_needs_host_tokens(s) for s in self.scheduler.running) or any(
             _needs_host_tokens(s) for s in self.scheduler.waiting)
 
-    def _launch(self, sched: SchedulerOutput, drafts: dict[int, list[int]] | None = None) -> _Launched:
+    def _launch(self, sched: SchedulerOutput, drafts: dict[int, list[int]] | None = None,
+                prev: _Launched | None = None) -> _Launched:
         """Plan ``sched``, launch it on the worker, and commit it on the sequences: computed
         tokens, and a placeholder for each token being sampled (the output processor corrects
-        the computed count of a sequence that verified drafts)."""
+        the computed count of a sequence that verified drafts). ``prev``, the step in flight: if
+        its sampling is still due (a grammar process filled its rows meanwhile), it is queued
+        first, since this step's forward takes its tokens from the device."""
         planned = plan_step(sched, self.config.block_size, self.vocab_size, self.eos_token_ids, drafts)
         plan = planned.plan
         guesses = None
         if plan.num_drafts is not None:  # each sampled sequence's drafts, as the plan lays them out
             flat = iter(plan.draft_token_ids)
             guesses = [[next(flat) for _ in range(m)] for m in plan.num_drafts]
+        if prev is not None and isinstance(prev.step, ForwardedStep):
+            prev.early += self._sample(prev)
         step: LaunchedStep | ForwardedStep
         if self._structured is not None and self._structured.any_matched(planned.sample_seqs):
             step = self.worker.execute_forward(plan)  # the grammar rows are filled while it runs
+            self._structured.will_sample(planned.sample_seqs, guesses)
         else:
             step = self.worker.execute(plan)
         self.block_manager.commit_pending()
@@ -700,6 +732,10 @@ class LLMEngine:
         except Exception as exc:
             bitmask = None
             outputs = self._fail_constrained(launched.planned.sample_seqs, exc)
+        for r in self._structured.take_refusals():  # (a grammar process: tokens refused after their use)
+            log.error("a constrained request's token was refused by its grammar after it was used",
+                      request_id=r.request_id, error=r.message)
+            outputs += self.fail_request(r.request_id, r.message, r.rejection)
         launched.step = self.worker.sample(step, bitmask)
         return outputs
 
@@ -717,7 +753,8 @@ class LLMEngine:
 
     def _complete(self, launched: _Launched) -> list[EngineOutput]:
         """Wait for a launched step and apply its tokens (the output processor)."""
-        outputs = self._sample(launched)  # (nothing when its sampling is queued already)
+        outputs, launched.early = launched.early, []
+        outputs += self._sample(launched)  # (nothing when its sampling is queued already)
         assert isinstance(launched.step, LaunchedStep)
         result = self.worker.finish(launched.step)
         outputs += self.outputs.process(launched.planned, launched.positions, result, launched.sched.seqs,

@@ -33,6 +33,8 @@ _ENGINE_FLAGS: list[tuple[str, Any, str]] = [
     ("--grammar-compile-timeout", float,
      "seconds a constrained request's grammar may take to compile; then it fails with INVALID_ARGUMENT"),
     ("--grammar-cache-mib", int, "compiled grammars kept for reuse, in MiB (least recently used dropped first)"),
+    ("--grammar-process", str, "auto, on or off: grammar matchers in a process of their own, filling token masks "
+     "while the engine finishes the step before (auto: with asynchronous scheduling on one shard)"),
     ("--speculate", int, "speculative decoding: up to N draft tokens per sequence and step; 0 is off"),
     ("--speculator", str, "the speculative-decoder plugin that proposes drafts (loom plugins lists them)"),
     ("--speculate-max-batch-size", int, "above this many running sequences, decode without drafts"),

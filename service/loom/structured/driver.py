@@ -45,7 +45,7 @@ from loom.engine.sequence import Sequence
 from loom.engine.types import Rejection
 from loom.sample.batch import TokenBitmaskRows
 
-from .compiler_pool import GrammarCompilerPool
+from .compiler_pool import CompileStats, GrammarCompilerPool
 from .grammars import GrammarError
 from .spec import GrammarSpec
 from .vocabulary import VocabularyError
@@ -133,6 +133,24 @@ class StructuredOutput:
         # worker without a copy, and stay untouched while the next step's are filled
         self._buffers = [torch.empty(0, self.words, dtype=torch.int32) for _ in range(2)]
         self._turn = 0
+
+    # The engine's side of the interface that :class:`~loom.structured.grammar_process.GrammarProcess`
+    # shares: here the rows are filled when asked for, so the engine queues a step's sampling as soon
+    # as its rows are filled, and a refused token is known when it is accepted.
+    fills_ahead = False
+
+    def will_sample(self, seqs: Seq[Sequence], drafts: Seq[Seq[int]] | None = None) -> None:
+        """The next :meth:`bitmask_rows` call's rows (the step just launched): nothing to do here."""
+
+    def take_refusals(self) -> list[Refusal]:
+        """Refusals found after their token was used: never here (every accept answers at once)."""
+        return []
+
+    def compile_stats(self) -> CompileStats:
+        return self.pool.snapshot()
+
+    def close(self) -> None:
+        """Nothing to stop: the pool's threads are daemons."""
 
     # -- requests -----------------------------------------------------------------------------------
     def hold(self, request_id: str, spec: GrammarSpec, seqs: list[Sequence]) -> None:
@@ -482,7 +500,7 @@ class StructuredOutput:
             return None
         dead_end = self._dead_ends.pop(seq.seq_id, None)
         if dead_end is not None:  # the vocabulary cannot spell what the grammar needs next
-            return Refusal(seq.request_id, dead_end, Rejection("FAILED_PRECONDITION", entry.field, "GRAMMAR_DEAD_END"))
+            return self._dead_end(seq, entry, dead_end)
         matcher = self._sync(entry)
         if matcher is None:
             return self._fault(seq, entry)
@@ -497,6 +515,29 @@ class StructuredOutput:
                            Rejection("INTERNAL", entry.field, "GRAMMAR_TOKEN_REJECTED"))
         self._accepted(entry, token)
         return None
+
+    @staticmethod
+    def _dead_end(seq: Sequence, entry: _Matched, why: str) -> Refusal:
+        return Refusal(seq.request_id, why, Rejection("FAILED_PRECONDITION", entry.field, "GRAMMAR_DEAD_END"))
+
+    def pending_refusal(self, seq: Sequence) -> Refusal | None:
+        """The refusal ``seq``'s next accept gives whatever its token, known once its rows are
+        filled: no token could continue its grammar (a dead end), or its matcher is out of step or
+        raised (its rows were left open). None otherwise. Nothing changes."""
+        entry = self._matchers.get(seq.seq_id)
+        if entry is None:
+            return None
+        dead_end = self._dead_ends.get(seq.seq_id)
+        if dead_end is not None:
+            return self._dead_end(seq, entry, dead_end)
+        if seq.seq_id in self._faults:
+            return self._fault(seq, entry)
+        return None
+
+    @property
+    def has_pending_refusals(self) -> bool:
+        """Whether some sequence's next accept is refused in advance (:meth:`pending_refusal`)."""
+        return bool(self._dead_ends or self._faults)
 
     def accept_tokens(self, seq: Sequence, tokens: Seq[int]) -> Refusal | None:
         """:meth:`accept` for a step's tokens of ``seq`` in order (accepted drafts, then the token
@@ -642,6 +683,10 @@ class StructuredOutput:
                                             f"{doing}, after {generated} generated tokens")
         log.error("grammar matcher fault: its request fails, the others go on", request_id=seq.request_id,
                   field=entry.field, doing=doing, generated_tokens=generated, error=repr(exc))
+
+    def record_fault(self, seq: Sequence, exc: Exception, doing: str) -> None:
+        """:meth:`_raised` for ``seq`` (a matched sequence) from outside: fault injection in tests."""
+        self._raised(self._matchers[seq.seq_id], exc, doing)
 
     def _took(self, entry: _Matched) -> bool:
         """Whether ``entry``'s matcher holds one token more than it is known to have accepted: a

@@ -1,0 +1,624 @@
+"""Structured output's matchers in a process of their own, so that their work leaves the engine's thread.
+
+Why: SmolLM2 at batch 64 on the H200 is host-bound (its forward is shorter than the ~1.2 ms of the
+engine's host work a step), and the grammar's host work (~0.5 ms a step for 64 distinct states:
+accepting their tokens, filling their masks, two thirds of it the driver's own Python) sat on the
+engine's thread between reading step N's tokens back and queueing step N+1's sampling. A thread
+could not take it off, because its Python holds the interpreter lock (docs/structured-output.md,
+session 29); a process can.
+
+How: the child (``python -m loom.structured.grammar_process``) runs the same driver
+(:class:`~loom.structured.driver.StructuredOutput`) and compiler pool, on mirrors of the engine's
+sequences (:class:`_Mirror`); the engine talks to :class:`GrammarProcess`, which has the driver's
+interface. The compiled grammars never cross (a compiled grammar does not serialize cheaply), only
+grammar texts, sequence ids, tokens and, through shared memory, the rows. A constrained step:
+
+1. ``will_sample`` as step N+1 is launched (its forward queued): its rows' layout is kept;
+2. ``accept_step`` as step N's tokens are processed: they go to the child with step N+1's layout in
+   one message; the child accepts them and fills N+1's rows into shared memory while the engine
+   finishes N's outputs, returns them, and schedules and plans step N+2;
+3. ``bitmask_rows`` when step N+2 is about to be queued: the engine takes the rows (there by then,
+   unless the child is slower than the engine's step), queues step N+1's sampling with them, then
+   N+2's forward. The engine defers a constrained step's sampling to the next launch for this
+   (``fills_ahead``).
+
+What the engine would have to wait for, it predicts: a token its mask allowed is accepted, and an
+EOS its mask allowed ends the grammar (:meth:`GrammarProcess.terminated`). The child checks; a token
+its matcher refuses or raises on (a fault of Loom's or xgrammar's, never of the request) fails that
+request when the next rows come back (:meth:`GrammarProcess.take_refusals`), after the token was
+streamed. A row the child leaves open (no token can continue the grammar: a dead end; or its matcher
+raised while filling) is known with the rows, so the sequence's next accept is refused before its
+token is used, exactly as in the engine's own process. Should the child die, its constrained
+requests fail (INTERNAL) and the next constrained request starts a new one.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from multiprocessing import reduction
+from multiprocessing.connection import Connection
+from typing import Any
+
+import structlog
+import torch
+
+from loom.engine.sequence import Sequence
+from loom.engine.types import Rejection
+from loom.sample.batch import TokenBitmaskRows
+
+from .compiler_pool import CompileStats
+from .driver import Refusal
+from .spec import GrammarSpec
+
+log = structlog.get_logger(__name__)
+
+_POLL_S = 0.002  # the child's wait for a message while grammars compile: then it looks for ready ones
+
+
+@dataclass(frozen=True)
+class ProcessConfig:
+    """What the child builds its compiler pool and driver from."""
+
+    model_dir: str
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    compile_timeout_s: float
+    cache_bytes: int
+    workers: int = 2  # compile threads
+    compiler_threads: int = 1  # xgrammar's threads a compile
+    fast_rows: bool = True
+    fault_injection: bool = False  # tests only: requests named inject-grammar-accept* / -fill* fault here
+    parent_pid: int = 0
+    log_json: bool = False
+    log_level: str = "INFO"
+
+
+class GrammarProcessError(RuntimeError):
+    """The grammar process ended or broke the protocol; its constrained requests fail."""
+
+
+class GrammarProcess:
+    """The driver's interface (:class:`~loom.structured.driver.StructuredOutput`), served by a child
+    process. Made by the engine on the first constrained request; one per engine."""
+
+    fills_ahead = True  # rows are filled between a step's launch and the next one's: defer sampling
+
+    def __init__(self, config: ProcessConfig, start_timeout_s: float = 120.0) -> None:
+        self.config = config
+        self.vocab_size = config.vocab_size
+        self.words = -(-config.vocab_size // 32)  # int32 words per bitmask row
+        self.start_timeout_s = start_timeout_s
+        self._held: dict[str, list[Sequence]] = {}  # request id -> its completions, until ready or refused
+        self._matched: dict[int, Sequence] = {}  # seq_id -> a sequence that has a matcher in the child
+        self._fields: dict[int, str] = {}  # seq_id -> its constraint's request field
+        self._ready: list[str] = []  # request ids the child reported compiled, not yet taken
+        self._refused: list[Refusal] = []  # held requests refused, not yet taken
+        self._early: dict[int, Refusal] = {}  # seq_id -> the refusal of its next accept (its row was left open)
+        self._late: list[tuple[int, Refusal]] = []  # refused after their token was used (take_refusals)
+        self._stats = CompileStats()
+        self._layout: tuple[list[int], list[list[int]] | None] | None = None  # rows of the next bitmask_rows
+        self._fill_id = 0  # the layout's number: a reply to an older one (a step that failed) is skipped
+        self._fill_sent = False  # a fill is in flight: its reply is the next rows reply
+        self._rows_reply: tuple[Any, ...] | None = None  # the layout's rows, read early (while draining)
+        self._expect_accept = False  # rows were taken: their tokens will be accepted before the next fill
+        self._buffer: mmap.mmap | None = None  # two halves of [capacity, words] int32 rows
+        self._views: list[torch.Tensor] = []
+        self._capacity = 0
+        self._broken: str | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._conn: Connection | None = None
+        self._start()
+
+    # -- the child ------------------------------------------------------------------------------------
+    def _start(self) -> None:
+        from loom.logging_setup import logging_settings
+
+        mine, theirs = socket.socketpair()
+        log_json, log_level = logging_settings()
+        config = ProcessConfig(**{**self.config.__dict__, "parent_pid": os.getpid(), "log_json": log_json,
+                                  "log_level": log_level})
+        self._proc = subprocess.Popen([sys.executable, "-m", "loom.structured.grammar_process", str(theirs.fileno())],
+                                      stdin=subprocess.PIPE, pass_fds=(theirs.fileno(),))
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(pickle.dumps(config))
+        self._proc.stdin.close()
+        theirs.close()
+        self._conn = Connection(mine.detach())
+        self._capacity = 0
+        self._broken = None
+        log.info("grammar process started", pid=self._proc.pid)
+
+    def _send(self, msg: tuple[Any, ...]) -> None:
+        if self._broken is not None:
+            return
+        assert self._conn is not None
+        try:
+            self._conn.send(msg)
+        except (OSError, EOFError) as exc:
+            self._break(f"sending to it failed: {exc!r}")
+
+    def _recv(self, timeout: float | None) -> tuple[Any, ...] | None:
+        """The child's next message, or None when none came within ``timeout`` (0: none waiting)."""
+        if self._broken is not None:
+            return None
+        assert self._conn is not None and self._proc is not None
+        try:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while not self._conn.poll(0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic()))):
+                if self._proc.poll() is not None:
+                    self._break(f"it exited with code {self._proc.returncode}")
+                    return None
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None
+            msg: tuple[Any, ...] = self._conn.recv()
+            return msg
+        except (OSError, EOFError) as exc:
+            self._break(f"reading from it failed: {exc!r}")
+            return None
+
+    def _break(self, why: str) -> None:
+        """The child is gone: every request it held or matched fails; a later hold starts a new one."""
+        if self._broken is not None:
+            return
+        self._broken = why
+        log.error("the grammar process ended: its constrained requests fail", reason=why,
+                  held=sorted(self._held), matched=len(self._matched))
+        for request_id, seqs in self._held.items():
+            field = self._fields.get(seqs[0].seq_id, "parameters.constraint")
+            self._refused.append(Refusal(request_id, f"structured output failed: the grammar process ended ({why}); "
+                                         "a fault of the server, not of the request",
+                                         Rejection("INTERNAL", field, "GRAMMAR_MATCHER_FAULT")))
+        self._held.clear()
+        self._ready.clear()
+        for sid, seq in self._matched.items():
+            self._early[sid] = self._lost(seq, why)
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+
+    def _lost(self, seq: Sequence, why: str) -> Refusal:
+        return Refusal(seq.request_id, f"structured output failed: the grammar process ended ({why}); a fault of "
+                       "the server, not of the request",
+                       Rejection("INTERNAL", self._fields.get(seq.seq_id, "parameters.constraint"),
+                                 "GRAMMAR_MATCHER_FAULT"))
+
+    def close(self) -> None:
+        """Stop the child (it also dies with this process)."""
+        if self._proc is None:
+            return
+        self._send(("close",))
+        try:
+            self._proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+        self._proc = None
+
+    # -- requests -------------------------------------------------------------------------------------
+    def hold(self, request_id: str, spec: GrammarSpec, seqs: list[Sequence]) -> None:
+        if self._broken is not None and not self._matched_alive():
+            self._restart()
+        for seq in seqs:
+            self._fields[seq.seq_id] = spec.field
+        self._held[request_id] = seqs
+        if self._broken is not None:  # (a sequence of the dead child's is still running: refused at once)
+            self._held.pop(request_id)
+            self._refused.append(self._lost(seqs[0], self._broken))
+            return
+        self._send(("hold", request_id, spec, [(s.seq_id, s.stopping.min_new_tokens, tuple(s.stopping.stop_token_ids))
+                                               for s in seqs]))
+
+    def _matched_alive(self) -> bool:
+        return any(not s.is_finished for s in self._matched.values())
+
+    def _restart(self) -> None:
+        log.info("starting a new grammar process", previous=self._broken)
+        if self._conn is not None:
+            self._conn.close()
+        self._matched.clear()
+        self._early.clear()
+        self._late.clear()
+        self._layout, self._fill_sent, self._expect_accept = None, False, False
+        self._start()
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held) + len(self._refused) + len(self._ready)
+
+    def take_ready(self) -> tuple[list[list[Sequence]], list[Refusal]]:
+        """Requests whose grammar the child compiled (their sequences now have matchers there) and
+        requests refused; held requests aborted meanwhile are dropped (the child is told)."""
+        self.forget_finished()
+        self._drain()
+        ready: list[list[Sequence]] = []
+        for request_id in self._ready:
+            seqs = self._held.pop(request_id, None)
+            if seqs is None:
+                continue
+            for seq in seqs:
+                self._matched[seq.seq_id] = seq
+            ready.append(seqs)
+        self._ready.clear()
+        refused, self._refused = self._refused, []
+        for request_id, seqs in list(self._held.items()):
+            if all(s.is_finished for s in seqs):  # aborted while its grammar compiled
+                del self._held[request_id]
+                self._send(("drop", request_id))
+        return ready, refused
+
+    def _drain(self) -> None:
+        """Read what the child sent unasked (ready and refused requests) without waiting."""
+        while (msg := self._recv(0)) is not None:
+            self._handle(msg)
+
+    def _handle(self, msg: tuple[Any, ...]) -> None:
+        kind = msg[0]
+        if kind == "ready":
+            _, request_ids, refused, stats = msg
+            self._ready.extend(request_ids)
+            for r in refused:
+                if self._held.pop(r.request_id, None) is not None:
+                    self._refused.append(r)
+            self._stats = stats
+        elif kind in ("rows", "rows_failed"):
+            self._late.extend(msg[-2])  # (a stale reply's too: those tokens were used)
+            if msg[1] == self._fill_id and self._layout is not None:  # else a step that failed asked for it
+                self._rows_reply = msg
+        else:
+            raise GrammarProcessError(f"unexpected message from the grammar process: {kind!r}")
+
+    def forget_finished(self) -> None:
+        done = [sid for sid, s in self._matched.items() if s.is_finished]
+        if not done:
+            return
+        for sid in done:
+            del self._matched[sid]
+            self._fields.pop(sid, None)
+            self._early.pop(sid, None)
+        self._send(("forget", done))
+
+    @property
+    def num_matched(self) -> int:
+        return len(self._matched)
+
+    def has_matcher(self, seq: Sequence) -> bool:
+        return seq.seq_id in self._matched
+
+    def compile_stats(self) -> CompileStats:
+        return self._stats
+
+    # -- steps ----------------------------------------------------------------------------------------
+    def any_matched(self, seqs: Seq[Sequence]) -> bool:
+        matched = self._matched
+        return bool(matched) and any(seq.seq_id in matched for seq in seqs)
+
+    def will_sample(self, seqs: Seq[Sequence], drafts: Seq[Seq[int]] | None = None) -> None:
+        """The rows of the step just launched: sent with the previous step's tokens when those are
+        still to be accepted (the fill must see them), else now."""
+        ids = [s.seq_id for s in seqs]
+        guesses = [list(d) for d in drafts] if drafts is not None and any(drafts) else None
+        rows = sum(1 + (len(guesses[i]) if guesses is not None else 0)
+                   for i, sid in enumerate(ids) if sid in self._matched)
+        self._reserve(rows)
+        self._layout = (ids, guesses)
+        self._fill_id += 1
+        self._fill_sent, self._rows_reply = False, None
+        if not self._expect_accept:
+            self._send(("step", None, self._layout, self._fill_id))
+            self._fill_sent = True
+
+    def _reserve(self, rows: int) -> None:
+        """Shared rows for at least ``rows`` (two buffers of them, used in turn), made before the
+        fill that needs them; the child maps them when told."""
+        if rows <= self._capacity or self._broken is not None:
+            return
+        capacity = max(rows, 2 * self._capacity, 64)
+        size = 2 * capacity * self.words * 4
+        fd = os.memfd_create("loom-grammar-rows")
+        try:
+            os.ftruncate(fd, size)
+            buffer = mmap.mmap(fd, size)
+            self._send(("buffers", capacity))
+            if self._broken is None:
+                assert self._conn is not None and self._proc is not None
+                reduction.send_handle(self._conn, fd, self._proc.pid)
+        finally:
+            os.close(fd)
+        self._buffer = buffer
+        n = capacity * self.words
+        self._views = [torch.frombuffer(buffer, dtype=torch.int32, count=n, offset=i * n * 4).view(capacity, self.words)
+                       for i in range(2)]
+        self._capacity = capacity
+
+    def accept_step(self, items: Seq[tuple[Sequence, Seq[int]]]) -> dict[int, Refusal]:
+        """Step N's tokens to the child (with step N+1's rows to fill, when known). Returns the
+        refusals known now: sequences whose rows were left open last step (their token is not used)."""
+        refusals: dict[int, Refusal] = {}
+        sent: list[tuple[int, list[int]]] = []
+        early, matched = self._early, self._matched
+        for seq, tokens in items:
+            sid = seq.seq_id
+            if sid not in matched:
+                continue
+            if early and sid in early:
+                refusals[sid] = early.pop(sid)
+                continue
+            sent.append((sid, list(tokens)))
+        self._expect_accept = False
+        layout = None if self._fill_sent else self._layout
+        if sent or layout is not None:
+            self._send(("step", sent, layout, self._fill_id))
+            if layout is not None:
+                self._fill_sent = True
+        return refusals
+
+    def bitmask_rows(self, seqs: Seq[Sequence], drafts: Seq[Seq[int]] | None = None) -> TokenBitmaskRows | None:
+        """The rows of the step :meth:`will_sample` was told of (``seqs`` must be its sequences),
+        waiting for the child if it has not finished them."""
+        if self._layout is None or self._layout[0] != [s.seq_id for s in seqs]:
+            raise GrammarProcessError("the grammar rows asked for are not those of the step launched last")
+        if self._broken is not None:
+            if not any(s.seq_id in self._matched and not s.is_finished for s in seqs):
+                return None  # (its constrained requests failed already)
+            raise GrammarProcessError(f"the grammar process ended ({self._broken})")
+        if not self._fill_sent:
+            self._send(("step", None, self._layout, self._fill_id))
+            self._fill_sent = True
+        while self._rows_reply is None:
+            msg = self._recv(None)
+            if msg is None:
+                raise GrammarProcessError(f"the grammar process ended ({self._broken})")
+            self._handle(msg)
+        msg, self._rows_reply = self._rows_reply, None
+        self._layout, self._fill_sent = None, False
+        self._expect_accept = True
+        if msg[0] == "rows_failed":
+            raise GrammarProcessError(f"filling the rows failed in the grammar process: {msg[2]}")
+        _, _, rows, half, early, _, stats = msg
+        self._stats = stats
+        for sid, refusal in early:
+            if sid in self._matched:
+                self._early[sid] = refusal
+        if not rows:
+            return None
+        return TokenBitmaskRows(rows, self.words, self._views[half][: len(rows)])
+
+    def take_refusals(self) -> list[Refusal]:
+        """Requests whose token the child refused after it was used (faults): the engine fails
+        those still running."""
+        if not self._late:
+            return []
+        late, self._late = self._late, []
+        out: dict[str, Refusal] = {}
+        for sid, refusal in late:
+            seq = self._matched.get(sid)
+            if seq is not None and not seq.is_finished:
+                out.setdefault(refusal.request_id, refusal)
+            else:
+                log.error("the grammar process refused a token of a finished completion", request_id=refusal.request_id,
+                          error=refusal.message)
+        return list(out.values())
+
+    def terminated(self, seq: Sequence) -> bool:
+        """Asked for a token that is an EOS: its mask allowed it, so its grammar ended (the child
+        checks; :meth:`take_refusals` reports otherwise)."""
+        return seq.seq_id in self._matched
+
+    def host_fault(self, seq: Sequence, doing: str, exc: Exception) -> Refusal | None:
+        if seq.seq_id not in self._matched:
+            return None
+        return Refusal(seq.request_id, f"structured output failed while {doing} ({type(exc).__name__}: {exc}); "
+                       "a fault of the server, not of the request",
+                       Rejection("INTERNAL", self._fields.get(seq.seq_id, "parameters.constraint"),
+                                 "GRAMMAR_MATCHER_FAULT"))
+
+
+# -- the child ---------------------------------------------------------------------------------------------
+
+
+class _Stopping:
+    __slots__ = ("min_new_tokens", "stop_token_ids")
+
+    def __init__(self, min_new_tokens: int, stop_token_ids: tuple[int, ...]) -> None:
+        self.min_new_tokens = min_new_tokens
+        self.stop_token_ids = stop_token_ids
+
+
+class _Mirror:
+    """What the driver reads of an engine sequence, kept from the engine's messages: its ids, its
+    stopping rules, the tokens its matcher was given (its output so far) and whether it finished."""
+
+    __slots__ = ("finished", "num_known_tokens", "request_id", "seq_id", "stopping")
+    num_prompt_tokens = 0  # counts start at its output
+
+    def __init__(self, seq_id: int, request_id: str, min_new_tokens: int = 0,
+                 stop_token_ids: tuple[int, ...] = ()) -> None:
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.stopping = _Stopping(min_new_tokens, stop_token_ids)
+        self.num_known_tokens = 0
+        self.finished = False
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finished
+
+    @property
+    def num_output_tokens(self) -> int:  # as the engine's while the token being accepted is in place
+        return self.num_known_tokens + 1
+
+
+class _Server:
+    def __init__(self, conn: Connection, config: ProcessConfig) -> None:
+        from .compiler_pool import GrammarCompilerPool
+        from .driver import StructuredOutput
+        from .vocabulary import vocabulary_from_model_dir
+
+        self.conn = conn
+        self.config = config
+        model_dir, vocab, eos = config.model_dir, config.vocab_size, config.eos_token_ids
+        pool = GrammarCompilerPool(lambda: vocabulary_from_model_dir(model_dir, vocab, eos), workers=config.workers,
+                                   cache_bytes=config.cache_bytes, compiler_threads=config.compiler_threads)
+        self.driver = StructuredOutput(pool, vocab, eos, config.compile_timeout_s, fast_rows=config.fast_rows)
+        self.words = self.driver.words
+        self.mirrors: dict[int, _Mirror] = {}
+        self.requests: dict[str, list[_Mirror]] = {}  # held requests' mirrors
+        self.late: list[tuple[int, Refusal]] = []
+        self.halves: list[torch.Tensor] = []
+        self.buffer: mmap.mmap | None = None
+        self.last_half = 1
+
+    def run(self) -> None:
+        conn, driver = self.conn, self.driver
+        while True:
+            if conn.poll(_POLL_S if driver.num_held else None):
+                msg = conn.recv()
+                kind = msg[0]
+                if kind == "close":
+                    return
+                try:
+                    getattr(self, f"_on_{kind}")(*msg[1:])
+                except Exception as exc:  # a message the driver failed on: logged, the loop goes on
+                    log.error("grammar process: handling a message failed", kind=kind, error=repr(exc), exc_info=exc)
+                    if kind == "step" and msg[2] is not None:
+                        self._reply(("rows_failed", msg[3], repr(exc), self._take_late(), None))
+            if driver.num_held:
+                self._report_ready()
+
+    def _reply(self, msg: tuple[Any, ...]) -> None:
+        self.conn.send(msg)
+
+    def _take_late(self) -> list[tuple[int, Refusal]]:
+        late, self.late = self.late, []
+        return late
+
+    def _report_ready(self) -> None:
+        ready, refused = self.driver.take_ready()
+        if ready or refused:
+            for seqs in ready:
+                self.requests.pop(seqs[0].request_id, None)
+            for r in refused:
+                for m in self.requests.pop(r.request_id, []):
+                    self.mirrors.pop(m.seq_id, None)
+            self._reply(("ready", [seqs[0].request_id for seqs in ready], refused, self.driver.compile_stats()))
+
+    def _on_hold(self, request_id: str, spec: GrammarSpec, seqs: list[tuple[int, int, tuple[int, ...]]]) -> None:
+        mirrors = [_Mirror(sid, request_id, min_new, stops) for sid, min_new, stops in seqs]
+        for m in mirrors:
+            self.mirrors[m.seq_id] = m
+        self.requests[request_id] = mirrors
+        self.driver.hold(request_id, spec, mirrors)  # type: ignore[arg-type]  # (what the driver reads of one)
+
+    def _on_drop(self, request_id: str) -> None:
+        for m in self.requests.pop(request_id, []):
+            m.finished = True
+            self.mirrors.pop(m.seq_id, None)
+
+    def _on_forget(self, seq_ids: list[int]) -> None:
+        for sid in seq_ids:
+            m = self.mirrors.pop(sid, None)
+            if m is not None:
+                m.finished = True
+        self.driver.forget_finished()
+
+    def _on_buffers(self, capacity: int) -> None:
+        fd = reduction.recv_handle(self.conn)
+        try:
+            self.buffer = mmap.mmap(fd, 2 * capacity * self.words * 4)
+        finally:
+            os.close(fd)
+        n = capacity * self.words
+        self.halves = [torch.frombuffer(self.buffer, dtype=torch.int32, count=n, offset=i * n * 4).view(capacity,
+                                                                                                       self.words)
+                       for i in range(2)]
+        self.driver._buffers = list(self.halves)  # the fast path fills them in turn, in place
+
+    def _on_step(self, accepts: list[tuple[int, list[int]]] | None,
+                 layout: tuple[list[int], list[list[int]] | None] | None, fill_id: int) -> None:
+        driver, mirrors = self.driver, self.mirrors
+        if accepts:
+            items = [(m, tokens) for sid, tokens in accepts if (m := mirrors.get(sid)) is not None]
+            if self.config.fault_injection:
+                items = self._inject_accept_faults(items)
+            try:
+                refusals = driver.accept_step(items)  # type: ignore[arg-type]
+            except Exception as exc:  # a fault outside xgrammar: every one of them refused
+                refusals = {m.seq_id: r for m, _ in items
+                            if (r := driver.host_fault(m, "accepting this step's tokens", exc)) is not None}  # type: ignore[arg-type]
+            for m, tokens in items:
+                m.num_known_tokens += len(tokens)
+            self.late.extend(refusals.items())
+        if layout is None:
+            return
+        ids, drafts = layout
+        seqs = [mirrors.get(sid) or _Mirror(sid, "") for sid in ids]  # unknown ids: rows without a grammar
+        if self.config.fault_injection:
+            for m in seqs:
+                if m.request_id.startswith("inject-grammar-fill") and driver.has_matcher(m):  # type: ignore[arg-type]
+                    driver.record_fault(m, RuntimeError("injected: a fill failed in the grammar process"),  # type: ignore[arg-type]
+                                        "filling its mask")
+        rows = driver.bitmask_rows(seqs, drafts)  # type: ignore[arg-type]
+        if rows is None:
+            self._reply(("rows", fill_id, [], 0, [], self._take_late(), driver.compile_stats()))
+            return
+        half = self._half_of(rows)
+        early = ([(m.seq_id, r) for m in seqs if (r := driver.pending_refusal(m)) is not None]  # type: ignore[arg-type]
+                 if driver.has_pending_refusals else [])
+        # ("rows", fill id, row indices, shared half, refused next accepts, refused tokens, compile stats)
+        self._reply(("rows", fill_id, rows.rows, half, early, self._take_late(), driver.compile_stats()))
+
+    def _inject_accept_faults(self, items: list[tuple[_Mirror, list[int]]]) -> list[tuple[_Mirror, list[int]]]:
+        """Tests only: the tokens of requests named inject-grammar-accept* are refused as a matcher
+        that raised would refuse them (the engine learns it after their use)."""
+        kept = []
+        for m, tokens in items:
+            if m.request_id.startswith("inject-grammar-accept"):
+                refusal = self.driver.host_fault(m, "accepting this step's tokens",  # type: ignore[arg-type]
+                                                 RuntimeError("injected: an accept failed in the grammar process"))
+                if refusal is not None:
+                    self.late.append((m.seq_id, refusal))
+                m.num_known_tokens += len(tokens)
+            else:
+                kept.append((m, tokens))
+        return kept
+
+    def _half_of(self, rows: TokenBitmaskRows) -> int:
+        """Which shared half holds ``rows`` (the fast path fills one in place; the draft path's rows
+        are copied into the half not used last)."""
+        data = rows.data
+        if isinstance(data, torch.Tensor):
+            for i, half in enumerate(self.halves):
+                start = half.data_ptr()
+                if start <= data.data_ptr() < start + half.numel() * 4:
+                    self.last_half = i
+                    return i
+        half_i = self.last_half ^ 1
+        self.halves[half_i][: len(rows.rows)].copy_(rows.tensor())
+        self.last_half = half_i
+        return half_i
+
+
+def main() -> None:
+    config: ProcessConfig = pickle.loads(sys.stdin.buffer.read())
+    from loom.logging_setup import configure_logging
+    from loom.worker.rank_process import die_with_parent
+
+    die_with_parent(config.parent_pid)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the engine decides when it stops
+        signal.signal(sig, signal.SIG_IGN)
+    configure_logging(json_output=config.log_json, level=config.log_level, process="grammar")
+    torch.set_num_threads(1)
+    conn = Connection(int(sys.argv[1]))
+    _Server(conn, config).run()
+    os._exit(0)  # a compile still running on a pool thread must not hold the exit up
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""Structured output's matchers in a process of their own (loom.structured.grammar_process), through
+the in-process engine (a random-weight Llama with SmolLM2's vocabulary): the same tokens as the
+driver in the engine's process, with asynchronous scheduling (rows filled while the step before is
+finished), synchronously and with speculation; refusals and aborts as there; a token refused after
+its use, a row left open and the process dying each fail only their own requests; auto chooses it
+where it pays."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loom.config import ConfigError, EngineConfig
+from loom.engine.llm_engine import LLMEngine
+from loom.engine.types import EngineOutput, EngineRequest, FinishReason, SamplingParams, StoppingParams
+from loom.frontend.tokenizer import Tokenizer
+from loom.structured.driver import StructuredOutput
+from loom.structured.grammar_process import GrammarProcess
+from loom.structured.grammars import choice_to_ebnf
+from loom.structured.spec import GrammarSpec
+
+jsonschema = pytest.importorskip("jsonschema")
+
+SCHEMA = {"type": "object", "properties": {
+    "ok": {"type": "boolean"},
+    "n": {"type": "integer", "minimum": 0, "maximum": 9},
+    "color": {"enum": ["red", "green"]},
+}, "required": ["ok", "n", "color"]}
+JSON_SPEC = GrammarSpec("json_schema", json.dumps(SCHEMA), "parameters.constraint.json_schema")
+REGEX = GrammarSpec("regex", "[a-c]{2,4}", "parameters.constraint.regex")
+CHOICE = GrammarSpec("ebnf", choice_to_ebnf(["yes", "no", "maybe"]), "parameters.constraint.choice")
+LONG = GrammarSpec("regex", "(ab|ba|a|b){30,40}", "parameters.constraint.regex")  # many steps
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    from helpers.tiny_models import save_tiny_llama_with_vocab_of
+
+    return save_tiny_llama_with_vocab_of(default_model_dir, tmp_path_factory.mktemp("tiny-grammar-process"))
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_model_dir(model_dir)
+
+
+def make_engine(model_dir: Path, **overrides: Any) -> LLMEngine:
+    return LLMEngine(EngineConfig(model_id=str(model_dir), max_batch_total_tokens=4096, warmup=False, **overrides))
+
+
+def request(rid: str, spec: GrammarSpec | None, new: int = 48, n: int = 1, min_new: int = 0,
+            **sampling: Any) -> EngineRequest:
+    return EngineRequest(rid, (1, 504, 3458, 28, 253), SamplingParams(constraint=spec, **sampling),
+                         StoppingParams(max_new_tokens=new, min_new_tokens=min_new), n=n)
+
+
+def run(engine: LLMEngine, requests: list[EngineRequest]) -> dict[tuple[str, int], list[EngineOutput]]:
+    outs: dict[tuple[str, int], list[EngineOutput]] = {}
+    for r in requests:
+        engine.add_request(r)
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs.setdefault((out.request_id, out.index), []).append(out)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks, "KV blocks leaked"
+    return outs
+
+
+def ids(outs: list[EngineOutput]) -> list[int]:
+    return [t for o in outs for t in o.token_ids]
+
+
+def text(tok: Tokenizer, outs: list[EngineOutput]) -> str:
+    return tok.decode(ids(outs), skip_special_tokens=True)
+
+
+def mixed() -> list[EngineRequest]:
+    return [request("json", JSON_SPEC, n=2, do_sample=True, seed=5), request("regex", REGEX, do_sample=True, seed=1),
+            request("choice", CHOICE), request("min", REGEX, min_new=3), request("plain", None, new=12)]
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> LLMEngine:
+    """The driver in the engine's process, synchronous scheduling."""
+    return make_engine(model_dir, async_scheduling="off", grammar_process="off")
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path) -> Any:
+    """Asynchronous scheduling with the grammar process (auto chooses it), fault injection on."""
+    subject = make_engine(model_dir, async_scheduling="on", fault_injection=True)
+    yield subject
+    subject.close()
+
+
+def _assert_faulted(outs: list[EngineOutput], field: str, *words: str) -> None:
+    last = outs[-1]
+    assert last.finish_reason is FinishReason.ERROR and last.rejection is not None, last
+    assert (last.rejection.status, last.rejection.reason, last.rejection.field) == (
+        "INTERNAL", "GRAMMAR_MATCHER_FAULT", field)
+    assert last.error is not None and all(w in last.error for w in words), last.error
+
+
+def test_the_same_tokens_as_the_driver_in_the_engines_process(engine: LLMEngine, reference: LLMEngine,
+                                                              tok: Tokenizer) -> None:
+    want = run(reference, mixed())
+    got = run(engine, mixed())
+    assert isinstance(engine._structured, GrammarProcess) and isinstance(reference._structured, StructuredOutput)
+    assert {k: ids(v) for k, v in got.items()} == {k: ids(v) for k, v in want.items()}
+    assert {k: v[-1].finish_reason for k, v in got.items()} == {k: v[-1].finish_reason for k, v in want.items()}
+    for index in (0, 1):
+        jsonschema.validate(json.loads(text(tok, got[("json", index)])), SCHEMA)
+    assert engine.num_async_steps > 0  # constrained steps went in flight
+    stats = engine.stats()  # the child's compile statistics
+    assert stats.grammar_cache_queries == 4 and sum(stats.grammar_compile_buckets) == 3  # (REGEX twice)
+    again = run(engine, [request("json", JSON_SPEC, n=2, do_sample=True, seed=5)])
+    assert ids(again[("json", 1)]) == ids(want[("json", 1)])
+    assert engine.stats().grammar_cache_hits >= 1
+    engine.step()  # nothing left: the finished sequences are forgotten here and in the child
+    assert engine._structured.num_matched == 0
+
+
+def test_synchronous_scheduling_and_speculation_give_the_same_tokens(model_dir: Path, reference: LLMEngine,
+                                                                    tok: Tokenizer) -> None:
+    """Without a step in flight the rows are asked for at once; with drafts, one row per draft."""
+    spec = GrammarSpec("regex", "(ab|ba|a|b){4,40}", "parameters.constraint.regex")
+    prompt = tuple(tok.encode("ab ab ab ab ab ab ab ab ab ab"))  # n-gram drafts come from repeats
+    reqs = [EngineRequest("g", prompt, SamplingParams(constraint=spec), StoppingParams(max_new_tokens=40)),
+            EngineRequest("p", prompt, SamplingParams(), StoppingParams(max_new_tokens=12, ignore_eos=True)),
+            *mixed()]
+    want = run(reference, reqs)
+    speculating = make_engine(model_dir, async_scheduling="off", grammar_process="on", speculate=3)
+    try:
+        got = run(speculating, reqs)
+        assert isinstance(speculating._structured, GrammarProcess)
+    finally:
+        speculating.close()
+    assert {k: ids(v) for k, v in got.items()} == {k: ids(v) for k, v in want.items()}
+    assert sum(o.num_draft_tokens for o in got[("g", 0)]) > 0  # the constrained request verified drafts
+
+
+def test_aborted_while_compiling_and_bad_grammar_refused(engine: LLMEngine) -> None:
+    spec = GrammarSpec("regex", "[a-z]{1,64}(,[a-z0-9]{1,16}){0,7}y", "parameters.constraint.regex")  # not cached
+    engine.add_request(request("gone", spec))
+    engine.abort("gone")
+    assert engine.has_unfinished()  # held until its compile ends, then dropped
+    outs = run(engine, [request("bad", GrammarSpec("ebnf", 'root ::= "a" | nope', "parameters.constraint.grammar"))])
+    assert not engine.has_unfinished() and ("gone", 0) not in outs
+    bad = outs[("bad", 0)][0]
+    assert bad.finish_reason is FinishReason.ERROR and bad.rejection is not None
+    assert (bad.rejection.status, bad.rejection.field) == ("INVALID_ARGUMENT", "parameters.constraint.grammar")
+
+
+@pytest.mark.parametrize("how", ["accept", "fill"])
+def test_a_fault_in_the_process_fails_its_request_alone(engine: LLMEngine, reference: LLMEngine, tok: Tokenizer,
+                                                        how: str) -> None:
+    """accept: the child refuses a token after the engine used it (learned with the next rows);
+    fill: the child leaves a row open, so that sequence's next token is refused before its use.
+    Either way that request fails with INTERNAL GRAMMAR_MATCHER_FAULT and the others end as they
+    do without it."""
+    want = run(reference, [request("json", JSON_SPEC, do_sample=True, seed=5), request("plain", None, new=12)])
+    broken = f"inject-grammar-{how}"
+    outs = run(engine, [request("json", JSON_SPEC, do_sample=True, seed=5), request(broken, LONG),
+                        request("plain", None, new=12)])
+    _assert_faulted(outs[(broken, 0)], LONG.field, f"injected: a{'n' if how == 'accept' else ''} {how} failed")
+    assert len(ids(outs[(broken, 0)])) < 30  # it stopped early
+    for key in (("json", 0), ("plain", 0)):
+        assert ids(outs[key]) == ids(want[key]) and outs[key][-1].finish_reason is want[key][-1].finish_reason
+
+
+def test_the_process_dying_fails_its_requests_and_a_new_one_serves_the_next(engine: LLMEngine,
+                                                                             reference: LLMEngine) -> None:
+    want = run(reference, [request("plain", None, new=24), request("json", JSON_SPEC, do_sample=True, seed=5)])
+    grammars = engine._structured
+    assert isinstance(grammars, GrammarProcess) and grammars._proc is not None
+    for r in (request("long", LONG, n=2), request("plain", None, new=24)):
+        engine.add_request(r)
+    outs: dict[tuple[str, int], list[EngineOutput]] = {}
+    for _ in range(6):
+        for out in engine.step():
+            outs.setdefault((out.request_id, out.index), []).append(out)
+    assert grammars.num_matched == 2
+    grammars._proc.kill()
+    grammars._proc.wait()
+    for key, more in run(engine, []).items():
+        outs.setdefault(key, []).extend(more)
+    for index in (0, 1):
+        _assert_faulted(outs[("long", index)], LONG.field, "the grammar process ended")
+    assert ids(outs[("plain", 0)]) == ids(want[("plain", 0)])  # untouched
+    after = run(engine, [request("json", JSON_SPEC, do_sample=True, seed=5)])  # a new child
+    assert ids(after[("json", 0)]) == ids(want[("json", 0)])
+    assert grammars._proc is not None and grammars._proc.poll() is None
+
+
+def test_auto_runs_it_with_asynchronous_scheduling_on_one_shard(model_dir: Path) -> None:
+    sync = make_engine(model_dir, async_scheduling="off")
+    assert not sync._grammar_process_wanted()
+    assert make_engine(model_dir, async_scheduling="on")._grammar_process_wanted()
+    assert not make_engine(model_dir, async_scheduling="on", grammar_process="off")._grammar_process_wanted()
+    with pytest.raises(ConfigError, match="--grammar-process must be auto, on or off; got 'yes'"):
+        EngineConfig(model_id=str(model_dir), grammar_process="yes")
+
+
+def test_close_stops_the_child(model_dir: Path) -> None:
+    subject = make_engine(model_dir, grammar_process="on")
+    run(subject, [request("choice", CHOICE)])
+    grammars = subject._structured
+    assert isinstance(grammars, GrammarProcess) and grammars._proc is not None
+    proc = grammars._proc
+    subject.close()
+    assert proc.poll() == 0
