@@ -87,6 +87,8 @@ def add_bench_command(sub: Any) -> None:
                    help="passed to the engine's cuda_graphs setting when the engine has one (e.g. 1,2,4,8 or 0)")
     g.add_argument("--async-scheduling", default=None, choices=("auto", "on", "off"),
                    help="the engine's async_scheduling setting (default: auto, on for CUDA)")
+    g.add_argument("--grammar-process", default=None, choices=("auto", "on", "off"),
+                   help="the engine's grammar_process setting (S1; default: auto, on with async scheduling)")
     g = p.add_argument_group("workload sizes")
     g.add_argument("--w2-requests", type=int, default=None,
                    help="W2 request count; unset: 512 for llama-1b, else 256 (16 with --quick)")
@@ -251,6 +253,8 @@ def engine_config(args: argparse.Namespace, device: torch.device, workloads: lis
         kwargs["cuda_memory_fraction"] = args.cuda_memory_fraction
     if args.async_scheduling is not None:
         kwargs["async_scheduling"] = args.async_scheduling
+    if getattr(args, "grammar_process", None) is not None:
+        kwargs["grammar_process"] = args.grammar_process
     if getattr(args, "speculate", None):
         kwargs["speculate"] = args.speculate
         if getattr(args, "speculator", None):
