@@ -15,6 +15,14 @@ ends is replaced by a new request of the same schema (between timed steps), as c
 batching does. The masks are checked to allow each next token, and their bytes are hashed
 (``mask_sha256``): two versions of the code that fill the same masks print the same digest.
 
+``--process`` also runs the same streams through the grammar process
+(:class:`loom.structured.grammar_process.GrammarProcess`) in the engine's order with a step in
+flight: take step k's rows (filled by the child meanwhile), queue the processor, note step k+1's
+layout, send step k's tokens (the child accepts them and fills k+1's rows), then ``--other-us`` of
+stand-in host work (the engine's output processing, scheduling and planning, during which the
+child works). Its ``total`` is the engine thread's time in grammar calls, waits for the child
+included, the figure to set beside the in-process ``total``.
+
 ``--engine-step`` also times the engine's whole step without a grammar at 64 decode rows on a
 tiny random model (a 1,024-token vocabulary, 2 layers of 64: the forward and the sampler are a
 small part), the like-for-like denominator for a ratio. ``--profile N`` prints cProfile's top N
@@ -221,6 +229,133 @@ def bench_grammar(steps: int, rows: int, warmup: int, profile_top: int, compare:
     return out
 
 
+class ProcessLoop:
+    """The streams of :class:`GrammarLoop` through the grammar process, one step in flight. A
+    sequence that ends at step k still has a (left open, unchecked) row in step k+1, whose layout
+    was set before k's tokens were accepted; its replacement joins at step k+2."""
+
+    def __init__(self, rows: int, duplicates: bool) -> None:
+        from loom.model_loader import resolve_model_dir
+        from loom.structured.grammar_process import GrammarProcess, ProcessConfig
+        from loom.worker.staging import Stager
+
+        ref = GrammarLoop.__new__(GrammarLoop)  # the documents and specs only
+        GrammarLoop.__init__(ref, 0, True, duplicates)
+        self.ref = ref
+        self.driver = GrammarProcess(ProcessConfig(str(resolve_model_dir(None)), ref.vocab, tuple(ref.eos), 600.0,
+                                                   256 << 20, workers=1))
+        self.stager = Stager(torch.device("cpu"))
+        self.next_id = 0
+        self.seqs: list[Any] = []
+        self.pos: list[int] = []
+        self.schema: list[str] = []
+        for i in range(rows):
+            name = ref.names[i % len(ref.names)]
+            seq = self._new_sequence(name)
+            start = ((i % len(ref.names) if duplicates else i) * 7) % (len(ref.docs[name]) - 1)
+            if start:
+                assert not self.driver.accept_step([(seq, ref.docs[name][:start])])
+            self.seqs.append(seq)
+            self.pos.append(start)
+            self.schema.append(name)
+        self.digest = hashlib.sha256()
+        self.replaced = 0
+        self.launched: tuple[list[Any], list[int]] | None = None  # step k: its sequences, their tokens
+        self.waiting: dict[int, str] = {}  # slot -> the schema of its replacement, joining next step
+
+    def _new_sequence(self, name: str) -> Any:
+        from loom.engine.sequence import Sequence, SequenceStatus
+        from loom.engine.types import EngineRequest, SamplingParams, StoppingParams
+
+        rid = f"p{self.next_id}"
+        self.next_id += 1
+        req = EngineRequest(rid, (1, 504, 3458, 28, 253), SamplingParams(constraint=self.ref.specs[name]),
+                            StoppingParams(max_new_tokens=512))
+        seq = Sequence(req, 0, None)
+        seq.status = SequenceStatus.RUNNING
+        self.driver.hold(rid, self.ref.specs[name], [seq])
+        while True:
+            ready, refused = self.driver.take_ready()
+            assert not refused, refused
+            if ready:
+                return seq
+            time.sleep(0.001)
+
+    def step(self, timings: dict[str, list[float]] | None, other_s: float) -> None:
+        from loom.engine.sequence import SequenceStatus
+        from loom.sample.batch import token_bitmask
+
+        driver, docs = self.driver, self.ref.docs
+        for i, name in list(self.waiting.items()):  # replacements join at the launch after their predecessor's
+            self.seqs[i], self.pos[i] = self._new_sequence(name), 0
+            del self.waiting[i]
+            self.replaced += 1
+        seqs = list(self.seqs)
+        tokens = [docs[n][p] for n, p in zip(self.schema, self.pos, strict=True)]
+        t0 = time.perf_counter()
+        prev = self.launched
+        rows = processor = None
+        if prev is not None:  # the launch: step k-1's rows, taken for its sampling
+            rows = driver.bitmask_rows(prev[0])
+            processor = token_bitmask(rows, self.stager, len(prev[0])) if rows is not None else None
+        t1 = time.perf_counter()
+        driver.will_sample(seqs)  # step k's forward is queued
+        t2 = time.perf_counter()
+        ended: set[int] = set()
+        if prev is not None:  # step k-1 completes: its tokens to the child with step k's layout
+            pseqs, ptokens = prev
+            live = [(s, [t]) for s, t in zip(pseqs, ptokens, strict=True) if not s.is_finished]
+            refusals = driver.accept_step(live)
+            ended = {s.seq_id for s, t in zip(pseqs, ptokens, strict=True)
+                     if not s.is_finished and t in self.ref.eos and driver.terminated(s)}
+            assert not refusals, refusals
+        t3 = time.perf_counter()
+        if timings is not None:
+            timings["total"].append(t3 - t0)
+            timings["rows"].append(t1 - t0)
+            timings["will_sample"].append(t2 - t1)
+            timings["accept"].append(t3 - t2)
+        if prev is not None:
+            assert rows is not None and processor is not None
+            self._check(rows, prev)
+            for seq in prev[0]:
+                if seq.seq_id in ended:
+                    seq.status = SequenceStatus.FINISHED
+        for i, seq in enumerate(self.seqs):  # step k's tokens, as the device would sample them
+            if seq.is_finished:
+                continue
+            self.pos[i] += 1
+            if self.pos[i] == len(docs[self.schema[i]]):
+                seq.status = SequenceStatus.FINISHED  # (its EOS is step k's token: known at k's completion)
+                self.waiting[i] = self.schema[i]
+        self.launched = (seqs, tokens)
+        end = time.perf_counter() + other_s  # the engine's other host work, the child's time to fill
+        while time.perf_counter() < end:
+            pass
+
+    def _check(self, rows: Any, prev: tuple[list[Any], list[int]]) -> None:
+        mask = rows.tensor()
+        for g, (seq, t) in enumerate(zip(*prev, strict=True)):
+            if g not in rows.rows:  # (forgotten: it ended)
+                assert seq.is_finished
+                continue
+            assert (int(mask[rows.rows.index(g), t // 32]) >> (t % 32)) & 1, f"row {g} forbids its token {t}"
+
+
+def bench_process(steps: int, rows: int, warmup: int, duplicates: bool, other_us: float) -> dict[str, Any]:
+    loop = ProcessLoop(rows, duplicates)
+    try:
+        for _ in range(warmup):
+            loop.step(None, other_us / 1e6)
+        timings: dict[str, list[float]] = {"total": [], "rows": [], "will_sample": [], "accept": []}
+        for _ in range(steps):
+            loop.step(timings, other_us / 1e6)
+    finally:
+        loop.driver.close()
+    return {"num_rows": rows, "steps": steps, "duplicates": duplicates, "other_us": other_us,
+            "requests_replaced": loop.replaced, **{k: _summary_us(v) for k, v in timings.items()}}
+
+
 def bench_engine_step(rows: int, steps: int) -> dict[str, Any]:
     """The engine's step at ``rows`` decode rows without a grammar (tiny random model, CPU)."""
     from loom.config import EngineConfig
@@ -251,11 +386,16 @@ def main() -> None:
     ap.add_argument("--compare", action="store_true", help="also run the plain path, a step of each in turn")
     ap.add_argument("--duplicates", action="store_true",
                     help="S1's layout: the 8 rows of a schema follow one stream (identical greedy requests)")
+    ap.add_argument("--process", action="store_true", help="also the grammar process, one step in flight")
+    ap.add_argument("--other-us", type=float, default=600.0,
+                    help="--process: the engine's other host work a step, in microseconds (busy-waited)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(1)
     result: dict[str, Any] = {"grammar": bench_grammar(args.steps, args.rows, args.warmup, args.profile,
                                                          args.compare, args.duplicates)}
+    if args.process:
+        result["process"] = bench_process(args.steps, args.rows, args.warmup, args.duplicates, args.other_us)
     if args.engine_step:
         result["engine_step_without_grammar"] = bench_engine_step(args.rows, args.steps)
     text = json.dumps(result, indent=2)
