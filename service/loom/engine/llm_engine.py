@@ -118,11 +118,12 @@ class LLMEngine:
             raise
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks (nothing to do with one shard). Idempotent."""
+        """Stop the other tensor-parallel ranks and the grammar process, if any. Idempotent."""
         if isinstance(self.worker, ShardedWorker):
             self.worker.close()
-        if self._structured is not None:
-            self._structured.close()
+        structured = getattr(self, "_structured", None)  # (None too when the engine failed to start)
+        if structured is not None:
+            structured.close()
 
     def _start(self, config: EngineConfig, registry: PluginRegistry, started: float) -> None:
         """Size the pool, warm up, capture graphs: everything after the worker loaded the model."""
