@@ -49,6 +49,9 @@ def tok(model_dir: Path) -> Tokenizer:
 
 
 def make_engine(model_dir: Path, **overrides: Any) -> LLMEngine:
+    """The driver in the engine's process unless told otherwise (on CUDA auto would start the
+    grammar process, which tests/unit/test_grammar_process.py covers): the fault tests patch it."""
+    overrides.setdefault("grammar_process", "off")
     return LLMEngine(EngineConfig(model_id=str(model_dir), max_batch_total_tokens=4096, warmup=False, **overrides))
 
 
@@ -266,8 +269,7 @@ def test_a_grammar_fault_outside_xgrammar_fails_the_constrained_requests_of_the_
     constrained requests fail with INTERNAL GRAMMAR_MATCHER_FAULT, the unconstrained one ends as
     it does alone, and engine.step() never raises."""
     plain_alone = run(engine, [request("plain", None, new=12)])[("plain", 0)]
-    # (the driver in this process: the one patched; tests/unit/test_grammar_process.py injects faults there)
-    subject = engine if scheduling == "sync" else make_engine(model_dir, async_scheduling="on", grammar_process="off")
+    subject = engine if scheduling == "sync" else make_engine(model_dir, async_scheduling="on")
 
     def boom(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(f"injected: a bug in {where}")
