@@ -72,6 +72,25 @@ def _summary_us(seconds: list[float]) -> dict[str, float]:
             "mean_us": 1e6 * statistics.fmean(seconds)}
 
 
+def held_sequence(driver: Any, rid: str, spec: Any) -> Any:
+    """A running sequence of a new request constrained by ``spec``, held by ``driver`` (either
+    driver) until its grammar is ready."""
+    from loom.engine.sequence import Sequence, SequenceStatus
+    from loom.engine.types import EngineRequest, SamplingParams, StoppingParams
+
+    req = EngineRequest(rid, (1, 504, 3458, 28, 253), SamplingParams(constraint=spec),
+                        StoppingParams(max_new_tokens=512))
+    seq = Sequence(req, 0, None)
+    seq.status = SequenceStatus.RUNNING
+    driver.hold(rid, spec, [seq])
+    while True:
+        ready, refused = driver.take_ready()
+        assert not refused, refused
+        if ready:
+            return seq
+        time.sleep(0.001)
+
+
 class GrammarLoop:
     """64 constrained sequences following their documents through the driver's step calls."""
 
@@ -120,22 +139,8 @@ class GrammarLoop:
         self.replaced = 0
 
     def _new_sequence(self, name: str) -> Any:
-        from loom.engine.sequence import Sequence, SequenceStatus
-        from loom.engine.types import EngineRequest, SamplingParams, StoppingParams
-
-        rid = f"r{self.next_id}"
         self.next_id += 1
-        req = EngineRequest(rid, (1, 504, 3458, 28, 253), SamplingParams(constraint=self.specs[name]),
-                            StoppingParams(max_new_tokens=512))
-        seq = Sequence(req, 0, None)
-        seq.status = SequenceStatus.RUNNING
-        self.driver.hold(rid, self.specs[name], [seq])
-        while True:
-            ready, refused = self.driver.take_ready()
-            assert not refused, refused
-            if ready:
-                return seq
-            time.sleep(0.001)
+        return held_sequence(self.driver, f"r{self.next_id - 1}", self.specs[name])
 
     @staticmethod
     def _push(seq: Any, token: int) -> None:
@@ -264,22 +269,8 @@ class ProcessLoop:
         self.waiting: dict[int, str] = {}  # slot -> the schema of its replacement, joining next step
 
     def _new_sequence(self, name: str) -> Any:
-        from loom.engine.sequence import Sequence, SequenceStatus
-        from loom.engine.types import EngineRequest, SamplingParams, StoppingParams
-
-        rid = f"p{self.next_id}"
         self.next_id += 1
-        req = EngineRequest(rid, (1, 504, 3458, 28, 253), SamplingParams(constraint=self.ref.specs[name]),
-                            StoppingParams(max_new_tokens=512))
-        seq = Sequence(req, 0, None)
-        seq.status = SequenceStatus.RUNNING
-        self.driver.hold(rid, self.ref.specs[name], [seq])
-        while True:
-            ready, refused = self.driver.take_ready()
-            assert not refused, refused
-            if ready:
-                return seq
-            time.sleep(0.001)
+        return held_sequence(self.driver, f"p{self.next_id - 1}", self.ref.specs[name])
 
     def step(self, timings: dict[str, list[float]] | None, other_s: float) -> None:
         from loom.engine.sequence import SequenceStatus

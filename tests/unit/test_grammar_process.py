@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.structured_engine import assert_faulted, ids, request, run, text
 
 from loom.config import ConfigError, EngineConfig
 from loom.engine.llm_engine import LLMEngine
@@ -51,29 +52,8 @@ def make_engine(model_dir: Path, **overrides: Any) -> LLMEngine:
     return LLMEngine(EngineConfig(model_id=str(model_dir), max_batch_total_tokens=4096, warmup=False, **overrides))
 
 
-def request(rid: str, spec: GrammarSpec | None, new: int = 48, n: int = 1, min_new: int = 0,
-            **sampling: Any) -> EngineRequest:
-    return EngineRequest(rid, (1, 504, 3458, 28, 253), SamplingParams(constraint=spec, **sampling),
-                         StoppingParams(max_new_tokens=new, min_new_tokens=min_new), n=n)
 
 
-def run(engine: LLMEngine, requests: list[EngineRequest]) -> dict[tuple[str, int], list[EngineOutput]]:
-    outs: dict[tuple[str, int], list[EngineOutput]] = {}
-    for r in requests:
-        engine.add_request(r)
-    while engine.has_unfinished():
-        for out in engine.step():
-            outs.setdefault((out.request_id, out.index), []).append(out)
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks, "KV blocks leaked"
-    return outs
-
-
-def ids(outs: list[EngineOutput]) -> list[int]:
-    return [t for o in outs for t in o.token_ids]
-
-
-def text(tok: Tokenizer, outs: list[EngineOutput]) -> str:
-    return tok.decode(ids(outs), skip_special_tokens=True)
 
 
 def mixed() -> list[EngineRequest]:
@@ -94,13 +74,6 @@ def engine(model_dir: Path) -> Any:
     yield subject
     subject.close()
 
-
-def _assert_faulted(outs: list[EngineOutput], field: str, *words: str) -> None:
-    last = outs[-1]
-    assert last.finish_reason is FinishReason.ERROR and last.rejection is not None, last
-    assert (last.rejection.status, last.rejection.reason, last.rejection.field) == (
-        "INTERNAL", "GRAMMAR_MATCHER_FAULT", field)
-    assert last.error is not None and all(w in last.error for w in words), last.error
 
 
 def test_the_same_tokens_as_the_driver_in_the_engines_process(engine: LLMEngine, reference: LLMEngine,
@@ -164,7 +137,7 @@ def test_a_fault_in_the_process_fails_its_request_alone(engine: LLMEngine, refer
     broken = f"inject-grammar-{how}"
     outs = run(engine, [request("json", JSON_SPEC, do_sample=True, seed=5), request(broken, LONG),
                         request("plain", None, new=12)])
-    _assert_faulted(outs[(broken, 0)], LONG.field, f"injected: a{'n' if how == 'accept' else ''} {how} failed")
+    assert_faulted(outs[(broken, 0)], LONG.field, f"injected: a{'n' if how == 'accept' else ''} {how} failed")
     assert len(ids(outs[(broken, 0)])) < 30  # it stopped early
     for key in (("json", 0), ("plain", 0)):
         assert ids(outs[key]) == ids(want[key]) and outs[key][-1].finish_reason is want[key][-1].finish_reason
@@ -187,7 +160,7 @@ def test_the_process_dying_fails_its_requests_and_a_new_one_serves_the_next(engi
     for key, more in run(engine, []).items():
         outs.setdefault(key, []).extend(more)
     for index in (0, 1):
-        _assert_faulted(outs[("long", index)], LONG.field, "the grammar process ended")
+        assert_faulted(outs[("long", index)], LONG.field, "the grammar process ended")
     assert ids(outs[("plain", 0)]) == ids(want[("plain", 0)])  # untouched
     after = run(engine, [request("json", JSON_SPEC, do_sample=True, seed=5)])  # a new child
     assert ids(after[("json", 0)]) == ids(want[("json", 0)])

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from helpers.broken_matchers import BrokenMatchers
+from helpers.structured_engine import assert_faulted, ids, request, run, text
 
 from loom.config import EngineConfig
 from loom.engine.llm_engine import LLMEngine
@@ -55,33 +56,12 @@ def make_engine(model_dir: Path, **overrides: Any) -> LLMEngine:
     return LLMEngine(EngineConfig(model_id=str(model_dir), max_batch_total_tokens=4096, warmup=False, **overrides))
 
 
-def request(rid: str, spec: GrammarSpec | None, new: int = 48, n: int = 1, min_new: int = 0,
-            **sampling: Any) -> EngineRequest:
-    return EngineRequest(rid, (1, 504, 3458, 28, 253), SamplingParams(constraint=spec, **sampling),
-                         StoppingParams(max_new_tokens=new, min_new_tokens=min_new), n=n)
 
-
-def run(engine: LLMEngine, requests: list[EngineRequest]) -> dict[tuple[str, int], list[EngineOutput]]:
-    outs: dict[tuple[str, int], list[EngineOutput]] = {}
-    for r in requests:
-        engine.add_request(r)
-    while engine.has_unfinished():
-        for out in engine.step():
-            outs.setdefault((out.request_id, out.index), []).append(out)
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks, "KV blocks leaked"
-    return outs
-
-
-def ids(outs: list[EngineOutput]) -> list[int]:
-    return [t for o in outs for t in o.token_ids]
 
 
 def finish(outs: list[EngineOutput]) -> FinishReason | None:
     return outs[-1].finish_reason
 
-
-def text(tok: Tokenizer, outs: list[EngineOutput]) -> str:
-    return tok.decode(ids(outs), skip_special_tokens=True)
 
 
 @pytest.fixture(scope="module")
@@ -227,13 +207,6 @@ def _break_on_attach(monkeypatch: pytest.MonkeyPatch, request_id: str, *, fill: 
     return broken
 
 
-def _assert_faulted(outs: list[EngineOutput], field: str, *words: str) -> None:
-    last = outs[-1]
-    assert last.finish_reason is FinishReason.ERROR and last.rejection is not None, last
-    assert (last.rejection.status, last.rejection.reason, last.rejection.field) == (
-        "INTERNAL", "GRAMMAR_MATCHER_FAULT", field)
-    assert last.error is not None and all(w in last.error for w in words), last.error
-
 
 @pytest.mark.parametrize("how", ["fill", "accept"])
 def test_a_matcher_that_raises_fails_its_request_alone(engine: LLMEngine, tok: Tokenizer,
@@ -252,7 +225,7 @@ def test_a_matcher_that_raises_fails_its_request_alone(engine: LLMEngine, tok: T
     ])
     assert (broken.batch_fills, broken.batch_accepts) == ((1, 0) if how == "fill" else (0, 1))
     doing = "while filling its mask" if how == "fill" else "while accepting token"
-    _assert_faulted(outs[("broken", 0)], REGEX.field, "the grammar's matcher raised RuntimeError: injected", doing)
+    assert_faulted(outs[("broken", 0)], REGEX.field, "the grammar's matcher raised RuntimeError: injected", doing)
     assert finish(outs[("json", 0)]) is FinishReason.EOS_TOKEN
     jsonschema.validate(json.loads(text(tok, outs[("json", 0)])), SCHEMA)
     assert finish(outs[("choice", 0)]) is FinishReason.EOS_TOKEN
@@ -279,6 +252,6 @@ def test_a_grammar_fault_outside_xgrammar_fails_the_constrained_requests_of_the_
                          request("plain", None, new=12)])
     doing = "while filling this step's token masks" if where == "bitmask_rows" else "while accepting this step's tokens"
     for key, field in [(("json", 0), JSON_SPEC.field), (("json", 1), JSON_SPEC.field), (("regex", 0), REGEX.field)]:
-        _assert_faulted(outs[key], field, doing, f"RuntimeError: injected: a bug in {where}")
+        assert_faulted(outs[key], field, doing, f"RuntimeError: injected: a bug in {where}")
     assert ids(outs[("plain", 0)]) == ids(plain_alone) and finish(outs[("plain", 0)]) is FinishReason.LENGTH
     assert not subject.has_unfinished()

@@ -1,0 +1,46 @@
+"""Stepping the in-process engine with constrained requests: the request shape, the step loop and
+the checks that tests/unit/test_structured_engine.py and test_grammar_process.py share."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loom.engine.llm_engine import LLMEngine
+from loom.engine.types import EngineOutput, EngineRequest, FinishReason, SamplingParams, StoppingParams
+from loom.frontend.tokenizer import Tokenizer
+from loom.structured.spec import GrammarSpec
+
+
+def request(rid: str, spec: GrammarSpec | None, new: int = 48, n: int = 1, min_new: int = 0,
+            **sampling: Any) -> EngineRequest:
+    return EngineRequest(rid, (1, 504, 3458, 28, 253), SamplingParams(constraint=spec, **sampling),
+                         StoppingParams(max_new_tokens=new, min_new_tokens=min_new), n=n)
+
+
+def run(engine: LLMEngine, requests: list[EngineRequest]) -> dict[tuple[str, int], list[EngineOutput]]:
+    """Add ``requests`` and step until nothing is unfinished: each completion's outputs; no KV block leaked."""
+    outs: dict[tuple[str, int], list[EngineOutput]] = {}
+    for r in requests:
+        engine.add_request(r)
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs.setdefault((out.request_id, out.index), []).append(out)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks, "KV blocks leaked"
+    return outs
+
+
+def ids(outs: list[EngineOutput]) -> list[int]:
+    return [t for o in outs for t in o.token_ids]
+
+
+def text(tok: Tokenizer, outs: list[EngineOutput]) -> str:
+    return tok.decode(ids(outs), skip_special_tokens=True)
+
+
+def assert_faulted(outs: list[EngineOutput], field: str, *words: str) -> None:
+    """The completion ended with INTERNAL GRAMMAR_MATCHER_FAULT on ``field``, its message holding ``words``."""
+    last = outs[-1]
+    assert last.finish_reason is FinishReason.ERROR and last.rejection is not None, last
+    assert (last.rejection.status, last.rejection.reason, last.rejection.field) == (
+        "INTERNAL", "GRAMMAR_MATCHER_FAULT", field)
+    assert last.error is not None and all(w in last.error for w in words), last.error
