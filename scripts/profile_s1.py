@@ -8,13 +8,19 @@ engine's own work. Per arm: the wall time, the steps, the step times (median and
 and the 25 functions with the most own time. The unconstrained arm generates, per request, as
 many tokens as its constrained run did (``ignore_eos``), as S1 does.
 
-    python3 scripts/profile_s1.py [--device cuda] [--requests 64] [--new-tokens 128] [--out FILE]
+With the grammar process (``--grammar-process on``, what ``auto`` picks on CUDA), each pair also
+reports how often and how long the engine's thread waited for the child's rows, and the child's
+own time a step and its full garbage collections.
+
+    python3 scripts/profile_s1.py [--device cuda] [--requests 64] [--new-tokens 128]
+        [--grammar-process auto|on|off] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import io
 import json
 import pstats
@@ -62,10 +68,36 @@ def _run(engine: LLMEngine, requests: list[EngineRequest], profile: bool, sync: 
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
         text = buf.getvalue()
-    ms = [s * 1e3 for s in steps]
+    ms = sorted(s * 1e3 for s in steps)
+    median = statistics.median(ms) if ms else 0.0
+
+    def pct(q: float) -> float:
+        return round(ms[min(len(ms) - 1, int(q * len(ms)))], 3) if ms else 0.0
+
     return {"wall_s": wall, "steps": len(steps), "tokens": sum(counts.values()), "counts": counts,
-            "step_ms_median": statistics.median(ms) if ms else 0.0,
-            "first_steps_ms": [round(x, 2) for x in ms[:6]], "profile": text}
+            "step_ms_median": median, "step_ms_p90": pct(0.9), "step_ms_p99": pct(0.99), "step_ms_max": pct(1.0),
+            "steps_over_2x_median": sum(1 for x in ms if x > 2 * median),
+            "ms_over_2x_median": round(sum(x - median for x in ms if x > 2 * median), 2),
+            "first_steps_ms": [round(x, 2) for x in [s * 1e3 for s in steps][:6]], "profile": text}
+
+
+def _grammar_stats(engine: LLMEngine) -> dict[str, float]:
+    """The grammar process's counters so far (empty with the in-process driver)."""
+    from loom.structured.grammar_process import GrammarProcess
+
+    driver = engine._structured
+    if not isinstance(driver, GrammarProcess):
+        return {}
+    out: dict[str, float] = {f"engine_{k}": v for k, v in dataclasses.asdict(driver.waits).items()}
+    child = driver.child_stats()
+    if child is not None:
+        out.update({f"child_{k}": v for k, v in dataclasses.asdict(child).items()})
+    return out
+
+
+def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: round(v if k.startswith(("engine_max", "child_max")) else v - before.get(k, 0.0), 5)
+            for k, v in after.items()}
 
 
 def main() -> None:
@@ -74,10 +106,11 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="timed pairs (the profile is of the last)")
+    parser.add_argument("--grammar-process", default="auto", choices=("auto", "on", "off"))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     cfg = EngineConfig(device=args.device, dtype="bfloat16" if args.device != "cpu" else "auto",
-                       max_total_tokens=512, max_batch_prefill_tokens=4096)
+                       max_total_tokens=512, max_batch_prefill_tokens=4096, grammar_process=args.grammar_process)
     engine = LLMEngine(cfg)
     on_cuda = engine.device.type == "cuda"
 
@@ -95,9 +128,11 @@ def main() -> None:
     report = []
     for r in range(-1, args.repeats):  # an untimed pair first: grammars compiled, graphs captured
         last = r == args.repeats - 1
+        before = _grammar_stats(engine)
         with_g = _run(engine, [EngineRequest(f"g{r}-{i}", p, SamplingParams(constraint=_spec(n)),
                                              StoppingParams(max_new_tokens=args.new_tokens))
                                for i, (p, n) in enumerate(zip(prompts, names, strict=True))], last, sync)
+        grammar = _delta(_grammar_stats(engine), before)
         counts = list(with_g["counts"].values())  # type: ignore[attr-defined]
         without = _run(engine, [EngineRequest(f"u{r}-{i}", p, SamplingParams(),
                                               StoppingParams(max_new_tokens=c, ignore_eos=True))
@@ -106,17 +141,20 @@ def main() -> None:
             continue
         pair = {"ratio": without["wall_s"] / with_g["wall_s"],  # type: ignore[operator]
                 **{f"{k}_{arm}": v[k] for arm, v in (("grammar", with_g), ("plain", without))
-                   for k in ("wall_s", "steps", "tokens", "step_ms_median", "first_steps_ms")}}
+                   for k in ("wall_s", "steps", "tokens", "step_ms_median", "step_ms_p90", "step_ms_p99",
+                             "step_ms_max", "steps_over_2x_median", "ms_over_2x_median", "first_steps_ms")},
+                **grammar}
         pairs.append(pair)
         print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in pair.items()}), flush=True)
         if last:
             report = [f"== with grammars (pair {r})\n{with_g['profile']}", f"== without (pair {r})\n{without['profile']}"]
-    summary = {"device": str(engine.device), "requests": args.requests,
+    summary = {"device": str(engine.device), "requests": args.requests, "grammar_process": args.grammar_process,
                "ratio_total": sum(p["wall_s_plain"] for p in pairs) / sum(p["wall_s_grammar"] for p in pairs), "pairs": pairs}
     print(f"ratio (all pairs' time, without over with): {summary['ratio_total']:.3f}")
     print("\n".join(report))
     if args.out:
         args.out.write_text(json.dumps({**summary, "profiles": report}, indent=1) + "\n")
+    engine.close()
 
 
 if __name__ == "__main__":

@@ -184,3 +184,50 @@ def test_close_stops_the_child(model_dir: Path) -> None:
     proc = grammars._proc
     subject.close()
     assert proc.poll() == 0
+
+
+def test_wait_and_child_statistics_and_a_quiet_exit_when_the_engine_goes(model_dir: Path) -> None:
+    """The diagnostics scripts/profile_s1.py reports: every fill counted on the engine's side, the
+    child's steps and their time, its full collections (none while serving: its start-up objects
+    are frozen); and a child whose engine vanished without a close exits at once, cleanly."""
+    subject = make_engine(model_dir, grammar_process="on")
+    try:
+        run(subject, [request("long", LONG), request("choice", CHOICE)])
+        grammars = subject._structured
+        assert isinstance(grammars, GrammarProcess) and grammars._proc is not None
+        waits = grammars.waits
+        assert waits.fills >= 5 and 0 <= waits.waits <= waits.fills and waits.wait_s >= 0.0
+        assert waits.max_wait_s <= waits.wait_s + 1e-9
+        child = grammars.child_stats()
+        assert child is not None and child.steps >= waits.fills and child.step_s > 0.0
+        assert child.max_step_s <= child.step_s
+        again = grammars.child_stats()
+        assert again is not None and again.steps == child.steps  # asking is not a step
+        proc = grammars._proc
+        assert grammars._conn is not None
+        grammars._conn.close()  # as if the engine's process had exited
+        assert proc.wait(10) == 0
+        grammars._proc = None
+    finally:
+        subject.close()
+
+
+def test_a_burst_on_grammars_compiled_before_joins_the_step_it_arrived_for(model_dir: Path) -> None:
+    """A cache hit in the child is ready at once, as in the engine's process: the engine waits for
+    those answers (briefly), so a burst of such requests is prefilled in one step, not split over
+    the step it arrived for and the next."""
+    subject = make_engine(model_dir, grammar_process="on")
+    try:
+        run(subject, [request("first", JSON_SPEC)])  # compiled now, and known to be
+        for i in range(8):
+            subject.add_request(request(f"burst-{i}", JSON_SPEC if i % 2 else REGEX if i > 3 else CHOICE))
+        grammars = subject._structured
+        assert isinstance(grammars, GrammarProcess)
+        subject.step()
+        held = grammars.num_held  # REGEX and CHOICE were never compiled: those may still wait
+        assert all(r not in grammars._held for r in (f"burst-{i}" for i in (1, 3, 5, 7)))
+        assert held <= 4
+        run(subject, [])
+        assert grammars.num_held == 0 and not grammars._held_keys
+    finally:
+        subject.close()

@@ -34,6 +34,8 @@ requests fail (INTERNAL) and the next constrained request starts a new one.
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import mmap
 import os
 import pickle
@@ -42,6 +44,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from multiprocessing import reduction
@@ -53,6 +56,7 @@ import torch
 
 from loom.engine.sequence import Sequence
 from loom.engine.types import Rejection
+from loom.process_tuning import freeze_startup_objects
 from loom.sample.batch import TokenBitmaskRows
 
 from .compiler_pool import CompileStats
@@ -65,6 +69,12 @@ log = structlog.get_logger(__name__)
 # per call (it builds a pickler and a buffer each time) for the same bytes.
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
 _POLL_S = 0.002  # the child's wait for a message while grammars compile: then it looks for ready ones
+# How long the engine's thread waits, at most, for the child to confirm requests whose grammar it
+# compiled before (cache hits there answer within ~0.1 ms a request): what an in-process cache hit
+# gives, the request joining the batch in the step it arrived for, instead of the step after (which
+# splits a burst's prefill into two steps: ~50 ms more for S1's 64 requests on the H200).
+_CACHED_READY_WAIT_S = 0.010
+_KNOWN_COMPILED = 4096  # grammar texts remembered as compiled in the child (most recent)
 
 
 @dataclass(frozen=True)
@@ -83,6 +93,37 @@ class ProcessConfig:
     parent_pid: int = 0
     log_json: bool = False
     log_level: str = "INFO"
+
+
+@dataclass
+class WaitStats:
+    """What the engine's thread waited for the child's rows (:meth:`GrammarProcess.bitmask_rows`)
+    and, asked with :meth:`GrammarProcess.child_stats`, what the child spent (diagnostics:
+    ``scripts/profile_s1.py`` reports them per pair)."""
+
+    fills: int = 0  # bitmask_rows calls
+    waits: int = 0  # ... that found the rows not there yet
+    wait_s: float = 0.0
+    max_wait_s: float = 0.0
+
+    def add(self, waited: float) -> None:
+        self.fills += 1
+        if waited > 0.0:
+            self.waits += 1
+            self.wait_s += waited
+            self.max_wait_s = max(self.max_wait_s, waited)
+
+
+@dataclass
+class ChildStats:
+    """The child's own time: step messages handled and their time, and its garbage collections."""
+
+    steps: int = 0
+    step_s: float = 0.0
+    max_step_s: float = 0.0
+    collections: int = 0  # full (generation 2) collections
+    collection_s: float = 0.0
+    max_collection_s: float = 0.0
 
 
 class GrammarProcessError(RuntimeError):
@@ -104,6 +145,8 @@ class GrammarProcess:
         self._matched: dict[int, Sequence] = {}  # seq_id -> a sequence that has a matcher in the child
         self._fields: dict[int, str] = {}  # seq_id -> its constraint's request field
         self._ready: list[str] = []  # request ids the child reported compiled, not yet taken
+        self._held_keys: dict[str, tuple[str, str]] = {}  # held request id -> its grammar's key
+        self._compiled: OrderedDict[tuple[str, str], None] = OrderedDict()  # keys the child compiled lately
         self._refused: list[Refusal] = []  # held requests refused, not yet taken
         self._early: dict[int, Refusal] = {}  # seq_id -> the refusal of its next accept (its row was left open)
         self._late: list[tuple[int, Refusal]] = []  # refused after their token was used (take_refusals)
@@ -119,6 +162,8 @@ class GrammarProcess:
         self._broken: str | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
+        self.waits = WaitStats()
+        self._child_stats: ChildStats | None = None
         self._start()
 
     # -- the child ------------------------------------------------------------------------------------
@@ -181,6 +226,7 @@ class GrammarProcess:
                                          "a fault of the server, not of the request",
                                          Rejection("INTERNAL", field, "GRAMMAR_MATCHER_FAULT")))
         self._held.clear()
+        self._held_keys.clear()
         self._ready.clear()
         for sid, seq in self._matched.items():
             self._early[sid] = self._lost(seq, why)
@@ -204,6 +250,19 @@ class GrammarProcess:
             self._proc.kill()
         self._proc = None
 
+    def child_stats(self, timeout: float = 5.0) -> ChildStats | None:
+        """The child's :class:`ChildStats` so far (None if it does not answer within ``timeout``);
+        for diagnostics, between steps."""
+        self._child_stats = None
+        self._send(("stats",))
+        deadline = time.monotonic() + timeout
+        while self._child_stats is None and (left := deadline - time.monotonic()) > 0:
+            msg = self._recv(left)
+            if msg is None:
+                break
+            self._handle(msg)
+        return self._child_stats
+
     # -- requests -------------------------------------------------------------------------------------
     def hold(self, request_id: str, spec: GrammarSpec, seqs: list[Sequence]) -> None:
         if self._broken is not None and not self._matched_alive():
@@ -211,8 +270,10 @@ class GrammarProcess:
         for seq in seqs:
             self._fields[seq.seq_id] = spec.field
         self._held[request_id] = seqs
+        self._held_keys[request_id] = spec.key
         if self._broken is not None:  # (a sequence of the dead child's is still running: refused at once)
             self._held.pop(request_id)
+            self._held_keys.pop(request_id, None)
             self._refused.append(self._lost(seqs[0], self._broken))
             return
         self._send(("hold", request_id, spec, [(s.seq_id, s.stopping.min_new_tokens, tuple(s.stopping.stop_token_ids))
@@ -240,8 +301,10 @@ class GrammarProcess:
         requests refused; held requests aborted meanwhile are dropped (the child is told)."""
         self.forget_finished()
         self._drain()
+        self._await_cache_hits()
         ready: list[list[Sequence]] = []
         for request_id in self._ready:
+            self._held_keys.pop(request_id, None)
             seqs = self._held.pop(request_id, None)
             if seqs is None:
                 continue
@@ -253,8 +316,26 @@ class GrammarProcess:
         for request_id, seqs in list(self._held.items()):
             if all(s.is_finished for s in seqs):  # aborted while its grammar compiled
                 del self._held[request_id]
+                self._held_keys.pop(request_id, None)
                 self._send(("drop", request_id))
         return ready, refused
+
+    def _await_cache_hits(self) -> None:
+        """Wait (briefly) for the child's answer on held requests whose grammar it compiled before:
+        they are ready there at once, so they join this step as they would in this process."""
+        compiled = self._compiled
+        if not compiled or not self._held:
+            return
+        answered = set(self._ready)
+        waiting = {rid for rid in self._held if rid not in answered and self._held_keys.get(rid) in compiled}
+        deadline = time.monotonic() + _CACHED_READY_WAIT_S
+        while waiting and (left := deadline - time.monotonic()) > 0:
+            msg = self._recv(left)
+            if msg is None:
+                return
+            self._handle(msg)
+            waiting.difference_update(self._ready)
+            waiting.intersection_update(self._held)  # (refused ones left _held)
 
     def _drain(self) -> None:
         """Read what the child sent unasked (ready and refused requests) without waiting."""
@@ -266,10 +347,20 @@ class GrammarProcess:
         if kind == "ready":
             _, request_ids, refused, stats = msg
             self._ready.extend(request_ids)
+            for rid in request_ids:
+                key = self._held_keys.get(rid)
+                if key is not None:
+                    self._compiled[key] = None
+                    self._compiled.move_to_end(key)
+            while len(self._compiled) > _KNOWN_COMPILED:
+                self._compiled.popitem(last=False)
             for r in refused:
+                self._held_keys.pop(r.request_id, None)
                 if self._held.pop(r.request_id, None) is not None:
                     self._refused.append(r)
             self._stats = stats
+        elif kind == "stats":
+            self._child_stats = ChildStats(**msg[1])
         elif kind in ("rows", "rows_failed"):
             self._late.extend(msg[-2])  # (a stale reply's too: those tokens were used)
             if msg[1] == self._fill_id and self._layout is not None:  # else a step that failed asked for it
@@ -374,11 +465,16 @@ class GrammarProcess:
         if not self._fill_sent:
             self._send(("step", None, self._layout, self._fill_id))
             self._fill_sent = True
-        while self._rows_reply is None:
-            msg = self._recv(None)
-            if msg is None:
-                raise GrammarProcessError(f"the grammar process ended ({self._broken})")
-            self._handle(msg)
+        waited = 0.0
+        if self._rows_reply is None:
+            started = time.perf_counter()
+            while self._rows_reply is None:
+                msg = self._recv(None)
+                if msg is None:
+                    raise GrammarProcessError(f"the grammar process ended ({self._broken})")
+                self._handle(msg)
+            waited = time.perf_counter() - started
+        self.waits.add(waited)
         msg, self._rows_reply = self._rows_reply, None
         self._layout, self._fill_sent = None, False
         self._expect_accept = True
@@ -477,21 +573,51 @@ class _Server:
         self.halves: list[torch.Tensor] = []
         self.buffer: mmap.mmap | None = None
         self.last_half = 1
+        self.stats = ChildStats()
+        self._gc_started = 0.0
+        self._frozen_after_first_ready = False
+        self._freezing = False  # the collection freeze_startup_objects runs on purpose is not counted
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        """Times full collections: one stalls every constrained request's next step while it runs."""
+        if info.get("generation") != 2 or self._freezing:
+            return
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+            return
+        took = time.perf_counter() - self._gc_started
+        st = self.stats
+        st.collections += 1
+        st.collection_s += took
+        st.max_collection_s = max(st.max_collection_s, took)
+        if took > 0.010:
+            log.warning("grammar process: a full garbage collection paused it", ms=round(took * 1e3, 1))
 
     def run(self) -> None:
         conn, driver = self.conn, self.driver
         while True:
-            if conn.poll(_POLL_S if driver.num_held else None):
-                msg = pickle.loads(conn.recv_bytes())
+            try:
+                raw = conn.recv_bytes() if conn.poll(_POLL_S if driver.num_held else None) else None
+            except (EOFError, OSError):  # the engine closed its end (it exited without a close)
+                return
+            if raw is not None:
+                msg = pickle.loads(raw)
                 kind = msg[0]
                 if kind == "close":
                     return
+                started = time.perf_counter()
                 try:
                     getattr(self, f"_on_{kind}")(*msg[1:])
                 except Exception as exc:  # a message the driver failed on: logged, the loop goes on
                     log.error("grammar process: handling a message failed", kind=kind, error=repr(exc), exc_info=exc)
                     if kind == "step" and msg[2] is not None:
                         self._reply(("rows_failed", msg[3], repr(exc), self._take_late(), None))
+                if kind == "step":
+                    took = time.perf_counter() - started
+                    self.stats.steps += 1
+                    self.stats.step_s += took
+                    self.stats.max_step_s = max(self.stats.max_step_s, took)
             if driver.num_held:
                 self._report_ready()
 
@@ -502,8 +628,22 @@ class _Server:
         late, self.late = self.late, []
         return late
 
+    def _on_stats(self) -> None:
+        # (a dict: this module is __main__ here, so its classes would not unpickle in the engine)
+        self._reply(("stats", dataclasses.asdict(self.stats)))
+
     def _report_ready(self) -> None:
         ready, refused = self.driver.take_ready()
+        if not self._frozen_after_first_ready and self.driver.pool.ready_at is not None:
+            # The vocabulary and the compiler now exist: what is alive is start-up state, exempt
+            # from later full collections (as the engine process freezes its own, process_tuning),
+            # and the collector, off while the vocabulary was described (its hundreds of thousands
+            # of new objects set off full collections of 10-116 ms on the H200's host), is on again.
+            self._frozen_after_first_ready = True
+            self._freezing = True
+            freeze_startup_objects()
+            self._freezing = False
+            gc.enable()
         if ready or refused:
             for seqs in ready:
                 self.requests.pop(seqs[0].request_id, None)
@@ -619,7 +759,10 @@ def main() -> None:
     configure_logging(json_output=config.log_json, level=config.log_level, process="grammar")
     torch.set_num_threads(1)
     conn = Connection(int(sys.argv[1]))
-    _Server(conn, config).run()
+    server = _Server(conn, config)
+    freeze_startup_objects()  # imports and the server's state: never scanned by a full collection
+    gc.disable()  # until the vocabulary is described (_report_ready), which collects once itself
+    server.run()
     os._exit(0)  # a compile still running on a pool thread must not hold the exit up
 
 
