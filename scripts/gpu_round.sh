@@ -15,6 +15,8 @@
 #   bash scripts/gpu_round.sh sweep-fill       # the batch-1 fusions, decode plans and dense GEMV swept; tables filled; Loom reinstalled
 #   bash scripts/gpu_round.sh fp8-plans        # the FP8 attention kernel's decode launches swept (#20); its table filled; Loom reinstalled
 #   bash scripts/gpu_round.sh fp8-fast-accum   # _scaled_mm's fast accumulation timed and its error counted, W2 FP8 with and without it
+#   bash scripts/gpu_round.sh fused-input      # FP8 inputs quantized by the norms and SiLU: their GPU tests, W2 FP8 with and without, bf16 beside
+#   bash scripts/gpu_round.sh s1-diag          # S1 in-process pair by pair (engine waits, child time), grammar process on and off
 #
 # What is owed: docs/benchmarks.md's list at its end ("What is owed to the next round").
 # Wheels and GGUF halves: docs/benchmarks.md ("Running on the H200").
@@ -121,6 +123,39 @@ fp8-fast-accum)  # #15 / #20: row-wise _scaled_mm with and without fast accumula
     --quantize fp8 --kv-cache-dtype fp8
   LOOM_FP8_FAST_ACCUM=1 timeout 120 python3 -m pytest -m gpu tests/gpu/test_quant_kernels_gpu.py -k fp8 -q \
     -p no:cacheprovider -n 6 2>&1 | tail -3
+  ;;
+fused-input)  # #15 / #20: FP8 layers' inputs quantized by the RMSNorm and SiLU kernels (loom.layers.quantized_input)
+  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -n 4 tests/gpu/test_fused_layers_gpu.py \
+    tests/gpu/test_quant_kernels_gpu.py -k "quantized or fp8" -rfE > "$OUT/gpu-tests-fused-input.txt" 2>&1
+  tail -3 "$OUT/gpu-tests-fused-input.txt"
+  timeout 60 python3 scripts/bench_fused_input.py --out "$OUT/fused-input-kernels.json" 2>&1 | cut -c1-700
+  for r in a b; do  # alternating, twice each: the runs differ by ~1-2% between calls
+    BENCH_MAX_S=70 bash "$0" bench w2-fp8-fused-input-$r --workloads W2 --model-id random:llama-8b --quantize fp8
+    LOOM_FUSED_INPUT_QUANT=0 BENCH_MAX_S=70 bash "$0" bench w2-fp8-own-input-$r --workloads W2 \
+      --model-id random:llama-8b --quantize fp8
+  done
+  rm -f "$OUT"/w2-*.log
+  ;;
+fused-input-rule)  # the SiLU-and-quantize launch rule of session 35 (two passes of 2,048 columns): kernels, W2 FP8 both ways, bf16
+  timeout 60 python3 scripts/bench_fused_input.py --out "$OUT/fused-input-kernels-rule.json" 2>&1 | cut -c1-900
+  for r in a b; do
+    BENCH_MAX_S=70 bash "$0" bench w2-fp8-fused-input-rule-$r --workloads W2 --model-id random:llama-8b --quantize fp8 | grep "^W2"
+    LOOM_FUSED_INPUT_QUANT=0 BENCH_MAX_S=70 bash "$0" bench w2-fp8-own-input-rule-$r --workloads W2 \
+      --model-id random:llama-8b --quantize fp8 | grep "^W2"
+    [ $r = a ] && BENCH_MAX_S=70 bash "$0" bench w2-bf16-beside-fused-input-rule --workloads W2 \
+      --model-id random:llama-8b | grep "^W2"
+  done
+  rm -f "$OUT"/w2-*.log
+  ;;
+s1-diag)  # #17: what S1's constrained steps wait for, pair by pair, with the grammar process and without
+  for mode in ${*:-on off}; do
+    t=$(left); [ "$t" -gt 100 ] || { echo "s1-diag $mode: skipped, ${t}s left"; continue; }
+    ( cd /tmp && timeout $(( t > 200 ? 170 : t - 30 )) python3 "$OLDPWD/scripts/profile_s1.py" --device cuda \
+        --repeats 8 --grammar-process $mode --out "$OUT/profile-s1-grammar-process-$mode.json" ) \
+        > "$OUT/profile-s1-$mode.log" 2>&1
+    grep -E '^\{|^ratio' "$OUT/profile-s1-$mode.log" | cut -c1-900
+  done
+  rm -f "$OUT"/profile-s1-on.log "$OUT"/profile-s1-off.log
   ;;
 pending-smollm2)
   bash "$0" bench s1 --workloads S1 --s1-repeats 5

@@ -21,6 +21,7 @@ from loom.layers.fused_moe import SparseMoeBlock
 from loom.layers.fused_moe_triton import ExpertOutputs
 from loom.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from loom.layers.norm import RMSNorm
+from loom.layers.quantized_input import feed
 from loom.layers.rotary import RotaryEmbedding, get_rope
 from loom.model_loader.hf_config import SlidingWindowRule, head_dim_of, layer_sliding_windows, num_kv_heads_of
 
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 
     from transformers import PretrainedConfig
 
-    from loom.plugin_api.quantization import QuantizationConfig
+    from loom.plugin_api.quantization import QuantizationConfig, QuantizedRows
 
 
 @dataclass(frozen=True)
@@ -72,9 +73,9 @@ class LlamaAttentionBlock(nn.Module):
         self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim,
                               self.head_dim**-0.5, sliding_window)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
-                rotary: RotaryEmbedding) -> torch.Tensor:  # [T, H] -> [T, H]
-        T = hidden.shape[0]
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor | QuantizedRows,
+                rotary: RotaryEmbedding) -> torch.Tensor:  # [T, H] (dense or quantized for qkv) -> [T, H]
+        T = positions.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, (Hq + 2*Hkv) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)  # [T, Hq, D]
@@ -99,9 +100,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, hidden, bias=bias, quant_config=quant_config,
                                            prefix=f"{prefix}.down_proj")
         self.act_fn = SiluAndMul()
+        feed(self.act_fn, self.down_proj)  # FP8: the activation quantizes down's input in its kernel
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:  # [T, H] (dense or quantized) -> [T, H]
+        return self.down_proj(self.act_fn.forward_for_linear(self.gate_up_proj(x)))
 
 
 def llama_mlp(config: PretrainedConfig, layer_idx: int, quant_config: QuantizationConfig | None,
@@ -121,7 +123,12 @@ class LlamaDecoderLayer(nn.Module):
         self.add_module(self.mlp_name, mlp_factory(config, layer_idx, quant_config, f"{prefix}.{self.mlp_name}"))
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
+        # Each norm's output is one projection's whole input: with FP8 layers the norm's kernel
+        # quantizes it for them (loom.layers.quantized_input; the same codes, one pass fewer).
+        feed(self.input_layernorm, self.self_attn.qkv_proj)
+        mlp = getattr(self, self.mlp_name)
+        if isinstance(mlp, LlamaMLP):
+            feed(self.post_attention_layernorm, mlp.gate_up_proj)
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor | ExpertOutputs, residual: torch.Tensor | None,
                 rotary: RotaryEmbedding) -> tuple[torch.Tensor | ExpertOutputs, torch.Tensor]:
         """``(hidden, residual) -> (mlp output, residual)``, all ``[T, H]``.
@@ -135,18 +142,18 @@ class LlamaDecoderLayer(nn.Module):
         and takes the post-attention norm in (``SparseMoeBlock.forward_with_norm``), which may run
         it in its router's launch.
         """
-        if residual is None:
-            if not isinstance(hidden, torch.Tensor):
-                raise TypeError("the first layer takes the embedding output")
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm.forward_with_residual(hidden, residual)
-        attn_out = self.self_attn(positions, hidden, rotary)
+        if residual is None and not isinstance(hidden, torch.Tensor):
+            raise TypeError("the first layer takes the embedding output")
+        normed, residual = self.input_layernorm.forward_for_linear(hidden, residual)
+        attn_out = self.self_attn(positions, normed, rotary)
         mlp: nn.Module = getattr(self, self.mlp_name)
         if isinstance(mlp, SparseMoeBlock):
             # The block runs this norm itself (on CUDA at decode sizes in its router's launch) and
             # hands its experts' rows on unsummed: the next norm sums them. One launch fewer each.
             return mlp.forward_with_norm(attn_out, residual, self.post_attention_layernorm)
+        if isinstance(mlp, LlamaMLP):
+            mlp_in, residual = self.post_attention_layernorm.forward_for_linear(attn_out, residual)
+            return mlp(mlp_in), residual
         hidden, residual = self.post_attention_layernorm.forward_with_residual(attn_out, residual)
         return mlp(hidden), residual
 

@@ -32,14 +32,19 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from loom import kernel_switches
 from loom.layers.linear import LinearBase
+from loom.layers.quantized_input import FP8_MAX, row_scales  # noqa: F401  (FP8_MAX: the writers' and tests')
+from loom.layers.quantized_input import to_e4m3 as quantize_fp8
 from loom.plugin_api.quantization import (
     LinearMethod,
     QuantizationConfig,
     QuantizationError,
+    QuantizedRows,
+    RowQuantization,
     WeightLoader,
     checkpoint_quantization_config,
     set_weight_attrs,
@@ -55,9 +60,6 @@ from .dequant_linear import (
     per_part_parameter,
     rows_per_part,
 )
-
-FP8_MAX = 448.0  # the largest finite float8_e4m3fn
-_TINY = 1e-12  # floor of a scale, so an all-zero row or token does not divide by zero
 
 
 def fp8_dtype() -> torch.dtype:
@@ -88,6 +90,32 @@ def fp8_kernel(layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.
     return fp8_triton.fp8_linear(x, state, bias)
 
 
+def fp8_input_quantization(layer: Any, rows: int, dtype: torch.dtype) -> RowQuantization | None:
+    """How :func:`fp8_kernel` would quantize ``rows`` rows in ``dtype`` (W8A8 on CUDA), or None: no
+    CUDA state, the kernels off, another dtype, cuBLASLt's shapes not met, or 1-4 rows the GEMV
+    takes dense (exactly the calls ``fp8_kernel`` hands to ``fp8_triton.fp8_linear``)."""
+    state = layer.__dict__.get("fp8_gpu")
+    if state is None or not kernel_switches.fused_kernels or dtype != state.out_dtype or not state.shapes_ok:
+        return None
+    if fp8_gemv.plan_for_rows(state.weight, rows, dtype) is not None:
+        return None
+    return RowQuantization(state.input_scale)
+
+
+class FP8Forward:
+    """What both FP8 methods do with input already quantized (``loom.layers.quantized_input``)."""
+
+    def input_quantization(self, layer: Any, rows: int, dtype: torch.dtype) -> RowQuantization | None:
+        return fp8_input_quantization(layer, rows, dtype)
+
+    def apply_quantized(self, layer: Any, x: QuantizedRows, bias: torch.Tensor | None = None) -> torch.Tensor:
+        state = layer.__dict__.get("fp8_gpu")
+        if state is not None and x.codes.is_cuda:
+            return fp8_triton.fp8_linear_quantized(x, state, bias)
+        # The emulation: the codes times their scales are what transform_input would have made.
+        return F.linear(x.dequantize(), self.dequantize(layer, x.dtype), bias)  # type: ignore[attr-defined]
+
+
 def prepare_gpu(layer: Any, weight: torch.Tensor, channel_scale: torch.Tensor,
                 input_scale: torch.Tensor | None) -> None:
     """On CUDA with Triton: the ``_scaled_mm`` operands (``channel_scale [out]``)."""
@@ -96,24 +124,11 @@ def prepare_gpu(layer: Any, weight: torch.Tensor, channel_scale: torch.Tensor,
                            getattr(layer, "fp8_dtype", None) or torch.get_default_dtype())
 
 
-def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x / scale`` rounded to e4m3 (saturating at +-448); ``scale`` broadcasts against ``x``."""
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(fp8_dtype())
-
-
-def _row_scale(xf: torch.Tensor, dim: int) -> torch.Tensor:
-    """max |x| / 448 along ``dim`` (kept), at least ``_TINY``: divided tensor by tensor, so
-    correctly rounded on every device as the Triton kernel's div_rn (CUDA divides by a Python
-    scalar as a multiply by its reciprocal, a bit off in some rows)."""
-    amax = xf.abs().amax(dim=dim, keepdim=True)
-    return (amax / torch.full_like(amax, FP8_MAX)).clamp(min=_TINY)
-
-
 def fake_quantize_activations(x: torch.Tensor, input_scale: torch.Tensor | None) -> torch.Tensor:
     """``x`` as a W8A8 kernel sees it: rounded to e4m3 with the static per-tensor ``input_scale``,
     or with per-token scales (each row's max |x| / 448) when it is None."""
     xf = x.float()
-    scale = input_scale if input_scale is not None else _row_scale(xf, dim=-1)
+    scale = input_scale if input_scale is not None else row_scales(xf)
     return (quantize_fp8(xf, scale).float() * scale).to(x.dtype)
 
 
@@ -184,7 +199,7 @@ def rows_scale(layer: Any, scale: torch.Tensor) -> torch.Tensor:
     return scale.float().repeat_interleave(sizes).unsqueeze(1)
 
 
-class FP8LinearMethod(DequantLinearMethod):
+class FP8LinearMethod(FP8Forward, DequantLinearMethod):
     """An FP8 checkpoint's layer: ``weight`` e4m3, ``weight_scale``, optionally ``input_scale``."""
 
     kernels: ClassVar[dict[str, list[Kernel]]] = {"cuda": [fp8_kernel]}
@@ -243,7 +258,7 @@ class FP8LinearMethod(DequantLinearMethod):
         return fake_quantize_activations(x, layer.activation_scale if self.scheme.activations == "static" else None)
 
 
-class FP8WhileLoadingMethod(QuantizeWhileLoading):
+class FP8WhileLoadingMethod(FP8Forward, QuantizeWhileLoading):
     """``--quantize fp8``: each dense weight, once its parts are in, becomes e4m3 with one scale
     per output channel; activations are quantized per token."""
 
@@ -258,7 +273,7 @@ class FP8WhileLoadingMethod(QuantizeWhileLoading):
                                params_dtype, weight_loader)
 
     def quantize(self, layer: Any, weight: torch.Tensor) -> None:
-        scale = _row_scale(weight.float(), dim=1)  # [out, 1]
+        scale = row_scales(weight, dim=1)  # [out, 1]
         layer.register_buffer("weight_fp8", quantize_fp8(weight, scale))
         layer.register_buffer("weight_scale", scale)
 

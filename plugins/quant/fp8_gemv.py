@@ -74,15 +74,24 @@ def _sm_count(device_index: int) -> int:
 def plan_for(x: torch.Tensor, weight: torch.Tensor) -> dg.GemvPlan | None:
     """The plan that serves ``x @ W^T`` for an e4m3 ``weight [N, K]`` on the GEMV, or None (W8A8):
     CUDA, Triton, bf16 / fp16 activations, 1-4 rows, the switches on."""
-    if not (kernel_switches.fp8_gemv and kernel_switches.fused_kernels and dg.HAS_TRITON and x.is_cuda):
+    k = weight.shape[-1]
+    if not x.is_cuda or x.shape[-1] != k:
         return None
-    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dim() != 2 or weight.stride(1) != 1:
+    return plan_for_rows(weight, x.numel() // k if x.numel() else 0, x.dtype)
+
+
+def plan_for_rows(weight: torch.Tensor, rows: int, dtype: torch.dtype) -> dg.GemvPlan | None:
+    """:func:`plan_for` by the number of rows and their dtype (``weight`` on the GPU): what a
+    producer of the layer's input asks before making it (``loom.layers.quantized_input``)."""
+    if not (kernel_switches.fp8_gemv and kernel_switches.fused_kernels and dg.HAS_TRITON and weight.is_cuda):
+        return None
+    if dtype not in (torch.bfloat16, torch.float16) or weight.dim() != 2 or weight.stride(1) != 1:
+        return None
+    if not 0 < rows <= MAX_M:
         return None
     n, k = weight.shape
-    if x.shape[-1] != k or not 0 < x.numel() <= MAX_M * k:
-        return None
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    return table_plan(n, k, x.numel() // k, _sm_count(index))
+    index = weight.device.index if weight.device.index is not None else torch.cuda.current_device()
+    return table_plan(n, k, rows, _sm_count(index))
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,

@@ -31,6 +31,7 @@ import torch
 from loom import kernel_switches
 from loom.layers.triton_jit import jit as _jit
 from loom.layers.triton_jit import pdl_launch, pdl_prologue
+from loom.plugin_api.quantization import QuantizedRows
 
 try:
     import triton
@@ -164,18 +165,30 @@ def fp8_linear(x: torch.Tensor, state: FP8GpuWeights, bias: torch.Tensor | None)
     n, k = state.weight.shape
     lead = x.shape[:-1]
     xq, xs = quantize_rows(x.reshape(-1, k), state.input_scale)
+    return _scaled_mm_rows(xq, xs, state, x.dtype, bias).view(*lead, n)
+
+
+def fp8_linear_quantized(x: QuantizedRows, state: FP8GpuWeights, bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`fp8_linear` of rows its producer quantized already (as :func:`quantize_rows` does):
+    ``[T, N]``."""
+    return _scaled_mm_rows(x.codes, x.scales, state, x.dtype, bias)
+
+
+def _scaled_mm_rows(xq: torch.Tensor, xs: torch.Tensor, state: FP8GpuWeights, dtype: torch.dtype,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    """``xq [T, K]`` e4m3 with scales ``xs [T, 1]`` times the layer's weight: ``[T, N]`` in ``dtype``."""
     w = state.weight.t()  # [K, N] column-major
     fast = kernel_switches.fp8_fast_accum
     if state.rowwise:
-        y = torch._scaled_mm(xq, w, scale_a=xs, scale_b=state.scale_row, out_dtype=x.dtype, use_fast_accum=fast)
+        y = torch._scaled_mm(xq, w, scale_a=xs, scale_b=state.scale_row, out_dtype=dtype, use_fast_accum=fast)
     elif state.scale_scalar is not None and state.input_scale is not None:
-        y = torch._scaled_mm(xq, w, scale_a=state.input_scale, scale_b=state.scale_scalar, out_dtype=x.dtype,
+        y = torch._scaled_mm(xq, w, scale_a=state.input_scale, scale_b=state.scale_scalar, out_dtype=dtype,
                              use_fast_accum=fast)
     else:
-        one = torch.ones((), dtype=torch.float32, device=x.device)
+        one = torch.ones((), dtype=torch.float32, device=xq.device)
         y = (torch._scaled_mm(xq, w, scale_a=one, scale_b=one, out_dtype=torch.float32, use_fast_accum=fast)
              * xs * state.scale_row)
-        y = y.to(x.dtype)
+        y = y.to(dtype)
     if bias is not None:
         y = y + bias
-    return y.view(*lead, n)
+    return y

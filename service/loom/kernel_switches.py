@@ -21,6 +21,9 @@ Two narrower switches, read the same way:
   (``use_fast_accum``, as vLLM's CUTLASS FP8 kernels do on Hopper). Fast accumulation made W2 FP8
   1.05x faster on an H100; its accumulation error stays an order of magnitude below e4m3's own
   rounding (docs/quantization.md, "FP8 fast accumulation").
+- ``LOOM_FUSED_INPUT_QUANT=0`` (:data:`fused_input_quant`): FP8 layers (W8A8) quantize their own
+  input instead of taking it quantized from the RMSNorm or SiLU-and-mul kernel that made it
+  (``loom.layers.quantized_input``; the same codes bit for bit, one pass and one launch fewer).
 - ``LOOM_PAGED_DECODE_TABLE=0`` (:data:`paged_decode_table`): the paged attention's decode
   launches keep the split rule written before measurement instead of the measured table
   (``loom_plugins.attention.decode_plan_table``).
@@ -78,6 +81,7 @@ def _dense_gemv_mode(value: str) -> str:
 dense_gemv: str = _dense_gemv_mode(os.environ.get("LOOM_DENSE_GEMV", "table"))
 fp8_gemv: bool = os.environ.get("LOOM_FP8_GEMV", "1") != "0"
 fp8_fast_accum: bool = os.environ.get("LOOM_FP8_FAST_ACCUM", "1") not in ("0", "off", "false", "no")
+fused_input_quant: bool = os.environ.get("LOOM_FUSED_INPUT_QUANT", "1") not in ("0", "off", "false", "no")
 paged_decode_table: bool = os.environ.get("LOOM_PAGED_DECODE_TABLE", "1") != "0"
 draft_catch_up_graphs: bool = os.environ.get("LOOM_DRAFT_CATCH_UP_GRAPHS", "1") != "0"
 moe_direct_experts: bool = os.environ.get("LOOM_MOE_DIRECT_EXPERTS", "1") != "0"

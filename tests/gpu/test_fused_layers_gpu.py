@@ -63,6 +63,11 @@ def test_silu_and_mul(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     fc.check_silu_and_mul("cuda", dtype, shape)
 
 
+@pytest.mark.parametrize(("dtype", "tokens", "width", "kind", "static"), fc.quantized_input_cases(full=True))
+def test_quantized_input(dtype: torch.dtype, tokens: int, width: int, kind: str, static: bool) -> None:
+    fc.check_quantized_input("cuda", dtype, tokens, width, kind, static)
+
+
 def test_layers_use_the_kernels_on_cuda_unless_switched_off() -> None:
     x = torch.randn(3, 4, 64, device="cuda", dtype=torch.bfloat16)
     flat = x.view(3, 256)

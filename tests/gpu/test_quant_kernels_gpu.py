@@ -242,3 +242,88 @@ def test_random_model_through_the_kernels_matches_the_torch_path(quantize: str,
     # (0.0202 on the H200, 2026-12-02).
     assert rel < (4e-2 if quantize == "fp8" else 2e-2), rel
     assert float((fast.argmax(-1) == slow.argmax(-1)).float().mean()) >= 0.9
+
+
+def test_fp8_inputs_quantized_by_the_norms_and_silu_give_the_same_logits(quant_registry: PluginRegistry) -> None:
+    """``loom.layers.quantized_input`` on CUDA: at W8A8 sizes the RMSNorms and SiLU-and-mul hand
+    their FP8 layers e4m3 rows from their own kernels (only o_proj quantizes its input), at 1-4
+    rows (the weight-only GEMV) they hand dense rows; the logits are the same bits as with every
+    layer quantizing its own input (``LOOM_FUSED_INPUT_QUANT=0``), eagerly and in a CUDA graph."""
+    from loom.layers import fused_ops
+
+    loaded = load_model(resolve_model_dir("random:tiny-llama"), DTYPE, CUDA, quant_registry, "fp8")
+    layers = loaded.hf_config.num_hidden_layers
+    calls = {"fused_add_rms_norm_quant": 0, "silu_and_mul_quant": 0, "quantize_rows": 0}
+    originals = {"fused_add_rms_norm_quant": fused_ops.fused_add_rms_norm_quant,
+                 "silu_and_mul_quant": fused_ops.silu_and_mul_quant, "quantize_rows": fp8_triton.quantize_rows}
+
+    def counting(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return originals[name](*args, **kwargs)
+        return call
+
+    prompt = [1, 17, 42, 99, 3, 250, 7, 7, 128, 64, 5, 300]
+    try:
+        fused_ops.fused_add_rms_norm_quant = counting("fused_add_rms_norm_quant")
+        fused_ops.silu_and_mul_quant = counting("silu_and_mul_quant")
+        fp8_triton.quantize_rows = counting("quantize_rows")
+        with torch.no_grad():
+            got = ModelHarness(loaded.model, loaded.hf_config, dtype=DTYPE, device="cuda").prefill(prompt)
+            assert calls == {"fused_add_rms_norm_quant": 2 * layers, "silu_and_mul_quant": layers,
+                             "quantize_rows": layers}, calls
+            kernel_switches.fused_input_quant = False
+            try:
+                want = ModelHarness(loaded.model, loaded.hf_config, dtype=DTYPE, device="cuda").prefill(prompt)
+            finally:
+                kernel_switches.fused_input_quant = True
+            assert calls["quantize_rows"] == layers + 4 * layers
+        assert torch.equal(got, want)
+        short = prompt[:3]  # 1-4 rows: the GEMV takes dense rows, nothing is quantized
+        for name in calls:
+            calls[name] = 0
+        with torch.no_grad():
+            ModelHarness(loaded.model, loaded.hf_config, dtype=DTYPE, device="cuda").prefill(short)
+        assert sum(calls.values()) == 0 or not kernel_switches.fp8_gemv, calls
+    finally:
+        fused_ops.fused_add_rms_norm_quant = originals["fused_add_rms_norm_quant"]
+        fused_ops.silu_and_mul_quant = originals["silu_and_mul_quant"]
+        fp8_triton.quantize_rows = originals["quantize_rows"]
+
+
+def test_fp8_inputs_quantized_by_the_norm_and_silu_replay_in_a_cuda_graph() -> None:
+    """The norm-and-quantize and SiLU-and-quantize kernels captured once and replayed on new
+    inputs: the same codes and scales as eager calls."""
+    from loom.layers import fused_ops
+
+    T, H, inter = 64, 4096, 14336
+    x = torch.empty(T, H, device=CUDA, dtype=DTYPE)
+    res = torch.empty(T, H, device=CUDA, dtype=DTYPE)
+    gate_up = torch.empty(T, 2 * inter, device=CUDA, dtype=DTYPE)
+    weight = torch.randn(H, device=CUDA, dtype=DTYPE)
+    g = torch.Generator(device=CUDA).manual_seed(11)
+
+    def fill() -> None:
+        for t in (x, res, gate_up):
+            t.copy_(torch.randn(t.shape, device=CUDA, generator=g))
+
+    def step() -> list[torch.Tensor]:
+        return [*fused_ops.fused_add_rms_norm_quant(x, res, weight, 1e-6, None),
+                *fused_ops.silu_and_mul_quant(gate_up, None)]
+
+    fill()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for _ in range(2):
+        fill()
+        graph.replay()
+        torch.cuda.synchronize()
+        for a, b in zip(captured, step(), strict=True):
+            assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                               b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)

@@ -25,6 +25,11 @@ What is compared, and how closely (distances in units in the last place, ulps, o
 * fused_combine_add_rms_norm (an MoE layer's weighted sum folded into the next add + norm):
   bit-identical to the combine kernel followed by fused_add_rms_norm (the same float32 sum in the
   same order, each term rounded, no FMA), and its residual sum to torch's combine and add.
+* fused_add_rms_norm_quant and silu_and_mul_quant (an FP8 layer's input quantized by the kernel
+  that makes it, ``loom.layers.quantized_input``): codes and scales bit-identical to quantizing
+  the dense kernel's output (``quantized_input.quantize``, what ``fp8_triton.quantize_rows``
+  computes), and the norm's residual sum to the dense kernel's; static and per-row scales, rows
+  wider than one block (the two-pass SiLU), in the interpreter and on a GPU.
 * qk_norm_rotary (Qwen3's q/k norms and RoPE in one kernel) against the two kernels it replaces
   (``fused_add_rms_norm`` per head, then ``rotary``): bit-identical, in the interpreter and on a
   GPU (the same sum of squares in the same layout: ``helpers/layout_compile_check.py`` compares
@@ -44,10 +49,11 @@ from typing import Any
 
 import torch
 
-from loom.layers import fused_ops
+from loom.layers import fused_ops, quantized_input
 from loom.layers.activation import SiluAndMul
 from loom.layers.norm import RMSNorm
 from loom.layers.rotary import RotaryEmbedding, _default_inv_freq
+from loom.plugin_api.quantization import RowQuantization
 
 # (T, Hq, Hkv, D) of the rotary checks: GQA 4, GQA 6, MHA; D = 96 has a half (48) that is no
 # power of two, so the kernel's masked lanes are exercised.
@@ -256,6 +262,48 @@ def check_silu_and_mul(device: str, dtype: torch.dtype, shape: tuple[int, ...]) 
     else:
         max_ulps, share = 0, 0.0
     assert_ulps(got, ref, max_ulps, share, "silu_and_mul")
+
+
+def _assert_same_rows(codes: torch.Tensor, scales: torch.Tensor, dense: torch.Tensor,
+                      how: RowQuantization, what: str) -> None:
+    ref = quantized_input.quantize(dense, how)
+    assert codes.dtype == torch.float8_e4m3fn and codes.shape == ref.codes.shape, what
+    assert torch.equal(scales.cpu(), ref.scales.cpu()), f"{what}: scales differ"
+    differ = int((codes.view(torch.uint8) != ref.codes.view(torch.uint8)).sum())
+    assert differ == 0, f"{what}: {differ} of {codes.numel()} codes differ"
+
+
+def check_quantized_input(device: str, dtype: torch.dtype, tokens: int, width: int, kind: str, static: bool) -> None:
+    """The norm's (``kind`` "norm", with and without a residual) or SiLU-and-mul's (``kind`` "silu")
+    output quantized in its own kernel, against the dense kernel's output quantized after it."""
+    seed = tokens * 7_919 + width * 3 + static
+    how = RowQuantization(torch.tensor([0.0173], device=device) if static else None)
+    if kind == "silu":
+        x = _randn((tokens, 2 * width), seed, dtype, device, scale=3.0)
+        x[tokens // 2] = 0  # an all-zero row: the scale's floor
+        codes, scales = fused_ops.silu_and_mul_quant(x, how.static_scale)
+        _assert_same_rows(codes, scales, fused_ops.silu_and_mul(x), how, f"silu {tokens}x{width}")
+        return
+    x = _randn((tokens, width), seed, dtype, device) * torch.logspace(-3, 2, tokens, device=device).to(dtype)[:, None]
+    weight = 1 + _randn((width,), seed + 2, dtype, device, scale=0.5)
+    for residual in (None, _randn((tokens, width), seed + 1, dtype, device, scale=4.0)):
+        codes, scales, h = fused_ops.fused_add_rms_norm_quant(x, residual, weight, 1e-6, how.static_scale)
+        dense, ref_h = fused_ops.fused_add_rms_norm(x, residual, weight, 1e-6)
+        assert torch.equal(h, ref_h), "residual sum"
+        _assert_same_rows(codes, scales, dense, how, f"norm {tokens}x{width} residual {residual is not None}")
+
+
+def quantized_input_cases(full: bool) -> list[tuple[torch.dtype, int, int, str, bool]]:
+    """Norm and SiLU widths of SmolLM2 (its SiLU rows, 1,536, fit one 2,048-column block) and a SiLU
+    row of 17,000 (two passes, a ragged last block), per-row and static scales; ``full`` (GPU) adds
+    llama-8b's widths."""
+    cases = [(dtype, t, w, kind, static) for dtype in (torch.bfloat16, torch.float16) for t in (1, 7)
+             for kind, w in (("norm", 576), ("silu", 1536)) for static in (False, True)]
+    cases += [(torch.bfloat16, 3, 17_000, "silu", False), (torch.float32, 5, 96, "norm", False)]
+    if full:
+        cases += [(torch.bfloat16, 300, 4096, "norm", False), (torch.bfloat16, 300, 14336, "silu", False),
+                  (torch.bfloat16, 64, 28672, "silu", True)]
+    return cases
 
 
 def norm_cases(full: bool) -> list[tuple[torch.dtype, int, int, bool]]:

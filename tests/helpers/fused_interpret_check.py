@@ -2,8 +2,8 @@
 
 Run as a script in its own process (``TRITON_INTERPRET`` must be set before the kernels are
 defined, and must not leak into a process that compiles them for a GPU), with the group of
-checks to run: ``norm``, ``combine_norm``, ``head_norm``, ``rotary``, ``qk_norm_rotary``, ``silu`` or
-``model``. Prints one line per
+checks to run: ``norm``, ``combine_norm``, ``head_norm``, ``rotary``, ``qk_norm_rotary``, ``silu``,
+``quantized_input`` or ``model``. Prints one line per
 case and exits non-zero on a mismatch. ``tests/unit/test_fused_layers.py`` runs it; so can a
 developer: ``python tests/helpers/fused_interpret_check.py rotary``. The checks and their
 tolerances are in ``helpers/fused_cases.py``.
@@ -68,6 +68,8 @@ def cases(group: str) -> list[tuple[str, Callable[[], None]]]:
         return named(fc.check_qk_norm_rotary, fc.qk_norm_rotary_cases(full=False))
     if group == "silu":
         return named(fc.check_silu_and_mul, fc.silu_cases())
+    if group == "quantized_input":
+        return named(fc.check_quantized_input, fc.quantized_input_cases(full=False))
     if group == "model":
         return _model_cases()
     raise SystemExit(f"unknown group {group!r}")

@@ -35,7 +35,8 @@ PROMPT = [1, 17, 42, 99, 3, 250, 7, 7, 128, 64, 5, 300, 12, 77, 31, 200, 9, 4, 1
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-@pytest.mark.parametrize("group", ["norm", "combine_norm", "head_norm", "rotary", "qk_norm_rotary", "silu", "model"])
+@pytest.mark.parametrize("group", ["norm", "combine_norm", "head_norm", "rotary", "qk_norm_rotary", "silu",
+                                   "quantized_input", "model"])
 def test_fused_kernels_match_torch_path_in_interpreter(group: str) -> None:
     stdout = run_interpreted(str(ROOT / "tests" / "helpers" / "fused_interpret_check.py"), group)
     assert "FAIL" not in stdout and "ok " in stdout

@@ -6,11 +6,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loom.layers import cpu_fused, fused_ops
+from loom.layers import cpu_fused, fused_ops, quantized_input
+from loom.plugin_api.quantization import QuantizedRows
 
 
 class SiluAndMul(nn.Module):
     """``silu(gate) * up`` where the input holds ``[gate | up]`` along the last dimension."""
+
+    def forward_for_linear(self, x: torch.Tensor) -> torch.Tensor | QuantizedRows:  # [T, 2*I] -> [T, I]
+        """The output, when it is the whole input of the linear layer this feeds
+        (``quantized_input.feed``): quantized here, in the same kernel, when that layer would
+        quantize it first (FP8), else dense."""
+        how = quantized_input.wanted(self, x.numel() // x.shape[-1] if x.shape[-1] else 0, x.dtype)
+        if how is None:
+            return self(x)
+        if fused_ops.silu_and_mul_supported(x):
+            codes, scales = fused_ops.silu_and_mul_quant(x, how.static_scale)
+            return QuantizedRows(codes, scales, x.dtype)
+        return quantized_input.quantize(self(x), how)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, 2*I] -> [T, I]
         if fused_ops.silu_and_mul_supported(x):  # CUDA: one kernel instead of three

@@ -87,21 +87,12 @@ def norm_warps(block: int) -> int:
 
 
 @_jit
-def _add_rms_norm_kernel(
-    x_ptr, res_ptr,  # [T, R, H] views, unit stride along H (R = 1 for a 2-D input); TOP_K: x [T * k, H]
-    w_ptr,  # [H]
-    out_ptr, res_out_ptr,  # [T, R, H] contiguous: the normed rows, and h = residual + x
-    ew_ptr,  # TOP_K: [T, k] routing weights of x's expert rows (else unused)
-    stride_xt, stride_xr, stride_rt, stride_rr,
-    R, H, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, TOP_K: tl.constexpr, USE_PDL: tl.constexpr = False,
-):
-    # One program normalises one row (t, r).
-    if USE_PDL:  # x and the residual come from the kernels before
-        pdl_prologue()
-    t = tl.program_id(0).to(tl.int64)
-    r = tl.program_id(1)
-    dtype = out_ptr.dtype.element_ty
+def _add_norm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, ew_ptr, t, r, stride_xt, stride_xr, stride_rt, stride_rr,
+                  R, H, eps, dtype: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+                  TOP_K: tl.constexpr):
+    """Row (t, r): ``h = residual + x`` (stored at ``res_out``), then HF's RMSNorm of ``h`` times the
+    weight, as float32 values rounded to ``dtype`` (what is stored); masked columns are 0.
+    Returns (those values ``[BLOCK]``, the columns, their mask, the row's offset in the output)."""
     cols = tl.arange(0, BLOCK)
     mask = cols < H
     if TOP_K > 0:
@@ -126,7 +117,63 @@ def _add_rms_norm_kernel(
     variance = tl.sum(h * h, axis=0) / H
     normed = _round(h * tl.rsqrt(variance + eps), dtype)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + out_row + cols, (w * normed).to(dtype), mask=mask)
+    return _round(w * normed, dtype), cols, mask, out_row
+
+
+@_jit
+def _add_rms_norm_kernel(
+    x_ptr, res_ptr,  # [T, R, H] views, unit stride along H (R = 1 for a 2-D input); TOP_K: x [T * k, H]
+    w_ptr,  # [H]
+    out_ptr, res_out_ptr,  # [T, R, H] contiguous: the normed rows, and h = residual + x
+    ew_ptr,  # TOP_K: [T, k] routing weights of x's expert rows (else unused)
+    stride_xt, stride_xr, stride_rt, stride_rr,
+    R, H, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, TOP_K: tl.constexpr, USE_PDL: tl.constexpr = False,
+):
+    # One program normalises one row (t, r).
+    if USE_PDL:  # x and the residual come from the kernels before
+        pdl_prologue()
+    t = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(1)
+    dtype = out_ptr.dtype.element_ty
+    y, cols, mask, out_row = _add_norm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, ew_ptr, t, r, stride_xt, stride_xr,
+                                           stride_rt, stride_rr, R, H, eps, dtype, HAS_RESIDUAL, BLOCK, TOP_K)
+    tl.store(out_ptr + out_row + cols, y.to(dtype), mask=mask)
+
+
+@_jit
+def _quantize_row_store(y, cols, mask, q_row_ptr, scale_ptr, static_ptr, STATIC: tl.constexpr):
+    """One row's values ``y`` (float32, masked columns 0) to e4m3 as ``fp8_triton.quantize_rows``
+    makes them: the row's scale ``max(max|y| / 448, 1e-12)`` (or the static one), codes
+    ``clamp(y / scale, -448, 448)``, IEEE divisions; stores the codes and the scale."""
+    if STATIC:
+        scale = tl.load(static_ptr).to(tl.float32)
+    else:
+        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(y), axis=0), 448.0), 1e-12)
+    q = tl.clamp(tl.math.div_rn(y, scale), -448.0, 448.0)
+    tl.store(q_row_ptr + cols, q.to(q_row_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr, scale)
+
+
+@_jit
+def _add_rms_norm_quant_kernel(
+    x_ptr, res_ptr,  # [T, H], unit stride along H
+    w_ptr,  # [H]
+    q_ptr, scale_ptr,  # [T, H] e4m3 contiguous, [T] float32: the normed rows quantized
+    res_out_ptr,  # [T, H] contiguous: h = residual + x
+    static_ptr,  # STATIC: [1] float32, every row's scale
+    stride_xt, stride_rt, H, eps,
+    HAS_RESIDUAL: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False,
+):
+    # One program normalises and quantizes one row: _add_rms_norm_kernel's values (never stored
+    # in the activation dtype), quantized as the FP8 layer that takes them would quantize them.
+    if USE_PDL:
+        pdl_prologue()
+    t = tl.program_id(0).to(tl.int64)
+    dtype = res_out_ptr.dtype.element_ty  # x's (res_out is x itself without a residual)
+    y, cols, mask, out_row = _add_norm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, w_ptr, t, 0, stride_xt, 0,
+                                           stride_rt, 0, 1, H, eps, dtype, HAS_RESIDUAL, BLOCK, 0)
+    _quantize_row_store(y, cols, mask, q_ptr + out_row, scale_ptr + t, static_ptr, STATIC)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -157,6 +204,31 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: t
         num_warps=norm_warps(block), enable_fp_fusion=False, **pdl_launch(x.device),
     )
     return out, res_out
+
+
+def fused_add_rms_norm_quant(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                             static_scale: torch.Tensor | None, *,
+                             warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``fused_add_rms_norm`` of a 2-D ``x [T, H]`` whose normed rows go straight to e4m3 as
+    ``fp8_triton.quantize_rows`` would quantize them (the same codes and scales, bit for bit):
+    returns ``(codes [T, H] float8_e4m3fn, scales [T, 1] float32, h [T, H])``; ``h`` is ``x``
+    without a residual. ``static_scale``: ``[1]`` float32 for every row, or None (per row);
+    ``warps``: another launch than the plain norm's (measurements)."""
+    T, H = x.shape
+    codes = torch.empty((T, H), dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty((T, 1), dtype=torch.float32, device=x.device)
+    res = x if residual is None else residual
+    res_out = x if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return codes, scales, res_out
+    block = _next_pow2(H)
+    _add_rms_norm_quant_kernel[(T,)](
+        x, res, weight, codes, scales, res_out, static_scale if static_scale is not None else scales,
+        x.stride(0), res.stride(0), H, eps,
+        HAS_RESIDUAL=residual is not None, STATIC=static_scale is not None,
+        BLOCK=block, num_warps=warps or norm_warps(block), enable_fp_fusion=False, **pdl_launch(x.device),
+    )
+    return codes, scales, res_out
 
 
 def combine_norm_supported(rows: torch.Tensor, expert_weights: torch.Tensor, weight: torch.Tensor,
@@ -394,6 +466,18 @@ def silu_and_mul_supported(x: torch.Tensor) -> bool:
 
 
 @_jit
+def _silu_mul_values(row_ptr, cols, mask, INTER, dtype: tl.constexpr):
+    """``silu(gate) * up`` at ``cols`` of one ``[gate | up]`` row, float32 values rounded to ``dtype``
+    (masked columns 0)."""
+    gate = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(row_ptr + INTER + cols, mask=mask, other=0.0).to(tl.float32)
+    # torch's silu: x / (1 + exp(-x)) in float32, then rounded. The accurate expf and an IEEE
+    # division (tl.exp and `/` are approximate on GPUs) make it bit-identical to torch's kernel.
+    act = _round(tl.math.div_rn(gate, 1.0 + libdevice.exp(-gate)), dtype)
+    return _round(act * up, dtype)
+
+
+@_jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_xt, INTER, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
     # x: [T, 2*INTER] rows holding [gate | up]; out: [T, INTER] contiguous. Grid (T, column tiles).
     if USE_PDL:  # x comes from the gate/up projection
@@ -402,12 +486,43 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_xt, INTER, BLOCK: tl.constexpr, 
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < INTER
     dtype = out_ptr.dtype.element_ty
-    gate = tl.load(x_ptr + t * stride_xt + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + t * stride_xt + INTER + cols, mask=mask, other=0.0).to(tl.float32)
-    # torch's silu: x / (1 + exp(-x)) in float32, then rounded. The accurate expf and an IEEE
-    # division (tl.exp and `/` are approximate on GPUs) make it bit-identical to torch's kernel.
-    act = _round(tl.math.div_rn(gate, 1.0 + libdevice.exp(-gate)), dtype)
-    tl.store(out_ptr + t * INTER + cols, (act * up).to(dtype), mask=mask)
+    y = _silu_mul_values(x_ptr + t * stride_xt, cols, mask, INTER, dtype)
+    tl.store(out_ptr + t * INTER + cols, y.to(dtype), mask=mask)
+
+
+@_jit
+def _silu_and_mul_quant_kernel(x_ptr, q_ptr, scale_ptr, static_ptr, stride_xt, INTER, STATIC: tl.constexpr,
+                               BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, USE_PDL: tl.constexpr = False):
+    # x: [T, 2*INTER] rows holding [gate | up]; q: [T, INTER] e4m3 contiguous; scale: [T] float32.
+    # One program a row: _silu_and_mul_kernel's values quantized as the FP8 layer taking them
+    # would (fp8_triton.quantize_rows). ONE_PASS: the whole row in one block; else two passes over
+    # it, the first for its max |y| (the values computed twice, the same bits both times).
+    if USE_PDL:
+        pdl_prologue()
+    t = tl.program_id(0).to(tl.int64)
+    row = x_ptr + t * stride_xt
+    dtype = x_ptr.dtype.element_ty
+    if ONE_PASS:
+        cols = tl.arange(0, BLOCK)
+        mask = cols < INTER
+        y = _silu_mul_values(row, cols, mask, INTER, dtype)
+        _quantize_row_store(y, cols, mask, q_ptr + t * INTER, scale_ptr + t, static_ptr, STATIC)
+    else:
+        if STATIC:
+            scale = tl.load(static_ptr).to(tl.float32)
+        else:
+            amax = tl.zeros((BLOCK,), dtype=tl.float32)
+            for c0 in range(0, INTER, BLOCK):
+                cols = c0 + tl.arange(0, BLOCK)
+                amax = tl.maximum(amax, tl.abs(_silu_mul_values(row, cols, cols < INTER, INTER, dtype)))
+            scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), 448.0), 1e-12)
+        for c0 in range(0, INTER, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            mask = cols < INTER
+            y = _silu_mul_values(row, cols, mask, INTER, dtype)
+            q = tl.clamp(tl.math.div_rn(y, scale), -448.0, 448.0)
+            tl.store(q_ptr + t * INTER + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr + t, scale)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -420,3 +535,36 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         _silu_and_mul_kernel[grid](x2, out, x2.stride(0), inter, BLOCK=_SILU_BLOCK, num_warps=4,
                                    enable_fp_fusion=False, **pdl_launch(x.device))
     return out.view(*x.shape[:-1], inter)
+
+
+# Its launch: rows of up to 2,048 in one block, wider ones in two passes of 2,048-column blocks, 8
+# warps. Measured on an H100 (scripts/bench_fused_input.py, llama-8b's I = 14,336; the kernel and
+# the separate silu + quantize_rows, us): the whole row in one 16,384-wide block with 16 warps took
+# 16.6 / 131 / 1,006 at 256 / 2,048 / 16,384 tokens against 12.3 / 100 / 727 for the two kernels
+# (its registers leave one program an SM); two passes of 2,048 x 8 warps 12.9 / 93 / 670.
+_SILU_QUANT_BLOCK = 2048
+_SILU_QUANT_WARPS = 8
+
+
+def silu_and_mul_quant(x: torch.Tensor, static_scale: torch.Tensor | None, *, block: int | None = None,
+                       warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``silu_and_mul`` of ``x [..., 2*I]`` quantized to e4m3 as ``fp8_triton.quantize_rows`` would
+    quantize its output (the same codes and scales, bit for bit): ``(codes [T, I], scales [T, 1])``,
+    ``T`` the rows of ``x``. ``static_scale``: ``[1]`` float32 for every row, or None (per row).
+    ``block`` / ``warps``: another launch than the rule's (measurements: a block narrower than the
+    row takes the two-pass form)."""
+    inter = x.shape[-1] // 2
+    x2 = x.reshape(-1, x.shape[-1])
+    rows = x2.shape[0]
+    codes = torch.empty((rows, inter), dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows and inter:
+        if block is None:
+            block = min(_SILU_QUANT_BLOCK, _next_pow2(inter))
+            warps = warps or min(_SILU_QUANT_WARPS, norm_warps(block))
+        one_pass = block >= inter
+        _silu_and_mul_quant_kernel[(rows,)](x2, codes, scales, static_scale if static_scale is not None else scales,
+                                            x2.stride(0), inter, STATIC=static_scale is not None, BLOCK=block,
+                                            ONE_PASS=one_pass, num_warps=warps or norm_warps(block),
+                                            enable_fp_fusion=False, **pdl_launch(x.device))
+    return codes, scales

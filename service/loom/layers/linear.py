@@ -29,6 +29,8 @@ from loom.distributed.parallel_state import all_reduce, get_tp_rank, get_tp_size
 from loom.plugin_api.quantization import (
     LinearMethod,
     QuantizationConfig,
+    QuantizedRows,
+    RowQuantization,
     UnquantizedLinearMethod,
     set_weight_attrs,
 )
@@ -115,7 +117,17 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         raise NotImplementedError
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out (this rank's)]
+    def input_quantization(self, rows: int, dtype: torch.dtype) -> RowQuantization | None:
+        """How this layer would quantize an input of ``rows`` rows first, when whatever makes that
+        input may quantize it instead (``loom.layers.quantized_input``); None with LoRA adapters,
+        whose delta multiplies the dense input."""
+        if self.lora is not None:
+            return None
+        return self.quant_method.input_quantization(self, rows, dtype)
+
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:  # [..., in] -> [..., out (this rank's)]
+        if isinstance(x, QuantizedRows):  # as input_quantization said (never with adapters)
+            return self.quant_method.apply_quantized(self, x, self.bias)
         out = self.quant_method.apply(self, x, self.bias)
         return out if self.lora is None else self.lora.add_to(x, out)
 
@@ -278,10 +290,17 @@ class RowParallelLinear(LinearBase):
         cols = param.shape[dim]
         load_slice(param.data, loaded_weight, dim, self.tp_rank * cols, cols * self.tp_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in (this rank's, or all)] -> [..., out]
+    def input_quantization(self, rows: int, dtype: torch.dtype) -> RowQuantization | None:
+        if self.tp_size > 1 and not self.input_is_parallel:  # it takes its slice of a whole row
+            return None
+        return super().input_quantization(rows, dtype)
+
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:  # [..., in (this rank's, or all)] -> [..., out]
         if self.tp_size == 1:
-            out = self.quant_method.apply(self, x, self.bias)
-            return out if self.lora is None else self.lora.add_to(x, out)
+            return super().forward(x)
+        if isinstance(x, QuantizedRows):
+            out = all_reduce(self.quant_method.apply_quantized(self, x, None))
+            return out if self.bias is None else out + self.bias
         if not self.input_is_parallel:
             x = x.narrow(-1, self.tp_rank * self.input_size_per_partition, self.input_size_per_partition)
         out = all_reduce(self.quant_method.apply(self, x, None))

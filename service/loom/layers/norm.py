@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from loom.layers import cpu_fused, fused_ops
+from loom.layers import cpu_fused, fused_ops, quantized_input
 from loom.layers.fused_moe_triton import ExpertOutputs
+from loom.plugin_api.quantization import QuantizedRows, RowQuantization
 
 
 class RMSNorm(nn.Module):
@@ -34,6 +35,28 @@ class RMSNorm(nn.Module):
         if cpu_fused.norm_supported(x, self.weight):
             return cpu_fused.add_rms_norm(x, None, self.weight, self.eps)[0]
         return self._forward_torch(x)
+
+    def forward_for_linear(self, x: torch.Tensor | ExpertOutputs,
+                           residual: torch.Tensor | None) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
+        """``(norm(h), h)`` with ``h = residual + x`` (``x`` without a residual), where ``norm(h)`` is
+        the whole input of the linear layer this norm feeds (``quantized_input.feed``): quantized
+        here, in the norm's kernel, when that layer would quantize it first (FP8), else dense."""
+        if isinstance(x, torch.Tensor):
+            how = quantized_input.wanted(self, x.shape[0], x.dtype) if x.dim() == 2 else None
+            if how is not None:
+                return self._quantized(x, residual, how)
+        if residual is None:
+            assert isinstance(x, torch.Tensor)
+            return self(x), x
+        return self.forward_with_residual(x, residual)
+
+    def _quantized(self, x: torch.Tensor, residual: torch.Tensor | None,
+                   how: RowQuantization) -> tuple[QuantizedRows, torch.Tensor]:
+        if fused_ops.norm_supported(x, self.weight, residual):
+            codes, scales, h = fused_ops.fused_add_rms_norm_quant(x, residual, self.weight, self.eps, how.static_scale)
+            return QuantizedRows(codes, scales, x.dtype), h
+        normed, h = (self(x), x) if residual is None else self.forward_with_residual(x, residual)
+        return quantized_input.quantize(normed, how), h
 
     def forward_with_residual(self, x: torch.Tensor | ExpertOutputs,
                               residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -90,6 +91,34 @@ def set_weight_attrs(param: torch.Tensor, **attrs: Any) -> None:
         setattr(param, key, value)
 
 
+@dataclass(frozen=True)
+class RowQuantization:
+    """How a layer's kernel quantizes its input before multiplying (FP8 W8A8): each row to e4m3
+    with the row's own scale (``max |x| / 448``, at least 1e-12), or with one ``static_scale``
+    (``[1]`` float32) for every row; codes ``clamp(x / scale, -448, 448)`` rounded to nearest even."""
+
+    static_scale: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class QuantizedRows:
+    """A linear layer's input, already quantized as its :class:`RowQuantization` says, by the kernel
+    that produced it (the RMSNorm before qkv and gate/up, the SiLU-and-mul before down): the same
+    codes the layer would make itself, without its own pass over the activations."""
+
+    codes: torch.Tensor  # [T, K] float8_e4m3fn, contiguous
+    scales: torch.Tensor  # [T, 1] float32 (every row the static scale when there is one)
+    dtype: torch.dtype  # the dense activations' dtype: the layer's output dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def dequantize(self) -> torch.Tensor:
+        """The dense activations the layer multiplies (``codes * scale`` in ``dtype``)."""
+        return (self.codes.float() * self.scales).to(self.dtype)
+
+
 class LinearMethod(ABC):
     """How one linear layer keeps and multiplies its weight. One instance may serve many layers:
     everything per layer lives on the layer."""
@@ -108,6 +137,18 @@ class LinearMethod(ABC):
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x [..., in] -> [..., out]``: this rank's part of ``x @ W^T (+ bias)``."""
+
+    def input_quantization(self, layer: nn.Module, rows: int, dtype: torch.dtype) -> RowQuantization | None:
+        """How :meth:`apply` would quantize an input of ``rows`` rows in ``dtype`` as its first step,
+        if it would (FP8 W8A8 on CUDA); then the kernel producing that input may quantize it
+        instead and call :meth:`apply_quantized` (one pass over the activations fewer). Asked on
+        every forward (by rows: CUDA-graph safe). Default: None, the layer takes dense input."""
+        return None
+
+    def apply_quantized(self, layer: nn.Module, x: QuantizedRows, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`apply` on input quantized as :meth:`input_quantization` said; a method that says
+        something there implements this."""
+        raise NotImplementedError(f"{type(self).__name__} takes no pre-quantized input")
 
     def warm_up_token_counts(self, layer: nn.Module, max_tokens: int) -> Sequence[int]:
         """Token counts (each at most ``max_tokens``) at which one call of :meth:`apply` each
