@@ -15,6 +15,10 @@ reproduce bit for bit:
   rows and pairwise tree; see that module) and ``_router_route_kernel`` (every other reduction and
   the dot alike; its SASS the same with and without FMA contraction, which the fused kernel
   compiles without, as the norm does);
+* ``quantized_input``: ``fused_ops._add_rms_norm_quant_kernel`` against ``_add_rms_norm_kernel``
+  (its sum of squares first, in the same layout: the same normed values, whose max and codes
+  follow), and ``_silu_and_mul_quant_kernel`` at the launches ``silu_and_mul_quant``'s rule makes
+  (SmolLM2's row in one block, llama-8b's in two passes), none spilling;
 * ``expert_pipelining``: the MoE expert kernels with whole K tiles load through cp.async (the
   software pipeline a K mask in the loop kept triton 3.6 from building), without spills.
 
@@ -401,6 +405,60 @@ def compile_for_hopper_staged(fn: Any, sig: dict[str, str], consts: dict[str, An
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
 
+def check_quantized_input() -> int:
+    """The norm that quantizes for an FP8 layer reduces its sum of squares as the plain norm does
+    (the float reductions of the plain kernel are the fused one's first), and the SiLU-and-quantize
+    launches of the rule compile without spills."""
+    from loom.layers import fused_ops
+
+    failed = 0
+    for dtype, hidden in (("bf16", 4096), ("fp16", 576), ("bf16", 2048)):
+        block = fused_ops._next_pow2(hidden)
+        warps = fused_ops.norm_warps(block)
+        act = f"*{dtype}"
+        norm_sig = dict(x_ptr=act, res_ptr=act, w_ptr=act, out_ptr=act, res_out_ptr=act, ew_ptr=act,
+                        stride_xt="i32", stride_xr="i32", stride_rt="i32", stride_rr="i32", R="i32", H="i32",
+                        eps="fp32")
+        quant_sig = dict(x_ptr=act, res_ptr=act, w_ptr=act, q_ptr="*fp8e4nv", scale_ptr="*fp32", res_out_ptr=act,
+                         static_ptr="*fp32", stride_xt="i32", stride_rt="i32", H="i32", eps="fp32")
+        name = f"norm {dtype} H={hidden}"
+        try:
+            norm = compile_for_hopper(fused_ops._add_rms_norm_kernel, norm_sig,
+                                      dict(HAS_RESIDUAL=True, BLOCK=block, TOP_K=0), warps)
+            quant = compile_for_hopper(fused_ops._add_rms_norm_quant_kernel, quant_sig,
+                                       dict(HAS_RESIDUAL=True, STATIC=False, BLOCK=block), warps)
+        except Exception as exc:  # reported: the script fails
+            failed += 1
+            print(f"FAIL quantized_input {name}: {type(exc).__name__}: {exc}")
+            continue
+        want, got = float_reductions(norm.asm["ttgir"]), float_reductions(quant.asm["ttgir"])
+        (norm_regs, norm_spills), (regs, spills) = _spills(norm), _spills(quant)
+        problems = [f"spills {spills} bytes"] if spills or norm_spills else []
+        if not want or got[: len(want)] != want:
+            problems.append(f"the sum of squares is reduced otherwise: {want} vs {got}")
+        print(f"{'FAIL' if problems else 'ok  '} quantized_input {name}: reductions {got}; {regs} registers "
+              f"(the plain norm {norm_regs}){': ' + '; '.join(problems) if problems else ''}")
+        failed += int(bool(problems))
+    silu_sig = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", scale_ptr="*fp32", static_ptr="*fp32", stride_xt="i32",
+                    INTER="i32")
+    for inter in (1536, 14336):
+        block = min(fused_ops._SILU_QUANT_BLOCK, fused_ops._next_pow2(inter))
+        warps = min(fused_ops._SILU_QUANT_WARPS, fused_ops.norm_warps(block))
+        name = f"silu bf16 I={inter} block {block} {'one pass' if block >= inter else 'two passes'} {warps} warps"
+        try:
+            compiled = compile_for_hopper(fused_ops._silu_and_mul_quant_kernel, silu_sig,
+                                          dict(STATIC=False, BLOCK=block, ONE_PASS=block >= inter), warps)
+        except Exception as exc:  # reported: the script fails
+            failed += 1
+            print(f"FAIL quantized_input {name}: {type(exc).__name__}: {exc}")
+            continue
+        regs, spills = _spills(compiled)
+        print(f"{'FAIL' if spills else 'ok  '} quantized_input {name}: {regs} registers"
+              f"{f': spills {spills} bytes' if spills else ''}")
+        failed += int(bool(spills))
+    return failed
+
+
 def main(group: str) -> int:
     sys.path.insert(0, str(ROOT / "tests"))
     from helpers.source_tree import make_importable
@@ -408,7 +466,7 @@ def main(group: str) -> int:
     make_importable()
     checks = {"routing": check_routing, "qk_norm_rotary": check_qk_norm_rotary, "combine_norm": check_combine_norm,
               "router_epilogue": check_router_epilogue, "norm_router": check_norm_router,
-              "expert_pipelining": check_expert_pipelining}
+              "expert_pipelining": check_expert_pipelining, "quantized_input": check_quantized_input}
     if group not in checks:
         raise SystemExit(f"unknown group {group!r}: one of {', '.join(checks)}")
     return 1 if checks[group]() else 0

@@ -43,7 +43,7 @@ def test_fused_kernels_match_torch_path_in_interpreter(group: str) -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-@pytest.mark.parametrize(("group", "cases"), [("qk_norm_rotary", 4), ("combine_norm", 3)])
+@pytest.mark.parametrize(("group", "cases"), [("qk_norm_rotary", 4), ("combine_norm", 3), ("quantized_input", 5)])
 def test_fused_norms_compile_for_hopper_and_reduce_as_the_norm(group: str, cases: int) -> None:
     """The q/k norm + RoPE kernel and the norm that sums an MoE layer's rows, compiled for sm_90
     (no GPU needed): no spills, and their sum of squares in the plain norm kernel's layout (so the

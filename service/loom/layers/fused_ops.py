@@ -541,7 +541,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 # warps. Measured on an H100 (scripts/bench_fused_input.py, llama-8b's I = 14,336; the kernel and
 # the separate silu + quantize_rows, us): the whole row in one 16,384-wide block with 16 warps took
 # 16.6 / 131 / 1,006 at 256 / 2,048 / 16,384 tokens against 12.3 / 100 / 727 for the two kernels
-# (its registers leave one program an SM); two passes of 2,048 x 8 warps 12.9 / 93 / 670.
+# (127 registers a thread compiled for sm_90: one 512-thread program fills an SM's register file);
+# two passes of 2,048 x 8 warps (51 registers) 12.9 / 93 / 670.
 _SILU_QUANT_BLOCK = 2048
 _SILU_QUANT_WARPS = 8
 
