@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import hashlib
 import json
 import pstats
@@ -339,12 +340,23 @@ def bench_process(steps: int, rows: int, warmup: int, duplicates: bool, other_us
         for _ in range(warmup):
             loop.step(None, other_us / 1e6)
         timings: dict[str, list[float]] = {"total": [], "rows": [], "will_sample": [], "accept": []}
+        before, waits_before = loop.driver.child_stats(), dataclasses.replace(loop.driver.waits)
         for _ in range(steps):
             loop.step(timings, other_us / 1e6)
+        after, waits = loop.driver.child_stats(), loop.driver.waits
     finally:
         loop.driver.close()
+    child: dict[str, float] = {}
+    if before is not None and after is not None and after.steps > before.steps:
+        n = after.steps - before.steps
+        child = {"steps": n, "mean_us": (after.step_s - before.step_s) / n * 1e6,
+                 "full_collections": after.collections - before.collections}
+    fills = waits.fills - waits_before.fills
+    engine_waits = {"fills": fills, "waited": waits.waits - waits_before.waits,
+                    "mean_wait_us": (waits.wait_s - waits_before.wait_s) / max(1, fills) * 1e6}
     return {"num_rows": rows, "steps": steps, "duplicates": duplicates, "other_us": other_us,
-            "requests_replaced": loop.replaced, **{k: _summary_us(v) for k, v in timings.items()}}
+            "requests_replaced": loop.replaced, "child_step": child, "engine_waits": engine_waits,
+            **{k: _summary_us(v) for k, v in timings.items()}}
 
 
 def bench_engine_step(rows: int, steps: int) -> dict[str, Any]:

@@ -762,7 +762,15 @@ def main() -> None:
     server = _Server(conn, config)
     freeze_startup_objects()  # imports and the server's state: never scanned by a full collection
     gc.disable()  # until the vocabulary is described (_report_ready), which collects once itself
-    server.run()
+    profile_to = os.environ.get("LOOM_GRAMMAR_PROCESS_PROFILE")  # diagnostics: cProfile's stats of the loop
+    if profile_to:
+        import cProfile
+
+        with cProfile.Profile() as prof:
+            server.run()
+        prof.dump_stats(profile_to)
+    else:
+        server.run()
     os._exit(0)  # a compile still running on a pool thread must not hold the exit up
 
 
