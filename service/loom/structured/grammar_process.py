@@ -146,6 +146,7 @@ class GrammarProcess:
         self._fields: dict[int, str] = {}  # seq_id -> its constraint's request field
         self._ready: list[str] = []  # request ids the child reported compiled, not yet taken
         self._held_keys: dict[str, tuple[str, str]] = {}  # held request id -> its grammar's key
+        self._awaited: set[str] = set()  # held requests already waited for once (_await_cache_hits)
         self._compiled: OrderedDict[tuple[str, str], None] = OrderedDict()  # keys the child compiled lately
         self._refused: list[Refusal] = []  # held requests refused, not yet taken
         self._early: dict[int, Refusal] = {}  # seq_id -> the refusal of its next accept (its row was left open)
@@ -227,6 +228,7 @@ class GrammarProcess:
                                          Rejection("INTERNAL", field, "GRAMMAR_MATCHER_FAULT")))
         self._held.clear()
         self._held_keys.clear()
+        self._awaited.clear()
         self._ready.clear()
         for sid, seq in self._matched.items():
             self._early[sid] = self._lost(seq, why)
@@ -273,7 +275,7 @@ class GrammarProcess:
         self._held_keys[request_id] = spec.key
         if self._broken is not None:  # (a sequence of the dead child's is still running: refused at once)
             self._held.pop(request_id)
-            self._held_keys.pop(request_id, None)
+            self._forget_held(request_id)
             self._refused.append(self._lost(seqs[0], self._broken))
             return
         self._send(("hold", request_id, spec, [(s.seq_id, s.stopping.min_new_tokens, tuple(s.stopping.stop_token_ids))
@@ -304,7 +306,7 @@ class GrammarProcess:
         self._await_cache_hits()
         ready: list[list[Sequence]] = []
         for request_id in self._ready:
-            self._held_keys.pop(request_id, None)
+            self._forget_held(request_id)
             seqs = self._held.pop(request_id, None)
             if seqs is None:
                 continue
@@ -316,9 +318,13 @@ class GrammarProcess:
         for request_id, seqs in list(self._held.items()):
             if all(s.is_finished for s in seqs):  # aborted while its grammar compiled
                 del self._held[request_id]
-                self._held_keys.pop(request_id, None)
+                self._forget_held(request_id)
                 self._send(("drop", request_id))
         return ready, refused
+
+    def _forget_held(self, request_id: str) -> None:
+        self._held_keys.pop(request_id, None)
+        self._awaited.discard(request_id)
 
     def _await_cache_hits(self) -> None:
         """Wait (briefly) for the child's answer on held requests whose grammar it compiled before:
@@ -326,8 +332,14 @@ class GrammarProcess:
         compiled = self._compiled
         if not compiled or not self._held:
             return
-        answered = set(self._ready)
-        waiting = {rid for rid in self._held if rid not in answered and self._held_keys.get(rid) in compiled}
+        answered, awaited = set(self._ready), self._awaited
+        # Each request is waited for once: a text the child has since evicted compiles for real,
+        # and the steps meanwhile must not wait again.
+        waiting = {rid for rid in self._held
+                   if rid not in answered and rid not in awaited and self._held_keys.get(rid) in compiled}
+        if not waiting:
+            return
+        awaited.update(waiting)
         deadline = time.monotonic() + _CACHED_READY_WAIT_S
         while waiting and (left := deadline - time.monotonic()) > 0:
             msg = self._recv(left)
@@ -355,7 +367,7 @@ class GrammarProcess:
             while len(self._compiled) > _KNOWN_COMPILED:
                 self._compiled.popitem(last=False)
             for r in refused:
-                self._held_keys.pop(r.request_id, None)
+                self._forget_held(r.request_id)
                 if self._held.pop(r.request_id, None) is not None:
                     self._refused.append(r)
             self._stats = stats
