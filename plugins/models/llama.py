@@ -129,6 +129,7 @@ class LlamaDecoderLayer(nn.Module):
         mlp = getattr(self, self.mlp_name)
         if isinstance(mlp, LlamaMLP):
             feed(self.post_attention_layernorm, mlp.gate_up_proj)
+
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor | ExpertOutputs, residual: torch.Tensor | None,
                 rotary: RotaryEmbedding) -> tuple[torch.Tensor | ExpertOutputs, torch.Tensor]:
         """``(hidden, residual) -> (mlp output, residual)``, all ``[T, H]``.

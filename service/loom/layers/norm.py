@@ -46,7 +46,8 @@ class RMSNorm(nn.Module):
             if how is not None:
                 return self._quantized(x, residual, how)
         if residual is None:
-            assert isinstance(x, torch.Tensor)
+            if not isinstance(x, torch.Tensor):
+                raise TypeError("an MoE layer's expert rows need the residual they are added to")
             return self(x), x
         return self.forward_with_residual(x, residual)
 
