@@ -55,6 +55,10 @@ Two narrower switches, read the same way:
   driver is built): its bitmask rows and accepted tokens take the plain path (a fill per row
   set, an ``is_terminated`` query per row, no sharing of masks between matchers in the same
   state), the reference the fast path is tested against (docs/structured-output.md).
+- ``LOOM_GRAMMAR_ROWS_REGISTERED=0`` (:data:`grammar_rows_registered`): the grammar process's
+  shared bitmask rows are not page-locked for the GPU, so each step's rows are copied into the
+  stager's pinned buffers on the host thread before their transfer (393 KB at 64 rows of a
+  49,152-token vocabulary), as before 2026-12-06.
 """
 
 from __future__ import annotations
@@ -89,6 +93,7 @@ moe_router_epilogue: bool = os.environ.get("LOOM_MOE_ROUTER_EPILOGUE", "1") != "
 moe_norm_router: bool = os.environ.get("LOOM_MOE_NORM_ROUTER", "1") != "0"
 grammar_fast_rows: bool = os.environ.get("LOOM_GRAMMAR_FAST_ROWS", "1") != "0"
 pdl: bool = os.environ.get("LOOM_PDL", "1") not in ("0", "off", "false", "no")
+grammar_rows_registered: bool = os.environ.get("LOOM_GRAMMAR_ROWS_REGISTERED", "1") not in ("0", "off", "false", "no")
 
 
 @contextlib.contextmanager

@@ -38,3 +38,23 @@ def test_a_greedy_step_stages_no_sampling_columns_and_chooses_the_same_tokens() 
     a, b = Sampler()(logits, lean), Sampler()(logits, full)
     assert torch.equal(a.token_ids, b.token_ids) and torch.equal(a.logprobs, b.logprobs)
     assert torch.equal(a.token_ids, logits.argmax(-1))
+
+
+def test_registered_grammar_rows_are_used_in_place_and_lose_the_mark_when_pickled() -> None:
+    """Rows in page-locked shared memory (the grammar process's, on CUDA) go to the device without
+    a host copy; on the CPU the processor reads the host tensor itself. A tensor-parallel rank gets
+    the rows as bytes, which are not registered memory."""
+    import pickle
+
+    from loom.sample.batch import TokenBitmaskRows, token_bitmask
+    from loom.worker.staging import HostRegistration
+
+    data = torch.arange(3 * 4, dtype=torch.int32).view(3, 4)
+    rows = TokenBitmaskRows([0, 2, 5], 4, data, registered=True)
+    stage = Stager(torch.device("cpu"))
+    assert stage.from_registered(data) is data
+    assert token_bitmask(rows, stage).bitmask.data_ptr() == data.data_ptr()
+    again = pickle.loads(pickle.dumps(rows))
+    assert again == rows and again.registered is False
+    if not torch.cuda.is_available():
+        assert HostRegistration.of(data) is None  # copies stay staged, as from pageable memory

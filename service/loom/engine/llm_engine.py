@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, TextIO
 import structlog
 import torch
 
+from loom import kernel_switches
 from loom.config import ConfigError, EngineConfig
 from loom.distributed.errors import ShardLostError
 from loom.distributed.parallel_state import tensor_parallel_as
@@ -523,7 +524,8 @@ class LLMEngine:
 
                 self._structured = GrammarProcess(ProcessConfig(
                     str(model_dir), vocab, tuple(eos), self.config.grammar_compile_timeout, cache_bytes,
-                    compiler_threads=threads, fault_injection=self.config.fault_injection))
+                    compiler_threads=threads, fault_injection=self.config.fault_injection),
+                    register_rows=self.device.type == "cuda" and kernel_switches.grammar_rows_registered)
             else:
                 from loom.structured.compiler_pool import GrammarCompilerPool
                 from loom.structured.driver import StructuredOutput

@@ -59,6 +59,9 @@ class TokenBitmaskRows:
     rows: list[int]  # [G] sampling rows that have a grammar
     words: int  # ceil(V / 32)
     data: bytes | torch.Tensor  # [G, words] int32
+    # ``data`` lies in page-locked host memory (the grammar process's shared rows, registered with
+    # the GPU): it is copied to the device straight from there, not through the stager's buffers
+    registered: bool = False
 
     def tensor(self) -> torch.Tensor:
         """The rows as a [G, words] int32 host tensor."""
@@ -74,6 +77,7 @@ class TokenBitmaskRows:
 
     def __setstate__(self, state: tuple[list[int], int, bytes]) -> None:
         self.rows, self.words, self.data = state
+        self.registered = False
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, TokenBitmaskRows):
@@ -169,7 +173,9 @@ def token_bitmask(masks: TokenBitmaskRows, stage: Stager, num_rows: int | None =
     not staged: the processor masks all rows in order without reading them."""
     every = num_rows is not None and len(masks.rows) == num_rows  # rows ascending and distinct: 0..N-1
     rows = None if every else stage.to_device(masks.rows, torch.int64)
-    return TokenBitmask(stage.to_device(masks.tensor(), torch.int32), rows, masks.rows)
+    host = masks.tensor()
+    bitmask = stage.from_registered(host) if masks.registered else stage.to_device(host, torch.int32)
+    return TokenBitmask(bitmask, rows, masks.rows)
 
 
 def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:

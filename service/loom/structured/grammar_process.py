@@ -58,6 +58,7 @@ from loom.engine.sequence import Sequence
 from loom.engine.types import Rejection
 from loom.process_tuning import freeze_startup_objects
 from loom.sample.batch import TokenBitmaskRows
+from loom.worker.staging import HostRegistration
 
 from .compiler_pool import CompileStats
 from .driver import Refusal
@@ -136,8 +137,12 @@ class GrammarProcess:
 
     fills_ahead = True  # rows are filled between a step's launch and the next one's: defer sampling
 
-    def __init__(self, config: ProcessConfig, start_timeout_s: float = 120.0) -> None:
+    def __init__(self, config: ProcessConfig, start_timeout_s: float = 120.0, register_rows: bool = False) -> None:
         self.config = config
+        # page-lock the shared rows for the GPU (the engine's device is CUDA): copied to the device
+        # straight from where the child wrote them (loom.worker.staging.HostRegistration)
+        self.register_rows = register_rows
+        self._registration: HostRegistration | None = None
         self.vocab_size = config.vocab_size
         self.words = -(-config.vocab_size // 32)  # int32 words per bitmask row
         self.start_timeout_s = start_timeout_s
@@ -251,6 +256,7 @@ class GrammarProcess:
         except subprocess.TimeoutExpired:
             self._proc.kill()
         self._proc = None
+        self._release_rows()
 
     def child_stats(self, timeout: float = 5.0) -> ChildStats | None:
         """The child's :class:`ChildStats` so far (None if it does not answer within ``timeout``);
@@ -375,6 +381,8 @@ class GrammarProcess:
             self._child_stats = ChildStats(**msg[1])
         elif kind in ("rows", "rows_failed"):
             self._late.extend(msg[-2])  # (a stale reply's too: those tokens were used)
+            if msg[-1] is not None:  # (sent when they changed; a stale reply's too)
+                self._stats = msg[-1]
             if msg[1] == self._fill_id and self._layout is not None:  # else a step that failed asked for it
                 self._rows_reply = msg
         else:
@@ -437,11 +445,21 @@ class GrammarProcess:
                 reduction.send_handle(self._conn, fd, self._proc.pid)
         finally:
             os.close(fd)
+        self._release_rows()  # (after the device has run every copy queued from them)
         self._buffer = buffer
         n = capacity * self.words
         self._views = [torch.frombuffer(buffer, dtype=torch.int32, count=n, offset=i * n * 4).view(capacity, self.words)
                        for i in range(2)]
         self._capacity = capacity
+        if self.register_rows:
+            self._registration = HostRegistration.of(torch.frombuffer(buffer, dtype=torch.int32, count=2 * n))
+            if self._registration is None:
+                log.warning("the grammar rows could not be page-locked: they are staged through a copy a step")
+
+    def _release_rows(self) -> None:
+        if self._registration is not None:
+            self._registration.release()
+            self._registration = None
 
     def accept_step(self, items: Seq[tuple[Sequence, Seq[int]]]) -> dict[int, Refusal]:
         """Step N's tokens to the child (with step N+1's rows to fill, when known). Returns the
@@ -492,14 +510,16 @@ class GrammarProcess:
         self._expect_accept = True
         if msg[0] == "rows_failed":
             raise GrammarProcessError(f"filling the rows failed in the grammar process: {msg[2]}")
-        _, _, rows, half, early, _, stats = msg
-        self._stats = stats
+        _, _, rows, half, early, _, _ = msg
         for sid, refusal in early:
             if sid in self._matched:
                 self._early[sid] = refusal
         if not rows:
             return None
-        return TokenBitmaskRows(rows, self.words, self._views[half][: len(rows)])
+        # (the child writes rows again only once this step's tokens reach it, which the engine
+        # reads after this step's sampling ran: the copy to the device, queued before it, has too)
+        return TokenBitmaskRows(rows, self.words, self._views[half][: len(rows)],
+                                registered=self._registration is not None)
 
     def take_refusals(self) -> list[Refusal]:
         """Requests whose token the child refused after it was used (faults): the engine fails
@@ -586,6 +606,7 @@ class _Server:
         self.buffer: mmap.mmap | None = None
         self.last_half = 1
         self.stats = ChildStats()
+        self._sent_stats: CompileStats | None = None  # the compile statistics the engine has
         self._gc_started = 0.0
         self._frozen_after_first_ready = False
         self._freezing = False  # the collection freeze_startup_objects runs on purpose is not counted
@@ -662,7 +683,8 @@ class _Server:
             for r in refused:
                 for m in self.requests.pop(r.request_id, []):
                     self.mirrors.pop(m.seq_id, None)
-            self._reply(("ready", [seqs[0].request_id for seqs in ready], refused, self.driver.compile_stats()))
+            self._sent_stats = self.driver.compile_stats()
+            self._reply(("ready", [seqs[0].request_id for seqs in ready], refused, self._sent_stats))
 
     def _on_hold(self, request_id: str, spec: GrammarSpec, seqs: list[tuple[int, int, tuple[int, ...]]]) -> None:
         mirrors = [_Mirror(sid, request_id, min_new, stops) for sid, min_new, stops in seqs]
@@ -721,13 +743,23 @@ class _Server:
                                         "filling its mask")
         rows = driver.bitmask_rows(seqs, drafts)  # type: ignore[arg-type]
         if rows is None:
-            self._reply(("rows", fill_id, [], 0, [], self._take_late(), driver.compile_stats()))
+            self._reply(("rows", fill_id, [], 0, [], self._take_late(), self._stats_if_changed()))
             return
         half = self._half_of(rows)
         early = ([(m.seq_id, r) for m in seqs if (r := driver.pending_refusal(m)) is not None]  # type: ignore[arg-type]
                  if driver.has_pending_refusals else [])
-        # ("rows", fill id, row indices, shared half, refused next accepts, refused tokens, compile stats)
-        self._reply(("rows", fill_id, rows.rows, half, early, self._take_late(), driver.compile_stats()))
+        # ("rows", fill id, row indices, shared half, refused next accepts, refused tokens, compile stats
+        # or None when unchanged)
+        self._reply(("rows", fill_id, rows.rows, half, early, self._take_late(), self._stats_if_changed()))
+
+    def _stats_if_changed(self) -> CompileStats | None:
+        """The compile statistics when they changed since last sent (a step's reply is otherwise
+        only its rows: pickling the statistics every step cost more than the rest of the reply)."""
+        stats = self.driver.compile_stats()
+        if stats == self._sent_stats:
+            return None
+        self._sent_stats = stats
+        return stats
 
     def _inject_accept_faults(self, items: list[tuple[_Mirror, list[int]]]) -> list[tuple[_Mirror, list[int]]]:
         """Tests only: the tokens of requests named inject-grammar-accept* are refused as a matcher

@@ -80,6 +80,16 @@ class Stager:
         dev.copy_(host, non_blocking=True)
         return dev.view(cpu.shape)
 
+    def from_registered(self, values: torch.Tensor) -> torch.Tensor:
+        """A device copy of a host tensor in page-locked memory (:class:`HostRegistration`), queued
+        straight from it: no copy into the stager's own pinned buffers first. The caller keeps
+        ``values`` unwritten until the copy has run."""
+        if not self.pinned:
+            return values
+        _, dev = self._slots[self._current].take(values.dtype, values.numel())
+        dev.copy_(values.reshape(-1), non_blocking=True)
+        return dev.view(values.shape)
+
     def to_device_many(self, arrays: Sequence[Sequence[int]], dtype: torch.dtype) -> list[torch.Tensor]:
         """Several flat integer arrays (``torch.int64`` or ``torch.int32``) in one transfer: one
         host buffer and one copy instead of one per array (each a tensor built from a list, a
@@ -126,3 +136,39 @@ class DeviceToHost:
     def wait(self) -> None:
         if self.event is not None:
             self.event.synchronize()
+
+
+class HostRegistration:
+    """Host memory allocated elsewhere (an ``mmap``: the grammar process's shared bitmask rows)
+    page-locked for the GPU with ``cudaHostRegister``, so that a copy from it to the device is a
+    queued DMA. From pageable memory the same copy is a memcpy into a staging buffer on the host
+    thread first (64 rows of a 49,152-token vocabulary: 393 KB, 35-80 us a step on the GPU hosts).
+
+    Whoever writes the memory must not write a region a queued copy still reads; :meth:`release`
+    waits for the device before unregistering, so no queued copy reads memory after that."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.ptr = tensor.data_ptr()
+        self.size = tensor.numel() * tensor.element_size()
+        self.device = torch.cuda.current_device()
+        self._registered = False
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> HostRegistration | None:
+        """``tensor``'s memory registered, or None where that fails (no CUDA, or the driver
+        refuses): copies from it then stay staged, as from any pageable memory."""
+        if not torch.cuda.is_available():
+            return None
+        reg = cls(tensor)
+        rt = torch.cuda.cudart()
+        if rt.cudaHostRegister(reg.ptr, reg.size, 0) != rt.cudaError.success:
+            return None
+        reg._registered = True
+        return reg
+
+    def release(self) -> None:
+        if not self._registered:
+            return
+        self._registered = False
+        torch.cuda.synchronize(self.device)  # every copy queued from it has run
+        torch.cuda.cudart().cudaHostUnregister(self.ptr)
