@@ -17,6 +17,8 @@
 #   bash scripts/gpu_round.sh fp8-fast-accum   # _scaled_mm's fast accumulation timed and its error counted, W2 FP8 with and without it
 #   bash scripts/gpu_round.sh fused-input      # FP8 inputs quantized by the norms and SiLU: their GPU tests, W2 FP8 with and without, bf16 beside
 #   bash scripts/gpu_round.sh s1-diag          # S1 in-process pair by pair (engine waits, child time), grammar process on and off
+#   bash scripts/gpu_round.sh s1-rows [PAIRS]  # S1 with the grammar rows registered for the GPU and staged, then in-process (16 pairs)
+#   bash scripts/gpu_round.sh gpu-test FILE... # GPU-marked tests of the files named -> $OUT/gpu-tests-<first file>.txt
 #
 # What is owed: docs/benchmarks.md's list at its end ("What is owed to the next round").
 # Wheels and GGUF halves: docs/benchmarks.md ("Running on the H200").
@@ -156,6 +158,21 @@ s1-diag)  # #17: what S1's constrained steps wait for, pair by pair, with the gr
     grep -E '^\{|^ratio' "$OUT/profile-s1-$mode.log" | cut -c1-900
   done
   rm -f "$OUT"/profile-s1-on.log "$OUT"/profile-s1-off.log
+  ;;
+s1-rows)  # #17: registered vs staged grammar rows (LOOM_GRAMMAR_ROWS_REGISTERED), the in-process driver beside
+  pairs=${1:-16}
+  for arm in reg:1:on noreg:0:on off:1:off; do
+    IFS=: read -r name registered mode <<< "$arm"
+    LOOM_GRAMMAR_ROWS_REGISTERED=$registered BENCH_MAX_S=120 bash "$0" bench "s1-$pairs-rows-$name" --workloads S1 \
+      --s1-repeats "$pairs" --grammar-process "$mode" | grep -E "^S1|rc"
+  done
+  rm -f "$OUT"/s1-*.log
+  ;;
+gpu-test)
+  name=$(basename "${1:?file}" .py)
+  t=$(left); [ "$t" -gt 60 ] || { echo "gpu-test: skipped, ${t}s left"; exit 0; }
+  timeout $(( t - 20 )) python3 -m pytest -m gpu "$@" -q -p no:cacheprovider -rfEs > "$OUT/gpu-tests-$name.txt" 2>&1
+  tail -5 "$OUT/gpu-tests-$name.txt"
   ;;
 pending-smollm2)
   bash "$0" bench s1 --workloads S1 --s1-repeats 5
