@@ -15,6 +15,7 @@ that read it have long finished. On the CPU nothing is staged: tensors are made 
 from __future__ import annotations
 
 import array
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -170,5 +171,7 @@ class HostRegistration:
         if not self._registered:
             return
         self._registered = False
-        torch.cuda.synchronize(self.device)  # every copy queued from it has run
+        # every copy queued from it has run (a device that failed runs nothing more: unregister anyway)
+        with contextlib.suppress(RuntimeError):
+            torch.cuda.synchronize(self.device)
         torch.cuda.cudart().cudaHostUnregister(self.ptr)
