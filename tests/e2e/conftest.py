@@ -38,6 +38,11 @@ def tiny_server(tiny_llama_dir: Path, server_logs: Path) -> Iterator[ServerProce
 
 @pytest.fixture(scope="session")
 def smol_server(default_model_dir: Path, server_logs: Path) -> Iterator[ServerProcess]:
-    server = start_server(None, server_logs, "smol", "--max-batch-total-tokens", "8192", "--json-output")
+    # A compile limit well above the default 10 s: test_structured_output's slow regex compiles
+    # in 4-6 s on 2 cores while two streams decode (its compile threads niced), and once took
+    # longer than 10 s on a CI machine, which refused it instead of showing that it did not delay
+    # the streams. The limit itself is tested on a server of its own.
+    server = start_server(None, server_logs, "smol", "--max-batch-total-tokens", "8192", "--json-output",
+                          "--grammar-compile-timeout", "60")
     yield server
     server.stop()
