@@ -18,6 +18,7 @@
 #   bash scripts/gpu_round.sh fused-input      # FP8 inputs quantized by the norms and SiLU: their GPU tests, W2 FP8 with and without, bf16 beside
 #   bash scripts/gpu_round.sh s1-diag          # S1 in-process pair by pair (engine waits, child time), grammar process on and off
 #   bash scripts/gpu_round.sh s1-rows [PAIRS]  # S1 with the grammar rows registered for the GPU and staged, then in-process (16 pairs)
+#   bash scripts/gpu_round.sh s1-spin [PAIRS]  # S1 with both processes spinning for step messages and sleeping, twice each, in-process last (12 pairs)
 #   bash scripts/gpu_round.sh gpu-test FILE... # GPU-marked tests of the files named -> $OUT/gpu-tests-<first file>.txt
 #
 # What is owed: docs/benchmarks.md's list at its end ("What is owed to the next round").
@@ -164,6 +165,15 @@ s1-rows)  # #17: registered vs staged grammar rows (LOOM_GRAMMAR_ROWS_REGISTERED
   for arm in reg:1:on noreg:0:on off:1:off; do
     IFS=: read -r name registered mode <<< "$arm"
     LOOM_GRAMMAR_ROWS_REGISTERED=$registered BENCH_MAX_S=120 bash "$0" bench "s1-$pairs-rows-$name" --workloads S1 \
+      --s1-repeats "$pairs" --grammar-process "$mode" | grep -E "^S1|rc"
+  done
+  rm -f "$OUT"/s1-*.log
+  ;;
+s1-spin)  # #17: the engine and the grammar process busy-poll for each other's step messages (LOOM_GRAMMAR_SPIN_US) or sleep, alternating; in-process last
+  pairs=${1:-12}
+  for arm in spin-a:2000:on sleep-a:0:on spin-b:2000:on sleep-b:0:on inproc:0:off; do
+    IFS=: read -r name spin mode <<< "$arm"
+    LOOM_GRAMMAR_SPIN_US=$spin BENCH_MAX_S=100 bash "$0" bench "s1-$pairs-$name" --workloads S1 \
       --s1-repeats "$pairs" --grammar-process "$mode" | grep -E "^S1|rc"
   done
   rm -f "$OUT"/s1-*.log

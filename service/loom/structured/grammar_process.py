@@ -39,6 +39,7 @@ import gc
 import mmap
 import os
 import pickle
+import select
 import signal
 import socket
 import subprocess
@@ -91,9 +92,28 @@ class ProcessConfig:
     compiler_threads: int = 1  # xgrammar's threads a compile
     fast_rows: bool = True
     fault_injection: bool = False  # tests only: requests named inject-grammar-accept* / -fill* fault here
+    # how long either side busy-polls for the other's next step message before sleeping (0: never;
+    # kernel_switches.grammar_spin_s): a sleeping process wakes a fraction of a millisecond late
+    spin_s: float = 0.0
     parent_pid: int = 0
     log_json: bool = False
     log_level: str = "INFO"
+
+
+def _spin_until_readable(poller: select.poll, seconds: float) -> bool:
+    """Busy-poll ``poller`` (one connection's end, registered for input) for up to ``seconds``:
+    True as soon as it is readable (or closed), False when the time ran out."""
+    deadline = time.perf_counter() + seconds
+    while not poller.poll(0):
+        if time.perf_counter() >= deadline:
+            return False
+    return True
+
+
+def _poller(conn: Connection) -> select.poll:
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLIN)
+    return poller
 
 
 @dataclass
@@ -154,6 +174,10 @@ class GrammarProcess:
         self._awaited: set[str] = set()  # held requests already waited for once (_await_cache_hits)
         self._compiled: OrderedDict[tuple[str, str], None] = OrderedDict()  # keys the child compiled lately
         self._refused: list[Refusal] = []  # held requests refused, not yet taken
+        # holds not sent yet: they go to the child in one message when the engine next takes the
+        # ready requests, which the child answers in one (a burst of 64 requests was 64 messages
+        # each way)
+        self._unsent_holds: list[tuple[str, GrammarSpec, list[tuple[int, int, tuple[int, ...]]]]] = []
         self._early: dict[int, Refusal] = {}  # seq_id -> the refusal of its next accept (its row was left open)
         self._late: list[tuple[int, Refusal]] = []  # refused after their token was used (take_refusals)
         self._stats = CompileStats()
@@ -187,6 +211,7 @@ class GrammarProcess:
         self._proc.stdin.close()
         theirs.close()
         self._conn = Connection(mine.detach())
+        self._poller = _poller(self._conn)
         self._capacity = 0
         self._broken = None
         log.info("grammar process started", pid=self._proc.pid)
@@ -234,6 +259,7 @@ class GrammarProcess:
         self._held.clear()
         self._held_keys.clear()
         self._awaited.clear()
+        self._unsent_holds.clear()
         self._ready.clear()
         for sid, seq in self._matched.items():
             self._early[sid] = self._lost(seq, why)
@@ -284,8 +310,14 @@ class GrammarProcess:
             self._forget_held(request_id)
             self._refused.append(self._lost(seqs[0], self._broken))
             return
-        self._send(("hold", request_id, spec, [(s.seq_id, s.stopping.min_new_tokens, tuple(s.stopping.stop_token_ids))
-                                               for s in seqs]))
+        self._unsent_holds.append((request_id, spec, [(s.seq_id, s.stopping.min_new_tokens,
+                                                       tuple(s.stopping.stop_token_ids)) for s in seqs]))
+
+    def _send_holds(self) -> None:
+        """The holds made since the last look, to the child in one message (it answers them in one)."""
+        if self._unsent_holds:
+            holds, self._unsent_holds = self._unsent_holds, []
+            self._send(("holds", holds))
 
     def _matched_alive(self) -> bool:
         return any(not s.is_finished for s in self._matched.values())
@@ -308,6 +340,7 @@ class GrammarProcess:
         """Requests whose grammar the child compiled (their sequences now have matchers there) and
         requests refused; held requests aborted meanwhile are dropped (the child is told)."""
         self.forget_finished()
+        self._send_holds()
         self._drain()
         self._await_cache_hits()
         ready: list[list[Sequence]] = []
@@ -498,6 +531,8 @@ class GrammarProcess:
         waited = 0.0
         if self._rows_reply is None:
             started = time.perf_counter()
+            if self.config.spin_s > 0.0:  # the reply is due within a fraction of a millisecond
+                _spin_until_readable(self._poller, self.config.spin_s)
             while self._rows_reply is None:
                 msg = self._recv(None)
                 if msg is None:
@@ -629,9 +664,15 @@ class _Server:
 
     def run(self) -> None:
         conn, driver = self.conn, self.driver
+        spin_s, poller = self.config.spin_s, _poller(conn)
+        step_due = False  # a step was filled: the next one comes within one of the engine's steps
         while True:
             try:
-                raw = conn.recv_bytes() if conn.poll(_POLL_S if driver.num_held else None) else None
+                # While constrained requests decode, the next step message comes ~1 ms after the
+                # last: polled for rather than slept through (a sleeping process wakes late).
+                readable = step_due and _spin_until_readable(poller, spin_s)
+                step_due = False
+                raw = conn.recv_bytes() if readable or conn.poll(_POLL_S if driver.num_held else None) else None
             except (EOFError, OSError):  # the engine closed its end (it exited without a close)
                 return
             if raw is not None:
@@ -647,6 +688,7 @@ class _Server:
                     if kind == "step" and msg[2] is not None:
                         self._reply(("rows_failed", msg[3], repr(exc), self._take_late(), None))
                 if kind == "step":
+                    step_due = spin_s > 0.0 and msg[2] is not None
                     took = time.perf_counter() - started
                     self.stats.steps += 1
                     self.stats.step_s += took
@@ -685,6 +727,14 @@ class _Server:
                     self.mirrors.pop(m.seq_id, None)
             self._sent_stats = self.driver.compile_stats()
             self._reply(("ready", [seqs[0].request_id for seqs in ready], refused, self._sent_stats))
+
+    def _on_holds(self, holds: list[tuple[str, GrammarSpec, list[tuple[int, int, tuple[int, ...]]]]]) -> None:
+        for request_id, spec, seqs in holds:
+            try:  # one request the driver fails on does not lose the others of its message
+                self._on_hold(request_id, spec, seqs)
+            except Exception as exc:
+                log.error("grammar process: holding a request failed", request_id=request_id, error=repr(exc),
+                          exc_info=exc)
 
     def _on_hold(self, request_id: str, spec: GrammarSpec, seqs: list[tuple[int, int, tuple[int, ...]]]) -> None:
         mirrors = [_Mirror(sid, request_id, min_new, stops) for sid, min_new, stops in seqs]
