@@ -241,7 +241,6 @@ class ProcessLoop:
     was set before k's tokens were accepted; its replacement joins at step k+2."""
 
     def __init__(self, rows: int, duplicates: bool) -> None:
-        from loom import kernel_switches
         from loom.model_loader import resolve_model_dir
         from loom.structured.grammar_process import GrammarProcess, ProcessConfig
         from loom.worker.staging import Stager
@@ -250,8 +249,7 @@ class ProcessLoop:
         GrammarLoop.__init__(ref, 0, True, duplicates)
         self.ref = ref
         self.driver = GrammarProcess(ProcessConfig(str(resolve_model_dir(None)), ref.vocab, tuple(ref.eos), 600.0,
-                                                   256 << 20, workers=1,
-                                                   spin_s=kernel_switches.grammar_spin_s()))
+                                                   256 << 20, workers=1))
         self.stager = Stager(torch.device("cpu"))
         self.next_id = 0
         self.seqs: list[Any] = []

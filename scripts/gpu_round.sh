@@ -18,7 +18,7 @@
 #   bash scripts/gpu_round.sh fused-input      # FP8 inputs quantized by the norms and SiLU: their GPU tests, W2 FP8 with and without, bf16 beside
 #   bash scripts/gpu_round.sh s1-diag          # S1 in-process pair by pair (engine waits, child time), grammar process on and off
 #   bash scripts/gpu_round.sh s1-rows [PAIRS]  # S1 with the grammar rows registered for the GPU and staged, then in-process (16 pairs)
-#   bash scripts/gpu_round.sh s1-spin [PAIRS]  # S1 with both processes spinning for step messages and sleeping, twice each, in-process last (12 pairs)
+#   bash scripts/gpu_round.sh s1-env VAR A B [PAIRS] # S1 (grammar process) with VAR=A and VAR=B alternating, twice each (16 pairs)
 #   bash scripts/gpu_round.sh gpu-test FILE... # GPU-marked tests of the files named -> $OUT/gpu-tests-<first file>.txt
 #
 # What is owed: docs/benchmarks.md's list at its end ("What is owed to the next round").
@@ -169,12 +169,11 @@ s1-rows)  # #17: registered vs staged grammar rows (LOOM_GRAMMAR_ROWS_REGISTERED
   done
   rm -f "$OUT"/s1-*.log
   ;;
-s1-spin)  # #17: the engine and the grammar process busy-poll for each other's step messages (LOOM_GRAMMAR_SPIN_US) or sleep, alternating; in-process last
-  pairs=${1:-12}
-  for arm in spin-a:2000:on sleep-a:0:on spin-b:2000:on sleep-b:0:on inproc:0:off; do
-    IFS=: read -r name spin mode <<< "$arm"
-    LOOM_GRAMMAR_SPIN_US=$spin BENCH_MAX_S=100 bash "$0" bench "s1-$pairs-$name" --workloads S1 \
-      --s1-repeats "$pairs" --grammar-process "$mode" | grep -E "^S1|rc"
+s1-env)  # S1 with an environment variable at two values, alternating, twice each: s1-env VAR A B [PAIRS]
+  var=${1:?variable}; a=${2:?value a}; b=${3:?value b}; pairs=${4:-16}
+  for arm in $a $b $a $b; do
+    env "$var=$arm" BENCH_MAX_S=100 bash "$0" bench "s1-$pairs-$var-$arm-$(date +%s)" --workloads S1 \
+      --s1-repeats "$pairs" --grammar-process on | grep -E "^S1|rc"
   done
   rm -f "$OUT"/s1-*.log
   ;;

@@ -59,11 +59,6 @@ Two narrower switches, read the same way:
   shared bitmask rows are not page-locked for the GPU, so each step's rows are copied into the
   stager's pinned buffers on the host thread before their transfer (393 KB at 64 rows of a
   49,152-token vocabulary), as before 2026-12-06.
-- ``LOOM_GRAMMAR_SPIN_US=N`` (:func:`grammar_spin_s`): how long the engine and the grammar
-  process busy-poll for each other's next step message before sleeping in the kernel, while
-  constrained requests run (a sleeping process woke 0.25-0.35 ms after its message on this
-  project's VM: a constrained step's rows wait for that). Default 0 (off): each spinning process
-  holds a core, and no GPU run has shown the gain yet (docs/structured-output.md, session 37).
 """
 
 from __future__ import annotations
@@ -99,19 +94,6 @@ moe_norm_router: bool = os.environ.get("LOOM_MOE_NORM_ROUTER", "1") != "0"
 grammar_fast_rows: bool = os.environ.get("LOOM_GRAMMAR_FAST_ROWS", "1") != "0"
 pdl: bool = os.environ.get("LOOM_PDL", "1") not in ("0", "off", "false", "no")
 grammar_rows_registered: bool = os.environ.get("LOOM_GRAMMAR_ROWS_REGISTERED", "1") not in ("0", "off", "false", "no")
-
-
-def grammar_spin_s() -> float:
-    """``LOOM_GRAMMAR_SPIN_US`` in seconds: a whole number of microseconds, 0 (off) by default.
-    Raises ValueError, naming the variable, on anything else."""
-    value = os.environ.get("LOOM_GRAMMAR_SPIN_US", "0").strip()
-    try:
-        us = int(value)
-    except ValueError:
-        raise ValueError(f"LOOM_GRAMMAR_SPIN_US must be a whole number of microseconds, not {value!r}") from None
-    if us < 0:
-        raise ValueError(f"LOOM_GRAMMAR_SPIN_US must not be negative, not {us}")
-    return us * 1e-6
 
 
 @contextlib.contextmanager

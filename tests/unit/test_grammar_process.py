@@ -317,36 +317,3 @@ def test_a_burst_of_holds_goes_in_one_message_and_its_cache_hits_come_back_in_on
     finally:
         subject.close()
 
-
-def test_spinning_for_the_next_message_gives_the_same_tokens(model_dir: Path, reference: LLMEngine,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """LOOM_GRAMMAR_SPIN_US: both processes busy-poll for the other's step messages; nothing else
-    changes. A value that is not a whole number of microseconds fails the engine's start."""
-    monkeypatch.setenv("LOOM_GRAMMAR_SPIN_US", "3000")
-    want = run(reference, mixed())
-    subject = make_engine(model_dir, async_scheduling="on", grammar_process="on")
-    try:
-        got = run(subject, mixed())
-        grammars = subject._structured
-        assert isinstance(grammars, GrammarProcess) and grammars.config.spin_s == pytest.approx(0.003)
-        assert grammars.waits.fills > 0
-    finally:
-        subject.close()
-    assert {k: ids(v) for k, v in got.items()} == {k: ids(v) for k, v in want.items()}
-    monkeypatch.setenv("LOOM_GRAMMAR_SPIN_US", "2ms")
-    with pytest.raises(ValueError, match="LOOM_GRAMMAR_SPIN_US"):
-        make_engine(model_dir, grammar_process="on")
-
-
-@pytest.mark.parametrize(("value", "want"), [(None, 0.0), (" 500 ", 0.0005), ("0", 0.0), ("2000", 0.002)])
-def test_grammar_spin_switch(monkeypatch: pytest.MonkeyPatch, value: str | None, want: float) -> None:
-    from loom import kernel_switches
-
-    if value is None:
-        monkeypatch.delenv("LOOM_GRAMMAR_SPIN_US", raising=False)
-    else:
-        monkeypatch.setenv("LOOM_GRAMMAR_SPIN_US", value)
-    assert kernel_switches.grammar_spin_s() == pytest.approx(want)
-    monkeypatch.setenv("LOOM_GRAMMAR_SPIN_US", "-1")
-    with pytest.raises(ValueError, match="negative"):
-        kernel_switches.grammar_spin_s()

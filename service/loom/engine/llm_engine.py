@@ -135,7 +135,6 @@ class LLMEngine:
         self.requests: dict[str, list[Sequence]] = {}
         # Structured output, made on the first constrained request (see _structured_output).
         self._structured: StructuredOutput | GrammarProcess | None = None
-        self._grammar_spin_s = kernel_switches.grammar_spin_s()  # read now: a bad value fails the start
         self._rng = random.Random(config.seed)  # None: seeded from the OS
         self.num_steps = 0
         self._inflight: _Launched | None = None  # a launched step whose results are not read yet
@@ -525,8 +524,7 @@ class LLMEngine:
 
                 self._structured = GrammarProcess(ProcessConfig(
                     str(model_dir), vocab, tuple(eos), self.config.grammar_compile_timeout, cache_bytes,
-                    compiler_threads=threads, fault_injection=self.config.fault_injection,
-                    spin_s=self._grammar_spin_s),
+                    compiler_threads=threads, fault_injection=self.config.fault_injection),
                     register_rows=self.device.type == "cuda" and kernel_switches.grammar_rows_registered)
             else:
                 from loom.structured.compiler_pool import GrammarCompilerPool

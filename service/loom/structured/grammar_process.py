@@ -39,7 +39,6 @@ import gc
 import mmap
 import os
 import pickle
-import select
 import signal
 import socket
 import subprocess
@@ -92,28 +91,9 @@ class ProcessConfig:
     compiler_threads: int = 1  # xgrammar's threads a compile
     fast_rows: bool = True
     fault_injection: bool = False  # tests only: requests named inject-grammar-accept* / -fill* fault here
-    # how long either side busy-polls for the other's next step message before sleeping (0: never;
-    # kernel_switches.grammar_spin_s): a sleeping process wakes a fraction of a millisecond late
-    spin_s: float = 0.0
     parent_pid: int = 0
     log_json: bool = False
     log_level: str = "INFO"
-
-
-def _spin_until_readable(poller: select.poll, seconds: float) -> bool:
-    """Busy-poll ``poller`` (one connection's end, registered for input) for up to ``seconds``:
-    True as soon as it is readable (or closed), False when the time ran out."""
-    deadline = time.perf_counter() + seconds
-    while not poller.poll(0):
-        if time.perf_counter() >= deadline:
-            return False
-    return True
-
-
-def _poller(conn: Connection) -> select.poll:
-    poller = select.poll()
-    poller.register(conn.fileno(), select.POLLIN)
-    return poller
 
 
 @dataclass
@@ -211,7 +191,6 @@ class GrammarProcess:
         self._proc.stdin.close()
         theirs.close()
         self._conn = Connection(mine.detach())
-        self._poller = _poller(self._conn)
         self._capacity = 0
         self._broken = None
         log.info("grammar process started", pid=self._proc.pid)
@@ -531,8 +510,6 @@ class GrammarProcess:
         waited = 0.0
         if self._rows_reply is None:
             started = time.perf_counter()
-            if self.config.spin_s > 0.0:  # the reply is due within a fraction of a millisecond
-                _spin_until_readable(self._poller, self.config.spin_s)
             while self._rows_reply is None:
                 msg = self._recv(None)
                 if msg is None:
@@ -664,15 +641,9 @@ class _Server:
 
     def run(self) -> None:
         conn, driver = self.conn, self.driver
-        spin_s, poller = self.config.spin_s, _poller(conn)
-        step_due = False  # a step was filled: the next one comes within one of the engine's steps
         while True:
             try:
-                # While constrained requests decode, the next step message comes ~1 ms after the
-                # last: polled for rather than slept through (a sleeping process wakes late).
-                readable = step_due and _spin_until_readable(poller, spin_s)
-                step_due = False
-                raw = conn.recv_bytes() if readable or conn.poll(_POLL_S if driver.num_held else None) else None
+                raw = conn.recv_bytes() if conn.poll(_POLL_S if driver.num_held else None) else None
             except (EOFError, OSError):  # the engine closed its end (it exited without a close)
                 return
             if raw is not None:
@@ -688,7 +659,6 @@ class _Server:
                     if kind == "step" and msg[2] is not None:
                         self._reply(("rows_failed", msg[3], repr(exc), self._take_late(), None))
                 if kind == "step":
-                    step_due = spin_s > 0.0 and msg[2] is not None
                     took = time.perf_counter() - started
                     self.stats.steps += 1
                     self.stats.step_s += took
