@@ -2,7 +2,8 @@
 (``loom.worker.staging.HostRegistration``) and copied to it straight from where the child wrote
 them: the constrained tokens equal those of the driver in the engine's process (synchronous
 scheduling, rows staged through a host copy), with the rows registered and not
-(``LOOM_GRAMMAR_ROWS_REGISTERED=0``).
+(``LOOM_GRAMMAR_ROWS_REGISTERED=0``), and with the next step's inputs staged before the engine
+waits for the rows (``LOOM_STAGE_BEFORE_ROWS=1``: pinned staging buffers and CUDA graphs).
 
 A tiny Llama in float32 with SmolLM2's vocabulary: no near-ties, so equality is exact.
 """
@@ -70,19 +71,22 @@ def want(model_dir: Path) -> Iterator[dict[tuple[str, int], list[int]]]:
         reference.close()
 
 
-@pytest.mark.parametrize("registered", [True, False])
+@pytest.mark.parametrize(("registered", "stage_before_rows"), [(True, False), (False, False), (True, True)])
 def test_rows_copied_from_the_shared_memory_give_the_drivers_tokens(
         model_dir: Path, want: dict[tuple[str, int], list[int]], monkeypatch: pytest.MonkeyPatch,
-        registered: bool) -> None:
+        registered: bool, stage_before_rows: bool) -> None:
     from helpers.structured_engine import ids, run
 
     from loom import kernel_switches
     from loom.structured.grammar_process import GrammarProcess
 
     monkeypatch.setattr(kernel_switches, "grammar_rows_registered", registered)
+    monkeypatch.setattr(kernel_switches, "stage_before_rows", stage_before_rows)
     engine = _engine(model_dir, async_scheduling="on", grammar_process="on")
+    staged = _count_calls(engine.worker, "stage_forward")
     try:
         got = {k: ids(v) for k, v in run(engine, _requests()).items()}
+        assert (staged[0] > 20) == stage_before_rows
         process = engine._structured
         assert isinstance(process, GrammarProcess)
         assert (process._registration is not None) == registered
@@ -92,3 +96,16 @@ def test_rows_copied_from_the_shared_memory_give_the_drivers_tokens(
     finally:
         engine.close()
     assert got == want
+
+
+def _count_calls(obj: Any, name: str) -> list[int]:
+    """Count ``obj.name(...)`` calls (a list of one, read after)."""
+    calls = [0]
+    method = getattr(obj, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return method(*args, **kwargs)
+
+    setattr(obj, name, counted)
+    return calls

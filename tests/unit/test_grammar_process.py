@@ -317,3 +317,31 @@ def test_a_burst_of_holds_goes_in_one_message_and_its_cache_hits_come_back_in_on
     finally:
         subject.close()
 
+
+
+def test_staging_the_next_step_before_the_rows_gives_the_same_tokens(model_dir: Path, reference: LLMEngine,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """LOOM_STAGE_BEFORE_ROWS: the next step's inputs are staged before the engine waits for the
+    rows of the step before; its forward (whose pending rows take that step's tokens) is launched
+    after that step's sampling, as before. The same tokens as the driver in the engine's process."""
+    from loom import kernel_switches
+
+    monkeypatch.setattr(kernel_switches, "stage_before_rows", True)
+    want = run(reference, mixed())
+    subject = make_engine(model_dir, async_scheduling="on", grammar_process="on")
+    staged = [0]
+    stage = subject.worker.stage_forward
+
+    def counted(plan: Any) -> Any:
+        staged[0] += 1
+        return stage(plan)
+
+    subject.worker.stage_forward = counted  # type: ignore[method-assign,union-attr]
+    try:
+        got = run(subject, mixed())
+        assert isinstance(subject._structured, GrammarProcess) and subject._structured.waits.fills > 5
+    finally:
+        subject.close()
+    assert {k: ids(v) for k, v in got.items()} == {k: ids(v) for k, v in want.items()}
+    assert {k: v[-1].finish_reason for k, v in got.items()} == {k: v[-1].finish_reason for k, v in want.items()}
+    assert staged[0] > 5  # constrained steps were staged before their predecessor's rows

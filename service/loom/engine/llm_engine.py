@@ -28,7 +28,7 @@ from loom.distributed.errors import ShardLostError
 from loom.distributed.parallel_state import tensor_parallel_as
 from loom.plugin_api import DraftRequest, PluginRegistry, Proposer, ProposerContext, default_registry
 from loom.spec.speculator import Speculator
-from loom.worker.model_runner import ForwardedStep, LaunchedStep, ModelRunner
+from loom.worker.model_runner import ForwardedStep, LaunchedStep, ModelRunner, StagedForward
 from loom.worker.sharded_worker import ShardedWorker
 from loom.worker.worker import Worker
 
@@ -693,14 +693,25 @@ class LLMEngine:
         if plan.num_drafts is not None:  # each sampled sequence's drafts, as the plan lays them out
             flat = iter(plan.draft_token_ids)
             guesses = [[next(flat) for _ in range(m)] for m in plan.num_drafts]
+        staged: StagedForward | None = None
         if prev is not None and isinstance(prev.step, ForwardedStep):
+            if kernel_switches.stage_before_rows and not isinstance(self.worker, ShardedWorker):
+                staged = self.worker.stage_forward(plan)  # while the child may still fill prev's rows
             prev.early += self._sample(prev)
         step: LaunchedStep | ForwardedStep
-        if self._structured is not None and self._structured.any_matched(planned.sample_seqs):
+        constrained = self._structured is not None and self._structured.any_matched(planned.sample_seqs)
+        if staged is not None:
+            assert not isinstance(self.worker, ShardedWorker)
+            step = self.worker.launch_staged(staged)
+            if not constrained:
+                step = self.worker.sample(step, None)
+        elif constrained:
             step = self.worker.execute_forward(plan)  # the grammar rows are filled while it runs
-            self._structured.will_sample(planned.sample_seqs, guesses)
         else:
             step = self.worker.execute(plan)
+        if constrained:
+            assert self._structured is not None
+            self._structured.will_sample(planned.sample_seqs, guesses)
         self.block_manager.commit_pending()
         for seq, n in zip(sched.seqs, sched.num_new_tokens, strict=True):
             seq.num_computed_tokens += n

@@ -45,6 +45,8 @@ class StepInputs:
     plan: StepPlan | None = None  # what they were staged from (None: a test's hand-made step)
     lora: LoraBatch | None = None  # the rows' adapter slots (None: every row is the base model)
     sample_rows: torch.Tensor | None = None  # [N] int64: the plan's sample_rows, staged with the rest
+    # ([P] rows of input_ids, [P] rows of the previous step's sampled ids): staged, not yet taken
+    pending: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -55,6 +57,19 @@ class ForwardedStep:
     plan: StepPlan
     hidden: torch.Tensor  # [T, hidden] (prompt logprobs read it)
     logits: torch.Tensor  # [N, V] fp32
+    batch: SamplingBatch
+
+
+@dataclass
+class StagedForward:
+    """A step whose inputs are queued for the device and whose sampling batch is built, its
+    forward not launched yet (:meth:`ModelRunner.launch_staged`). The engine stages a step before
+    it waits for the grammar rows of the step before it, whose sampling must be queued first:
+    this step's pending rows take that step's tokens, which :meth:`ModelRunner.launch_staged`
+    gathers."""
+
+    plan: StepPlan
+    inputs: StepInputs
     batch: SamplingBatch
 
 
@@ -93,6 +108,12 @@ class ModelRunner:
 
     def prepare(self, plan: StepPlan) -> StepInputs:
         """Stage the plan's arrays on the device (queued, not waited for)."""
+        inputs = self._stage_inputs(plan)
+        self._take_pending(inputs)
+        return inputs
+
+    def _stage_inputs(self, plan: StepPlan) -> StepInputs:
+        """:meth:`prepare` but for the rows whose token the previous step samples on the device."""
         query_start = [0]
         for n in plan.query_lens:
             query_start.append(query_start[-1] + n)
@@ -120,11 +141,19 @@ class ModelRunner:
             max_seq_len=max(plan.seq_lens),
             block_size=self.block_size,
         )
-        if plan.pending_rows:
+        inputs = StepInputs(input_ids=input_ids, positions=positions, meta=meta, plan=plan, lora=self._lora_batch(plan),
+                            sample_rows=sample_rows)
+        inputs.pending = (pending_rows, pending_src) if plan.pending_rows else None
+        return inputs
+
+    def _take_pending(self, inputs: StepInputs) -> None:
+        """The previous step's sampled tokens into the rows that wait for them (queued after its
+        sampling)."""
+        if inputs.pending is not None:
             assert self.last_sampled is not None
-            input_ids.index_copy_(0, pending_rows, self.last_sampled.index_select(0, pending_src))
-        return StepInputs(input_ids=input_ids, positions=positions, meta=meta, plan=plan, lora=self._lora_batch(plan),
-                          sample_rows=sample_rows)
+            pending_rows, pending_src = inputs.pending
+            inputs.input_ids.index_copy_(0, pending_rows, self.last_sampled.index_select(0, pending_src))
+            inputs.pending = None
 
     def _lora_batch(self, plan: StepPlan) -> LoraBatch | None:
         """The step's row -> adapter slot map: each sequence's slot repeated over its rows (its
@@ -159,6 +188,24 @@ class ModelRunner:
         the two the host may do work that needs the previous step's tokens (structured output
         fills its masks there) while the device runs the forward."""
         return self._launch_forward(plan)
+
+    @torch.inference_mode()
+    def stage_forward(self, plan: StepPlan) -> StagedForward:
+        """Queue the step's inputs and build its sampling batch; :meth:`launch_staged` launches
+        its forward, after the previous step's sampling was queued."""
+        inputs = self._stage_inputs(plan)
+        batch = build_sampling_batch(plan.sampling, self.vocab_size, self.device, self.stager)
+        return StagedForward(plan, inputs, batch)
+
+    @torch.inference_mode()
+    def launch_staged(self, staged: StagedForward) -> ForwardedStep:
+        """:meth:`launch_forward` of a step :meth:`stage_forward` staged."""
+        inputs = staged.inputs
+        self._take_pending(inputs)
+        self.copy_blocks(staged.plan.blocks_to_copy)  # before the forward, as in _launch_forward
+        hidden = self.forward(inputs)  # [T, hidden]
+        logits = self.sample_logits(hidden, inputs)  # [N, V] fp32
+        return ForwardedStep(staged.plan, hidden, logits, staged.batch)
 
     def _launch_forward(self, plan: StepPlan) -> ForwardedStep:
         inputs = self.prepare(plan)

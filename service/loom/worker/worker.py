@@ -32,7 +32,7 @@ from loom.sample.batch import TokenBitmaskRows
 from .cuda_graphs import maybe_capture_cuda_graphs
 from .fault_injection import FaultInjectingRunner
 from .kernel_warmup import WarmUpCounts, warm_up_counts
-from .model_runner import CausalLM, ForwardedStep, LaunchedStep, ModelRunner
+from .model_runner import CausalLM, ForwardedStep, LaunchedStep, ModelRunner, StagedForward
 from .step_plan import StepOutput, StepPlan
 
 log = structlog.get_logger(__name__)
@@ -251,6 +251,15 @@ class Worker:
         """Queue a step's forward; :meth:`sample` queues its sampling (the engine fills grammar
         rows in between, while the device runs the forward)."""
         return self._runner().launch_forward(plan)
+
+    def stage_forward(self, plan: StepPlan) -> StagedForward:
+        """Queue a step's inputs (its forward waits for :meth:`launch_staged`): the engine stages a
+        step while the grammar rows of the step before it are still being filled."""
+        return self._runner().stage_forward(plan)
+
+    def launch_staged(self, staged: StagedForward) -> ForwardedStep:
+        """Queue the forward of a step :meth:`stage_forward` staged; :meth:`sample` its sampling."""
+        return self._runner().launch_staged(staged)
 
     def sample(self, step: ForwardedStep, bitmask: TokenBitmaskRows | None) -> LaunchedStep:
         """Queue the sampling of :meth:`execute_forward`'s step, with grammar rows filled since."""
