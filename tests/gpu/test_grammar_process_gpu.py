@@ -75,7 +75,7 @@ def want(model_dir: Path) -> Iterator[dict[tuple[str, int], list[int]]]:
 def test_rows_copied_from_the_shared_memory_give_the_drivers_tokens(
         model_dir: Path, want: dict[tuple[str, int], list[int]], monkeypatch: pytest.MonkeyPatch,
         registered: bool, stage_before_rows: bool) -> None:
-    from helpers.structured_engine import ids, run
+    from helpers.structured_engine import count_calls, ids, run
 
     from loom import kernel_switches
     from loom.structured.grammar_process import GrammarProcess
@@ -83,7 +83,7 @@ def test_rows_copied_from_the_shared_memory_give_the_drivers_tokens(
     monkeypatch.setattr(kernel_switches, "grammar_rows_registered", registered)
     monkeypatch.setattr(kernel_switches, "stage_before_rows", stage_before_rows)
     engine = _engine(model_dir, async_scheduling="on", grammar_process="on")
-    staged = _count_calls(engine.worker, "stage_forward")
+    staged = count_calls(engine.worker, "stage_forward")
     try:
         got = {k: ids(v) for k, v in run(engine, _requests()).items()}
         assert (staged[0] > 20) == stage_before_rows
@@ -97,15 +97,3 @@ def test_rows_copied_from_the_shared_memory_give_the_drivers_tokens(
         engine.close()
     assert got == want
 
-
-def _count_calls(obj: Any, name: str) -> list[int]:
-    """Count ``obj.name(...)`` calls (a list of one, read after)."""
-    calls = [0]
-    method = getattr(obj, name)
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls[0] += 1
-        return method(*args, **kwargs)
-
-    setattr(obj, name, counted)
-    return calls

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.structured_engine import assert_faulted, ids, request, run, text
+from helpers.structured_engine import assert_faulted, count_calls, ids, request, run, text
 
 from loom.config import ConfigError, EngineConfig
 from loom.engine.llm_engine import LLMEngine
@@ -318,7 +318,6 @@ def test_a_burst_of_holds_goes_in_one_message_and_its_cache_hits_come_back_in_on
         subject.close()
 
 
-
 def test_staging_the_next_step_before_the_rows_gives_the_same_tokens(model_dir: Path, reference: LLMEngine,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """LOOM_STAGE_BEFORE_ROWS: the next step's inputs are staged before the engine waits for the
@@ -329,14 +328,7 @@ def test_staging_the_next_step_before_the_rows_gives_the_same_tokens(model_dir: 
     monkeypatch.setattr(kernel_switches, "stage_before_rows", True)
     want = run(reference, mixed())
     subject = make_engine(model_dir, async_scheduling="on", grammar_process="on")
-    staged = [0]
-    stage = subject.worker.stage_forward
-
-    def counted(plan: Any) -> Any:
-        staged[0] += 1
-        return stage(plan)
-
-    subject.worker.stage_forward = counted  # type: ignore[method-assign,union-attr]
+    staged = count_calls(subject.worker, "stage_forward")
     try:
         got = run(subject, mixed())
         assert isinstance(subject._structured, GrammarProcess) and subject._structured.waits.fills > 5

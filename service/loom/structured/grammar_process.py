@@ -701,12 +701,12 @@ class _Server:
     def _on_holds(self, holds: list[tuple[str, GrammarSpec, list[tuple[int, int, tuple[int, ...]]]]]) -> None:
         for request_id, spec, seqs in holds:
             try:  # one request the driver fails on does not lose the others of its message
-                self._on_hold(request_id, spec, seqs)
+                self._hold(request_id, spec, seqs)
             except Exception as exc:
                 log.error("grammar process: holding a request failed", request_id=request_id, error=repr(exc),
                           exc_info=exc)
 
-    def _on_hold(self, request_id: str, spec: GrammarSpec, seqs: list[tuple[int, int, tuple[int, ...]]]) -> None:
+    def _hold(self, request_id: str, spec: GrammarSpec, seqs: list[tuple[int, int, tuple[int, ...]]]) -> None:
         mirrors = [_Mirror(sid, request_id, min_new, stops) for sid, min_new, stops in seqs]
         for m in mirrors:
             self.mirrors[m.seq_id] = m

@@ -141,10 +141,8 @@ class ModelRunner:
             max_seq_len=max(plan.seq_lens),
             block_size=self.block_size,
         )
-        inputs = StepInputs(input_ids=input_ids, positions=positions, meta=meta, plan=plan, lora=self._lora_batch(plan),
-                            sample_rows=sample_rows)
-        inputs.pending = (pending_rows, pending_src) if plan.pending_rows else None
-        return inputs
+        return StepInputs(input_ids=input_ids, positions=positions, meta=meta, plan=plan, lora=self._lora_batch(plan),
+                          sample_rows=sample_rows, pending=(pending_rows, pending_src) if plan.pending_rows else None)
 
     def _take_pending(self, inputs: StepInputs) -> None:
         """The previous step's sampled tokens into the rows that wait for them (queued after its
@@ -200,20 +198,22 @@ class ModelRunner:
     @torch.inference_mode()
     def launch_staged(self, staged: StagedForward) -> ForwardedStep:
         """:meth:`launch_forward` of a step :meth:`stage_forward` staged."""
-        inputs = staged.inputs
-        self._take_pending(inputs)
-        self.copy_blocks(staged.plan.blocks_to_copy)  # before the forward, as in _launch_forward
-        hidden = self.forward(inputs)  # [T, hidden]
-        logits = self.sample_logits(hidden, inputs)  # [N, V] fp32
+        self._take_pending(staged.inputs)
+        hidden, logits = self._forward_logits(staged.inputs)
         return ForwardedStep(staged.plan, hidden, logits, staged.batch)
 
     def _launch_forward(self, plan: StepPlan) -> ForwardedStep:
-        inputs = self.prepare(plan)
-        self.copy_blocks(plan.blocks_to_copy)  # queued after prepare's copies, before the forward
-        hidden = self.forward(inputs)  # [T, hidden]
-        logits = self.sample_logits(hidden, inputs)  # [N, V] fp32
+        hidden, logits = self._forward_logits(self.prepare(plan))
         batch = build_sampling_batch(plan.sampling, self.vocab_size, self.device, self.stager)
         return ForwardedStep(plan, hidden, logits, batch)
+
+    def _forward_logits(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queue the forward of staged ``inputs`` (their pending rows taken): [T, hidden] and the
+        sampled rows' [N, V] fp32 logits."""
+        assert inputs.plan is not None
+        self.copy_blocks(inputs.plan.blocks_to_copy)  # queued after the inputs' copies, before the forward
+        hidden = self.forward(inputs)
+        return hidden, self.sample_logits(hidden, inputs)
 
     @torch.inference_mode()
     def sample(self, step: ForwardedStep, bitmask: TokenBitmaskRows | None = None) -> LaunchedStep:
