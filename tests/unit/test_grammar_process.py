@@ -318,14 +318,17 @@ def test_a_burst_of_holds_goes_in_one_message_and_its_cache_hits_come_back_in_on
         subject.close()
 
 
+@pytest.mark.parametrize("stage_before_rows", [True, False])
 def test_staging_the_next_step_before_the_rows_gives_the_same_tokens(model_dir: Path, reference: LLMEngine,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """LOOM_STAGE_BEFORE_ROWS: the next step's inputs are staged before the engine waits for the
-    rows of the step before; its forward (whose pending rows take that step's tokens) is launched
-    after that step's sampling, as before. The same tokens as the driver in the engine's process."""
+                                                                    monkeypatch: pytest.MonkeyPatch,
+                                                                    stage_before_rows: bool) -> None:
+    """LOOM_STAGE_BEFORE_ROWS (on by default): the next step's inputs are staged before the engine
+    waits for the rows of the step before; its forward (whose pending rows take that step's tokens)
+    is launched after that step's sampling, as with the switch off. The same tokens as the driver
+    in the engine's process either way."""
     from loom import kernel_switches
 
-    monkeypatch.setattr(kernel_switches, "stage_before_rows", True)
+    monkeypatch.setattr(kernel_switches, "stage_before_rows", stage_before_rows)
     want = run(reference, mixed())
     subject = make_engine(model_dir, async_scheduling="on", grammar_process="on")
     staged = count_calls(subject.worker, "stage_forward")
@@ -336,4 +339,5 @@ def test_staging_the_next_step_before_the_rows_gives_the_same_tokens(model_dir: 
         subject.close()
     assert {k: ids(v) for k, v in got.items()} == {k: ids(v) for k, v in want.items()}
     assert {k: v[-1].finish_reason for k, v in got.items()} == {k: v[-1].finish_reason for k, v in want.items()}
-    assert staged[0] > 5  # constrained steps were staged before their predecessor's rows
+    # constrained steps were staged before their predecessor's rows (or never, switched off)
+    assert staged[0] > 5 if stage_before_rows else staged[0] == 0
