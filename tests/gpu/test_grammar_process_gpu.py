@@ -75,7 +75,8 @@ def want(model_dir: Path) -> Iterator[dict[tuple[str, int], list[int]]]:
 def test_rows_copied_from_the_shared_memory_give_the_drivers_tokens(
         model_dir: Path, want: dict[tuple[str, int], list[int]], monkeypatch: pytest.MonkeyPatch,
         registered: bool, stage_before_rows: bool) -> None:
-    from helpers.structured_engine import count_calls, ids, run
+    from helpers.call_counter import CallCounter
+    from helpers.structured_engine import ids, run
 
     from loom import kernel_switches
     from loom.structured.grammar_process import GrammarProcess
@@ -83,10 +84,10 @@ def test_rows_copied_from_the_shared_memory_give_the_drivers_tokens(
     monkeypatch.setattr(kernel_switches, "grammar_rows_registered", registered)
     monkeypatch.setattr(kernel_switches, "stage_before_rows", stage_before_rows)
     engine = _engine(model_dir, async_scheduling="on", grammar_process="on")
-    staged = count_calls(engine.worker, "stage_forward")
+    staged = CallCounter(monkeypatch, engine.worker, "stage_forward")
     try:
         got = {k: ids(v) for k, v in run(engine, _requests()).items()}
-        assert (staged[0] > 20) == stage_before_rows
+        assert (staged.calls > 20) == stage_before_rows
         process = engine._structured
         assert isinstance(process, GrammarProcess)
         assert (process._registration is not None) == registered
@@ -96,4 +97,3 @@ def test_rows_copied_from_the_shared_memory_give_the_drivers_tokens(
     finally:
         engine.close()
     assert got == want
-

@@ -45,15 +45,3 @@ def assert_faulted(outs: list[EngineOutput], field: str, *words: str) -> None:
         "INTERNAL", "GRAMMAR_MATCHER_FAULT", field)
     assert last.error is not None and all(w in last.error for w in words), last.error
 
-
-def count_calls(obj: Any, name: str) -> list[int]:
-    """Count the calls of ``obj.name`` from now on: a list of one number, read after."""
-    calls = [0]
-    method = getattr(obj, name)
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls[0] += 1
-        return method(*args, **kwargs)
-
-    setattr(obj, name, counted)
-    return calls
