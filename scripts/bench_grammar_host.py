@@ -21,7 +21,9 @@ flight: take step k's rows (filled by the child meanwhile), queue the processor,
 layout, send step k's tokens (the child accepts them and fills k+1's rows), then ``--other-us`` of
 stand-in host work (the engine's output processing, scheduling and planning, during which the
 child works). Its ``total`` is the engine thread's time in grammar calls, waits for the child
-included, the figure to set beside the in-process ``total``.
+included, the figure to set beside the in-process ``total``. ``--processes 2`` runs them through a
+group of two (:class:`loom.structured.grammar_group.GrammarProcessGroup`, requests alternating
+between them); its ``child_step`` is the busier child's.
 
 ``--engine-step`` also times the engine's whole step without a grammar at 64 decode rows on a
 tiny random model (a 1,024-token vocabulary, 2 layers of 64: the forward and the sampler are a
@@ -240,16 +242,18 @@ class ProcessLoop:
     sequence that ends at step k still has a (left open, unchecked) row in step k+1, whose layout
     was set before k's tokens were accepted; its replacement joins at step k+2."""
 
-    def __init__(self, rows: int, duplicates: bool) -> None:
+    def __init__(self, rows: int, duplicates: bool, processes: int = 1) -> None:
         from loom.model_loader import resolve_model_dir
+        from loom.structured.grammar_group import GrammarProcessGroup
         from loom.structured.grammar_process import GrammarProcess, ProcessConfig
         from loom.worker.staging import Stager
 
         ref = GrammarLoop.__new__(GrammarLoop)  # the documents and specs only
         GrammarLoop.__init__(ref, 0, True, duplicates)
         self.ref = ref
-        self.driver = GrammarProcess(ProcessConfig(str(resolve_model_dir(None)), ref.vocab, tuple(ref.eos), 600.0,
-                                                   256 << 20, workers=1))
+        config = ProcessConfig(str(resolve_model_dir(None)), ref.vocab, tuple(ref.eos), 600.0, 256 << 20, workers=1)
+        self.driver: GrammarProcess | GrammarProcessGroup = (
+            GrammarProcess(config) if processes == 1 else GrammarProcessGroup(config, processes))
         self.stager = Stager(torch.device("cpu"))
         self.next_id = 0
         self.seqs: list[Any] = []
@@ -334,8 +338,9 @@ class ProcessLoop:
             assert (int(mask[rows.rows.index(g), t // 32]) >> (t % 32)) & 1, f"row {g} forbids its token {t}"
 
 
-def bench_process(steps: int, rows: int, warmup: int, duplicates: bool, other_us: float) -> dict[str, Any]:
-    loop = ProcessLoop(rows, duplicates)
+def bench_process(steps: int, rows: int, warmup: int, duplicates: bool, other_us: float,
+                  processes: int = 1) -> dict[str, Any]:
+    loop = ProcessLoop(rows, duplicates, processes)
     try:
         for _ in range(warmup):
             loop.step(None, other_us / 1e6)
@@ -354,7 +359,7 @@ def bench_process(steps: int, rows: int, warmup: int, duplicates: bool, other_us
     fills = waits.fills - waits_before.fills
     engine_waits = {"fills": fills, "waited": waits.waits - waits_before.waits,
                     "mean_wait_us": (waits.wait_s - waits_before.wait_s) / max(1, fills) * 1e6}
-    return {"num_rows": rows, "steps": steps, "duplicates": duplicates, "other_us": other_us,
+    return {"num_rows": rows, "steps": steps, "duplicates": duplicates, "other_us": other_us, "processes": processes,
             "requests_replaced": loop.replaced, "child_step": child, "engine_waits": engine_waits,
             **{k: _summary_us(v) for k, v in timings.items()}}
 
@@ -392,13 +397,15 @@ def main() -> None:
     ap.add_argument("--process", action="store_true", help="also the grammar process, one step in flight")
     ap.add_argument("--other-us", type=float, default=600.0,
                     help="--process: the engine's other host work a step, in microseconds (busy-waited)")
+    ap.add_argument("--processes", type=int, default=1, help="--process: this many grammar processes (a group)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(1)
     result: dict[str, Any] = {"grammar": bench_grammar(args.steps, args.rows, args.warmup, args.profile,
                                                          args.compare, args.duplicates)}
     if args.process:
-        result["process"] = bench_process(args.steps, args.rows, args.warmup, args.duplicates, args.other_us)
+        result["process"] = bench_process(args.steps, args.rows, args.warmup, args.duplicates, args.other_us,
+                                          args.processes)
     if args.engine_step:
         result["engine_step_without_grammar"] = bench_engine_step(args.rows, args.steps)
     text = json.dumps(result, indent=2)

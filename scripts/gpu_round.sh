@@ -19,6 +19,7 @@
 #   bash scripts/gpu_round.sh s1-diag          # S1 in-process pair by pair (engine waits, child time), grammar process on and off
 #   bash scripts/gpu_round.sh s1-rows [PAIRS]  # S1 with the grammar rows registered for the GPU and staged, then in-process (16 pairs)
 #   bash scripts/gpu_round.sh s1-env VAR A B [PAIRS] # S1 (grammar process) with VAR=A and VAR=B alternating, twice each (16 pairs)
+#   bash scripts/gpu_round.sh s1-arg FLAG A B [PAIRS] [ROUNDS] # S1 with a bench flag at A and B alternating (2 rounds)
 #   bash scripts/gpu_round.sh gpu-test FILE... # GPU-marked tests of the files named -> $OUT/gpu-tests-<first file>.txt
 #
 # What is owed: docs/benchmarks.md's list at its end ("What is owed to the next round").
@@ -174,6 +175,17 @@ s1-env)  # S1 with an environment variable at two values, alternating, twice eac
   for arm in $a $b $a $b; do
     env "$var=$arm" BENCH_MAX_S=100 bash "$0" bench "s1-$pairs-$var-$arm-$(date +%s)" --workloads S1 \
       --s1-repeats "$pairs" --grammar-process on | grep -E "^S1|rc"
+  done
+  rm -f "$OUT"/s1-*.log
+  ;;
+s1-arg)  # S1 with a bench flag at two values, alternating, twice each: s1-arg FLAG A B [PAIRS] [ROUNDS]
+  flag=${1:?flag}; a=${2:?value a}; b=${3:?value b}; pairs=${4:-16}; rounds=${5:-2}
+  for _ in $(seq "$rounds"); do
+    for arm in $a $b; do
+      t=$(left); [ "$t" -gt 110 ] || { echo "s1-arg $arm: skipped, ${t}s left"; continue; }
+      BENCH_MAX_S=100 bash "$0" bench "s1-$pairs-${flag#--}-$arm-$(date +%s)" --workloads S1 --s1-repeats "$pairs" \
+        --grammar-process on "$flag" "$arm" | grep -E "^S1|rc"
+    done
   done
   rm -f "$OUT"/s1-*.log
   ;;

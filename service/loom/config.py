@@ -74,6 +74,10 @@ class EngineConfig:
     # which fills a step's token masks while the engine finishes the step before; auto: with
     # asynchronous scheduling on one shard.
     grammar_process: str = "auto"
+    # With a grammar process: this many of them, each holding a share of the constrained
+    # sequences and filling its rows of a step side by side with the others
+    # (loom.structured.grammar_group); 1: one process.
+    grammar_processes: int = 1
     # Speculative decoding (loom/spec/): up to this many draft tokens per sequence and step
     # (TGI's --speculate); 0 is off. The proposer is a speculative-decoder plugin by name.
     speculate: int = 0
@@ -151,6 +155,8 @@ class EngineConfig:
             raise ConfigError(f"--grammar-cache-mib must be at least 0, got {self.grammar_cache_mib}")
         if self.grammar_process not in ("auto", "on", "off"):
             raise ConfigError(f"--grammar-process must be auto, on or off; got {self.grammar_process!r}")
+        if not 1 <= self.grammar_processes <= 16:
+            raise ConfigError(f"--grammar-processes must be 1 to 16, got {self.grammar_processes}")
         self._check_lora()
         if self.max_step_latency_ms is not None and not 0 < self.max_step_latency_ms < float("inf"):
             raise ConfigError(f"--max-step-latency-ms must be a positive number of milliseconds, got "

@@ -3,7 +3,8 @@
 them: the constrained tokens equal those of the driver in the engine's process (synchronous
 scheduling, rows staged through a host copy), with the rows registered and not
 (``LOOM_GRAMMAR_ROWS_REGISTERED=0``), and with the next step's inputs staged before the engine
-waits for the rows (``LOOM_STAGE_BEFORE_ROWS=1``: pinned staging buffers and CUDA graphs).
+waits for the rows (``LOOM_STAGE_BEFORE_ROWS=1``: pinned staging buffers and CUDA graphs), and with
+two grammar processes writing their rows into one registered mapping (``grammar_processes=2``).
 
 A tiny Llama in float32 with SmolLM2's vocabulary: no near-ties, so equality is exact.
 """
@@ -71,28 +72,30 @@ def want(model_dir: Path) -> Iterator[dict[tuple[str, int], list[int]]]:
         reference.close()
 
 
-@pytest.mark.parametrize(("registered", "stage_before_rows"), [(True, False), (False, False), (True, True)])
+@pytest.mark.parametrize(("registered", "stage_before_rows", "processes"),
+                         [(True, False, 1), (False, False, 1), (True, True, 1), (True, True, 2)])
 def test_rows_copied_from_the_shared_memory_give_the_drivers_tokens(
         model_dir: Path, want: dict[tuple[str, int], list[int]], monkeypatch: pytest.MonkeyPatch,
-        registered: bool, stage_before_rows: bool) -> None:
+        registered: bool, stage_before_rows: bool, processes: int) -> None:
     from helpers.call_counter import CallCounter
     from helpers.structured_engine import ids, run
 
     from loom import kernel_switches
+    from loom.structured.grammar_group import GrammarProcessGroup
     from loom.structured.grammar_process import GrammarProcess
 
     monkeypatch.setattr(kernel_switches, "grammar_rows_registered", registered)
     monkeypatch.setattr(kernel_switches, "stage_before_rows", stage_before_rows)
-    engine = _engine(model_dir, async_scheduling="on", grammar_process="on")
+    engine = _engine(model_dir, async_scheduling="on", grammar_process="on", grammar_processes=processes)
     staged = CallCounter(monkeypatch, engine.worker, "stage_forward")
     try:
         got = {k: ids(v) for k, v in run(engine, _requests()).items()}
         assert (staged.calls > 20) == stage_before_rows
         process = engine._structured
-        assert isinstance(process, GrammarProcess)
-        assert (process._registration is not None) == registered
+        assert isinstance(process, GrammarProcess if processes == 1 else GrammarProcessGroup)
+        assert process._rows.registered == registered
         if registered:
-            assert process._views[0].is_pinned() and process._views[1].is_pinned()
+            assert process._rows.views[0].is_pinned() and process._rows.views[1].is_pinned()
         assert process.waits.fills > 20 and engine.num_async_steps > 20
     finally:
         engine.close()

@@ -89,6 +89,8 @@ def add_bench_command(sub: Any) -> None:
                    help="the engine's async_scheduling setting (default: auto, on for CUDA)")
     g.add_argument("--grammar-process", default=None, choices=("auto", "on", "off"),
                    help="the engine's grammar_process setting (S1; default: auto, on with async scheduling)")
+    g.add_argument("--grammar-processes", type=int, default=None,
+                   help="the engine's grammar_processes setting (S1; default: 1)")
     g = p.add_argument_group("workload sizes")
     g.add_argument("--w2-requests", type=int, default=None,
                    help="W2 request count; unset: 512 for llama-1b, else 256 (16 with --quick)")
@@ -255,6 +257,8 @@ def engine_config(args: argparse.Namespace, device: torch.device, workloads: lis
         kwargs["async_scheduling"] = args.async_scheduling
     if getattr(args, "grammar_process", None) is not None:
         kwargs["grammar_process"] = args.grammar_process
+    if getattr(args, "grammar_processes", None) is not None:
+        kwargs["grammar_processes"] = args.grammar_processes
     if getattr(args, "speculate", None):
         kwargs["speculate"] = args.speculate
         if getattr(args, "speculator", None):

@@ -55,6 +55,7 @@ from .types import (
 if TYPE_CHECKING:
     from loom.lora.manager import AdapterManager
     from loom.structured.driver import StructuredOutput
+    from loom.structured.grammar_group import GrammarProcessGroup
     from loom.structured.grammar_process import GrammarProcess
 
 log = structlog.get_logger(__name__)
@@ -134,7 +135,7 @@ class LLMEngine:
         self.vocab_size = model.vocab_size
         self.requests: dict[str, list[Sequence]] = {}
         # Structured output, made on the first constrained request (see _structured_output).
-        self._structured: StructuredOutput | GrammarProcess | None = None
+        self._structured: StructuredOutput | GrammarProcess | GrammarProcessGroup | None = None
         self._rng = random.Random(config.seed)  # None: seeded from the OS
         self.num_steps = 0
         self._inflight: _Launched | None = None  # a launched step whose results are not read yet
@@ -510,7 +511,7 @@ class LLMEngine:
         return self._with_grammar_stats(stats)
 
     # -- structured output (loom.structured) ----------------------------------------------------------
-    def _structured_output(self) -> StructuredOutput | GrammarProcess:
+    def _structured_output(self) -> StructuredOutput | GrammarProcess | GrammarProcessGroup:
         """The structured-output driver, made on first use: its workers describe the vocabulary
         and compile grammars on their own threads. With asynchronous scheduling on one shard
         (``grammar_process`` auto) it runs in a process of its own, which fills a step's rows
@@ -520,12 +521,16 @@ class LLMEngine:
             threads = max(1, min(8, (os.cpu_count() or 2) // 2))
             cache_bytes = self.config.grammar_cache_mib << 20
             if self._grammar_process_wanted():
+                from loom.structured.grammar_group import GrammarProcessGroup
                 from loom.structured.grammar_process import GrammarProcess, ProcessConfig
 
-                self._structured = GrammarProcess(ProcessConfig(
+                processes = self.config.grammar_processes
+                process_config = ProcessConfig(
                     str(model_dir), vocab, tuple(eos), self.config.grammar_compile_timeout, cache_bytes,
-                    compiler_threads=threads, fault_injection=self.config.fault_injection),
-                    register_rows=self.device.type == "cuda" and kernel_switches.grammar_rows_registered)
+                    compiler_threads=max(1, threads // processes), fault_injection=self.config.fault_injection)
+                register = self.device.type == "cuda" and kernel_switches.grammar_rows_registered
+                self._structured = (GrammarProcess(process_config, register_rows=register) if processes == 1 else
+                                    GrammarProcessGroup(process_config, processes, register_rows=register))
             else:
                 from loom.structured.compiler_pool import GrammarCompilerPool
                 from loom.structured.driver import StructuredOutput

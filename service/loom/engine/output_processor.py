@@ -24,6 +24,7 @@ from .types import EngineOutput, FinishReason, Rejection
 
 if TYPE_CHECKING:
     from loom.structured.driver import Refusal, StructuredOutput
+    from loom.structured.grammar_group import GrammarProcessGroup
     from loom.structured.grammar_process import GrammarProcess
 
 log = structlog.get_logger(__name__)
@@ -38,7 +39,7 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         # structured output's matchers (set by the engine once a request has a grammar)
-        self.grammars: StructuredOutput | GrammarProcess | None = None
+        self.grammars: StructuredOutput | GrammarProcess | GrammarProcessGroup | None = None
 
     def process(self, planned: PlannedStep, positions: list[int], result: StepOutput,
                 scheduled: list[Sequence], proposed: Callable[[int, int], int] | None = None) -> list[EngineOutput]:

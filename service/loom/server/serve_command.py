@@ -35,6 +35,8 @@ _ENGINE_FLAGS: list[tuple[str, Any, str]] = [
     ("--grammar-cache-mib", int, "compiled grammars kept for reuse, in MiB (least recently used dropped first)"),
     ("--grammar-process", str, "auto, on or off: grammar matchers in a process of their own, filling token masks "
      "while the engine finishes the step before (auto: with asynchronous scheduling on one shard)"),
+    ("--grammar-processes", int, "with a grammar process: this many, each filling the token masks of its share "
+     "of the constrained requests side by side with the others"),
     ("--speculate", int, "speculative decoding: up to N draft tokens per sequence and step; 0 is off"),
     ("--speculator", str, "the speculative-decoder plugin that proposes drafts (loom plugins lists them)"),
     ("--speculate-max-batch-size", int, "above this many running sequences, decode without drafts"),

@@ -89,6 +89,13 @@ class _Matched:
 _MAX_STATE_STEPS = 1 << 16
 _MAX_ROOTS = 1 << 10
 
+# A row's matcher entry by its row in the bitmask: a list when rows are 0..G-1, a dict when they
+# are placed at a group's slots (:meth:`StructuredOutput._fast_rows`)
+_ByRow = Seq[_Matched] | dict[int, _Matched]
+# (rows shared by a group's grammar processes [capacity, ceil(V / 32)] int32, the slot there of
+# each of the step's sampling rows, -1 for rows another process fills): where bitmask_rows writes
+Placement = tuple[torch.Tensor, list[int]]
+
 
 @dataclass(frozen=True)
 class Refusal:
@@ -261,7 +268,8 @@ class StructuredOutput:
         matchers = self._matchers
         return bool(matchers) and any(seq.seq_id in matchers for seq in seqs)
 
-    def bitmask_rows(self, seqs: Seq[Sequence], drafts: Seq[Seq[int]] | None = None) -> TokenBitmaskRows | None:
+    def bitmask_rows(self, seqs: Seq[Sequence], drafts: Seq[Seq[int]] | None = None,
+                     into: Placement | None = None) -> TokenBitmaskRows | None:
         """The step's grammar rows for its sampled sequences ``seqs`` (plan order; sequence i has
         1 + len(drafts[i]) sampling rows), or None when none has a matcher: unconstrained steps pay
         nothing. Rows are filled on the host. A sequence verifying drafts gets a mask per row: its
@@ -272,9 +280,28 @@ class StructuredOutput:
 
         The rows may be filled after the step was launched (the engine fills them while the
         forward runs): a sequence's tokens then end with the placeholder of the token these rows
-        choose, and a sequence the previous step finished (its row is dropped) gets open rows."""
+        choose, and a sequence the previous step finished (its row is dropped) gets open rows.
+
+        ``into`` (a grammar process of a group, loom.structured.grammar_group): (rows shared with
+        the group's other processes, the slot there of each sampling row): each row is written at
+        its slot, and rows whose slot is -1 are neither filled nor returned (another process's)."""
         if self.fast_rows and (drafts is None or not any(drafts)):
-            return self._fast_rows(seqs)
+            return self._fast_rows(seqs, into)
+        rows = self._plain_rows(seqs, drafts)
+        return rows if into is None or rows is None else self._placed(rows, into)
+
+    def _placed(self, filled: TokenBitmaskRows, into: Placement) -> TokenBitmaskRows | None:
+        """``filled`` (rows from 0) copied to their slots in ``into``'s rows; those without one dropped."""
+        out, slots = into
+        kept = [g for g, row in enumerate(filled.rows) if slots[row] >= 0]
+        if not kept:
+            return None
+        rows = [filled.rows[g] for g in kept]
+        out[[slots[row] for row in rows]] = filled.tensor()[kept]
+        return TokenBitmaskRows(rows, self.words, out)
+
+    def _plain_rows(self, seqs: Seq[Sequence], drafts: Seq[Seq[int]] | None) -> TokenBitmaskRows | None:
+        """:meth:`bitmask_rows` row by row (drafts, or the fast path switched off)."""
         rows: list[int] = []
         entries: list[tuple[Sequence, Seq[int]]] = []
         row = 0
@@ -351,7 +378,7 @@ class StructuredOutput:
                 bitmask[g].fill_(-1)
         return TokenBitmaskRows(rows, self.words, bitmask.numpy().tobytes())
 
-    def _fast_rows(self, seqs: Seq[Sequence]) -> TokenBitmaskRows | None:
+    def _fast_rows(self, seqs: Seq[Sequence], into: Placement | None = None) -> TokenBitmaskRows | None:
         """:meth:`bitmask_rows` without drafts, filling what the plain path fills with less work:
 
         - one batch fill over the rows' xgrammar handles, and only one row per matcher state: rows
@@ -362,25 +389,38 @@ class StructuredOutput:
         - min_new_tokens is looked at only for sequences that have one;
         - the empty-row check is one numpy pass; the rows are handed over as the driver's own
           tensor (:class:`TokenBitmaskRows`), not copied to bytes.
+
+        With ``into``, row g (entry g) is written at its slot there rather than at g: the work is
+        done in the rows' own numbering (``at``, and ``by_row`` for the entry of a row).
         """
         matchers = self._matchers
+        slots = into[1] if into is not None else None
         rows: list[int] = []
         entries: list[_Matched] = []
         for i, seq in enumerate(seqs):
             entry = matchers.get(seq.seq_id)
-            if entry is not None:
+            if entry is not None and (slots is None or slots[i] >= 0):
                 rows.append(i)
                 entries.append(entry)
         if not rows:
             return None
-        bitmask = self._rows_buffer(len(rows))  # [G, ceil(V / 32)]
+        at: Seq[int]
+        by_row: _ByRow
+        if into is None:
+            bitmask = self._rows_buffer(len(rows))  # [G, ceil(V / 32)]
+            at, by_row = range(len(rows)), entries
+        else:
+            bitmask = into[0]  # [capacity, ceil(V / 32)]: the group's half
+            at = [into[1][i] for i in rows]
+            by_row = dict(zip(at, entries, strict=True))
+        every = into is None  # the rows are the whole of bitmask, in order
         handles: list[Any] = []
         filled: list[int] = []  # bitmask rows xgrammar fills
         copies: list[tuple[int, int]] = []  # (row, the filled row of the same state)
         first_of: dict[int, int] = {}  # state id -> its filled row
         holds: list[int] = []  # filled or copied rows whose sequence has a min_new_tokens
         ended: list[int] = []  # rows of finished sequences and terminated matchers: left open
-        for g, entry in enumerate(entries):
+        for g, entry in zip(at, entries, strict=True):
             if entry.terminated or entry.seq.is_finished:
                 ended.append(g)
                 continue
@@ -399,17 +439,17 @@ class StructuredOutput:
         if handles:  # xgrammar's own object: its wrapper would build the handle list again
             batcher: Any = self._batch_matcher()._handle
             try:
-                batcher.batch_fill_next_token_bitmask(handles, bitmask, None if len(filled) == len(rows) else filled,
-                                                      False)
+                batcher.batch_fill_next_token_bitmask(handles, bitmask,
+                                                      None if every and len(filled) == len(rows) else filled, False)
             except Exception:  # some matcher's fill raised: row by row, to find it and fill the others
-                filled, copies = self._fill_rows_alone(entries, bitmask, filled, copies, ended)
-                holds = [g for g in holds if entries[g].seq.seq_id not in self._faults]
+                filled, copies = self._fill_rows_alone(by_row, bitmask, filled, copies, ended)
+                holds = [g for g in holds if by_row[g].seq.seq_id not in self._faults]
         words = bitmask.numpy()  # the same memory
         # Rows that allow no token (rare): only a filled row can be one (a copy is as empty as its
         # source, an open row is all ones, and clearing stop ids never empties a row: see
         # _hold_back_stops), so the check reads the filled rows only, before the copies.
         if filled:
-            allows = words.any(axis=1) if len(filled) == len(rows) else words[filled].any(axis=1)
+            allows = words.any(axis=1) if every and len(filled) == len(rows) else words[filled].any(axis=1)
             empty = {filled[k] for k in np.flatnonzero(~allows).tolist()}
         else:
             empty = set()
@@ -418,14 +458,14 @@ class StructuredOutput:
         if ended:
             words[ended] = -1
         for g in holds:
-            seq = entries[g].seq
+            seq = by_row[g].seq
             if seq.num_known_tokens - seq.num_prompt_tokens < seq.stopping.min_new_tokens:
                 self._hold_back_stops(bitmask[g], seq)
         if empty:
-            self._mark_dead_ends(words, entries, sorted([*empty, *(g for g, src in copies if src in empty)]))
-        return TokenBitmaskRows(rows, self.words, bitmask)
+            self._mark_dead_ends(words, by_row, sorted([*empty, *(g for g, src in copies if src in empty)]))
+        return TokenBitmaskRows(rows, self.words, bitmask)  # (with ``into``: its rows whole, ours at their slots)
 
-    def _fill_rows_alone(self, entries: list[_Matched], bitmask: torch.Tensor, filled: list[int],
+    def _fill_rows_alone(self, entries: _ByRow, bitmask: torch.Tensor, filled: list[int],
                          copies: list[tuple[int, int]], ended: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
         """:meth:`_fast_rows` after its batch fill raised: each of its rows filled alone. A matcher
         whose own fill raises is a fault (:meth:`_raised`): its row is left open (added to
@@ -457,7 +497,7 @@ class StructuredOutput:
             return False
         return True
 
-    def _mark_dead_ends(self, words: np.ndarray, entries: list[_Matched], empty: list[int]) -> None:
+    def _mark_dead_ends(self, words: np.ndarray, entries: _ByRow, empty: list[int]) -> None:
         for g in empty:
             seq = entries[g].seq
             self._dead_ends[seq.seq_id] = (

@@ -58,10 +58,10 @@ from loom.engine.sequence import Sequence
 from loom.engine.types import Rejection
 from loom.process_tuning import freeze_startup_objects
 from loom.sample.batch import TokenBitmaskRows
-from loom.worker.staging import HostRegistration
 
 from .compiler_pool import CompileStats
 from .driver import Refusal
+from .shared_rows import SharedRows
 from .spec import GrammarSpec
 
 log = structlog.get_logger(__name__)
@@ -76,6 +76,11 @@ _POLL_S = 0.002  # the child's wait for a message while grammars compile: then i
 # splits a burst's prefill into two steps: ~50 ms more for S1's 64 requests on the H200).
 _CACHED_READY_WAIT_S = 0.010
 _KNOWN_COMPILED = 4096  # grammar texts remembered as compiled in the child (most recent)
+
+# A step's rows as the engine describes them to the child: the step's sequence ids and their drafts
+# (None: no drafts), then, for a group's child, the slot in the shared rows of each sampling row
+# (-1: a row the child does not fill) and the half to fill (None, None: the child's own rows).
+Layout = tuple[list[int], list[list[int]] | None, list[int] | None, int | None]
 
 
 @dataclass(frozen=True)
@@ -137,14 +142,18 @@ class GrammarProcess:
 
     fills_ahead = True  # rows are filled between a step's launch and the next one's: defer sampling
 
-    def __init__(self, config: ProcessConfig, start_timeout_s: float = 120.0, register_rows: bool = False) -> None:
+    def __init__(self, config: ProcessConfig, start_timeout_s: float = 120.0, register_rows: bool = False,
+                 rows: SharedRows | None = None) -> None:
         self.config = config
-        # page-lock the shared rows for the GPU (the engine's device is CUDA): copied to the device
-        # straight from where the child wrote them (loom.worker.staging.HostRegistration)
-        self.register_rows = register_rows
-        self._registration: HostRegistration | None = None
         self.vocab_size = config.vocab_size
         self.words = -(-config.vocab_size // 32)  # int32 words per bitmask row
+        # The rows the child fills: its own (page-locked for the GPU with ``register_rows``: copied
+        # to the device straight from where the child wrote them), or, in a
+        # :class:`~loom.structured.grammar_group.GrammarProcessGroup`, the group's, which each of
+        # its children fills at the places the group assigns (:meth:`will_sample`'s ``placement``).
+        self._owns_rows = rows is None
+        self._rows = SharedRows(self.words, register_rows) if rows is None else rows
+        self._mapped = 0  # the rows' generation the child has mapped (0: none)
         self.start_timeout_s = start_timeout_s
         self._held: dict[str, list[Sequence]] = {}  # request id -> its completions, until ready or refused
         self._matched: dict[int, Sequence] = {}  # seq_id -> a sequence that has a matcher in the child
@@ -161,14 +170,11 @@ class GrammarProcess:
         self._early: dict[int, Refusal] = {}  # seq_id -> the refusal of its next accept (its row was left open)
         self._late: list[tuple[int, Refusal]] = []  # refused after their token was used (take_refusals)
         self._stats = CompileStats()
-        self._layout: tuple[list[int], list[list[int]] | None] | None = None  # rows of the next bitmask_rows
+        self._layout: Layout | None = None  # rows of the next bitmask_rows
         self._fill_id = 0  # the layout's number: a reply to an older one (a step that failed) is skipped
         self._fill_sent = False  # a fill is in flight: its reply is the next rows reply
         self._rows_reply: tuple[Any, ...] | None = None  # the layout's rows, read early (while draining)
         self._expect_accept = False  # rows were taken: their tokens will be accepted before the next fill
-        self._buffer: mmap.mmap | None = None  # two halves of [capacity, words] int32 rows
-        self._views: list[torch.Tensor] = []
-        self._capacity = 0
         self._broken: str | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
@@ -191,7 +197,7 @@ class GrammarProcess:
         self._proc.stdin.close()
         theirs.close()
         self._conn = Connection(mine.detach())
-        self._capacity = 0
+        self._mapped = 0
         self._broken = None
         log.info("grammar process started", pid=self._proc.pid)
 
@@ -261,7 +267,8 @@ class GrammarProcess:
         except subprocess.TimeoutExpired:
             self._proc.kill()
         self._proc = None
-        self._release_rows()
+        if self._owns_rows:
+            self._rows.release()
 
     def child_stats(self, timeout: float = 5.0) -> ChildStats | None:
         """The child's :class:`ChildStats` so far (None if it does not answer within ``timeout``);
@@ -315,11 +322,20 @@ class GrammarProcess:
     def num_held(self) -> int:
         return len(self._held) + len(self._refused) + len(self._ready)
 
+    @property
+    def load(self) -> int:
+        """Constrained sequences held or matched here (a group gives a request to the least loaded)."""
+        return len(self._matched) + sum(len(seqs) for seqs in self._held.values())
+
+    def flush(self) -> None:
+        """Send what waits to be sent: finished sequences to forget, held requests to compile."""
+        self.forget_finished()
+        self._send_holds()
+
     def take_ready(self) -> tuple[list[list[Sequence]], list[Refusal]]:
         """Requests whose grammar the child compiled (their sequences now have matchers there) and
         requests refused; held requests aborted meanwhile are dropped (the child is told)."""
-        self.forget_finished()
-        self._send_holds()
+        self.flush()
         self._drain()
         self._await_cache_hits()
         ready: list[list[Sequence]] = []
@@ -425,15 +441,22 @@ class GrammarProcess:
         matched = self._matched
         return bool(matched) and any(seq.seq_id in matched for seq in seqs)
 
-    def will_sample(self, seqs: Seq[Sequence], drafts: Seq[Seq[int]] | None = None) -> None:
+    def will_sample(self, seqs: Seq[Sequence], drafts: Seq[Seq[int]] | None = None,
+                    placement: tuple[list[int], int] | None = None) -> None:
         """The rows of the step just launched: sent with the previous step's tokens when those are
-        still to be accepted (the fill must see them), else now."""
+        still to be accepted (the fill must see them), else now. ``placement`` (a group's child):
+        (the slot of each sampling row in the shared rows, -1 for none; the half to fill), where
+        the child writes its rows instead of from the first row of a half of its choosing."""
         ids = [s.seq_id for s in seqs]
         guesses = [list(d) for d in drafts] if drafts is not None and any(drafts) else None
-        rows = sum(1 + (len(guesses[i]) if guesses is not None else 0)
-                   for i, sid in enumerate(ids) if sid in self._matched)
-        self._reserve(rows)
-        self._layout = (ids, guesses)
+        if placement is None:
+            rows = sum(1 + (len(guesses[i]) if guesses is not None else 0)
+                       for i, sid in enumerate(ids) if sid in self._matched)
+            self._reserve(rows)
+            self._layout = (ids, guesses, None, None)
+        else:
+            self._reserve(0)  # (the group reserved them: mapped here if the child has not yet)
+            self._layout = (ids, guesses, *placement)
         self._fill_id += 1
         self._fill_sent, self._rows_reply = False, None
         if not self._expect_accept:
@@ -441,37 +464,19 @@ class GrammarProcess:
             self._fill_sent = True
 
     def _reserve(self, rows: int) -> None:
-        """Shared rows for at least ``rows`` (two buffers of them, used in turn), made before the
+        """Shared rows for at least ``rows`` (two halves of them, used in turn), made before the
         fill that needs them; the child maps them when told."""
-        if rows <= self._capacity or self._broken is not None:
+        if self._broken is not None:
             return
-        capacity = max(rows, 2 * self._capacity, 64)
-        size = 2 * capacity * self.words * 4
-        fd = os.memfd_create("loom-grammar-rows")
-        try:
-            os.ftruncate(fd, size)
-            buffer = mmap.mmap(fd, size)
-            self._send(("buffers", capacity))
-            if self._broken is None:
-                assert self._conn is not None and self._proc is not None
-                reduction.send_handle(self._conn, fd, self._proc.pid)
-        finally:
-            os.close(fd)
-        self._release_rows()  # (after the device has run every copy queued from them)
-        self._buffer = buffer
-        n = capacity * self.words
-        self._views = [torch.frombuffer(buffer, dtype=torch.int32, count=n, offset=i * n * 4).view(capacity, self.words)
-                       for i in range(2)]
-        self._capacity = capacity
-        if self.register_rows:
-            self._registration = HostRegistration.of(torch.frombuffer(buffer, dtype=torch.int32, count=2 * n))
-            if self._registration is None:
-                log.warning("the grammar rows could not be page-locked: they are staged through a copy a step")
-
-    def _release_rows(self) -> None:
-        if self._registration is not None:
-            self._registration.release()
-            self._registration = None
+        shared = self._rows
+        shared.reserve(rows)
+        if self._mapped == shared.generation or shared.fd is None:
+            return
+        self._send(("buffers", shared.capacity))
+        if self._broken is None:
+            assert self._conn is not None and self._proc is not None
+            reduction.send_handle(self._conn, shared.fd, self._proc.pid)
+            self._mapped = shared.generation
 
     def accept_step(self, items: Seq[tuple[Sequence, Seq[int]]]) -> dict[int, Refusal]:
         """Step N's tokens to the child (with step N+1's rows to fill, when known). Returns the
@@ -498,6 +503,18 @@ class GrammarProcess:
     def bitmask_rows(self, seqs: Seq[Sequence], drafts: Seq[Seq[int]] | None = None) -> TokenBitmaskRows | None:
         """The rows of the step :meth:`will_sample` was told of (``seqs`` must be its sequences),
         waiting for the child if it has not finished them."""
+        taken = self.take_rows(seqs)
+        if taken is None:
+            return None
+        rows, half = taken
+        # (the child writes rows again only once this step's tokens reach it, which the engine
+        # reads after this step's sampling ran: the copy to the device, queued before it, has too)
+        return TokenBitmaskRows(rows, self.words, self._rows.views[half][: len(rows)], registered=self._rows.registered)
+
+    def take_rows(self, seqs: Seq[Sequence]) -> tuple[list[int], int] | None:
+        """:meth:`bitmask_rows`'s wait: the sampling rows the child filled (ascending) and the
+        shared half that holds them (placed as :meth:`will_sample` said, for a group's child; else
+        from the half's first row), or None when it filled none."""
         if self._layout is None or self._layout[0] != [s.seq_id for s in seqs]:
             raise GrammarProcessError("the grammar rows asked for are not those of the step launched last")
         if self._broken is not None:
@@ -526,12 +543,7 @@ class GrammarProcess:
         for sid, refusal in early:
             if sid in self._matched:
                 self._early[sid] = refusal
-        if not rows:
-            return None
-        # (the child writes rows again only once this step's tokens reach it, which the engine
-        # reads after this step's sampling ran: the copy to the device, queued before it, has too)
-        return TokenBitmaskRows(rows, self.words, self._views[half][: len(rows)],
-                                registered=self._registration is not None)
+        return (rows, half) if rows else None
 
     def take_refusals(self) -> list[Refusal]:
         """Requests whose token the child refused after it was used (faults): the engine fails
@@ -737,8 +749,7 @@ class _Server:
                        for i in range(2)]
         self.driver._buffers = list(self.halves)  # the fast path fills them in turn, in place
 
-    def _on_step(self, accepts: list[tuple[int, list[int]]] | None,
-                 layout: tuple[list[int], list[list[int]] | None] | None, fill_id: int) -> None:
+    def _on_step(self, accepts: list[tuple[int, list[int]]] | None, layout: Layout | None, fill_id: int) -> None:
         driver, mirrors = self.driver, self.mirrors
         if accepts:
             items = [(m, tokens) for sid, tokens in accepts if (m := mirrors.get(sid)) is not None]
@@ -754,18 +765,22 @@ class _Server:
             self.late.extend(refusals.items())
         if layout is None:
             return
-        ids, drafts = layout
+        ids, drafts, slots, half = layout
         seqs = [mirrors.get(sid) or _Mirror(sid, "") for sid in ids]  # unknown ids: rows without a grammar
         if self.config.fault_injection:
             for m in seqs:
                 if m.request_id.startswith("inject-grammar-fill") and driver.has_matcher(m):  # type: ignore[arg-type]
                     driver.record_fault(m, RuntimeError("injected: a fill failed in the grammar process"),  # type: ignore[arg-type]
                                         "filling its mask")
-        rows = driver.bitmask_rows(seqs, drafts)  # type: ignore[arg-type]
+        if slots is None or half is None:
+            rows = driver.bitmask_rows(seqs, drafts)  # type: ignore[arg-type]
+        else:  # a group's child: its rows go where the engine placed them, in the half it named
+            rows = driver.bitmask_rows(seqs, drafts, into=(self.halves[half], slots))  # type: ignore[arg-type]
         if rows is None:
             self._reply(("rows", fill_id, [], 0, [], self._take_late(), self._stats_if_changed()))
             return
-        half = self._half_of(rows)
+        if half is None:
+            half = self._half_of(rows)
         early = ([(m.seq_id, r) for m in seqs if (r := driver.pending_refusal(m)) is not None]  # type: ignore[arg-type]
                  if driver.has_pending_refusals else [])
         # ("rows", fill id, row indices, shared half, refused next accepts, refused tokens, compile stats

@@ -1,0 +1,254 @@
+"""Structured output's matchers split over several grammar processes, which fill a step's rows at once.
+
+Why: with one grammar process (loom.structured.grammar_process) the engine still waits for the
+rows on most constrained steps at batch 64 (S1 on the H100: the child's step took 0.22-0.36 ms,
+mostly xgrammar's fill of ~54 distinct matcher states, against ~0.12 ms the engine leaves it). Two
+processes, each with half of the matchers, fill half of the states each, side by side.
+
+How: :class:`GrammarProcessGroup` has the driver's interface over N
+:class:`~loom.structured.grammar_process.GrammarProcess` children. A request goes to one child
+for its lifetime: the child its grammar text went to first (its home), unless that child holds
+more than a bounded share above the least loaded, then the least loaded. Requests with the same
+text thus share a child: its compiled grammar and, for matchers in the same state (identical
+requests, completions of one request), one filled row copied to the others (the driver's fast
+rows), which two children would each fill. Every child maps the same shared rows (:class:`~loom.structured.shared_rows.SharedRows`):
+for each step the group numbers the sampling rows that have a grammar in ascending order (their
+slots) and names the half to fill, and each child writes its own rows at their slots. The rows the
+sampler gets are then one block, ascending, as from one process: nothing downstream changes, and
+there is no copy to merge them. A child with no rows in a step gets no layout (one message fewer).
+
+A child that ends or fails to fill fails its own requests only (as refusals after their token,
+:meth:`take_refusals`); its rows are left open for that step, and the other children's requests go on.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence as Seq
+
+import structlog
+
+from loom.engine.sequence import Sequence
+from loom.sample.batch import TokenBitmaskRows
+
+from .compiler_pool import CompileStats
+from .driver import Refusal
+from .grammar_process import ChildStats, GrammarProcess, GrammarProcessError, ProcessConfig, WaitStats
+from .shared_rows import SharedRows
+from .spec import GrammarSpec
+
+log = structlog.get_logger(__name__)
+
+_HOME_SLACK = 8  # sequences a text's home child may hold above the least loaded before it overflows
+_HOMES = 4096  # grammar texts whose home is remembered (most recent)
+
+
+class GrammarProcessGroup:
+    """The driver's interface (:class:`~loom.structured.driver.StructuredOutput`) served by
+    ``processes`` grammar processes, each holding a share of the constrained sequences."""
+
+    fills_ahead = True
+
+    def __init__(self, config: ProcessConfig, processes: int, start_timeout_s: float = 120.0,
+                 register_rows: bool = False) -> None:
+        if processes < 2:
+            raise ValueError(f"a group has at least 2 grammar processes; got {processes}")
+        self.vocab_size = config.vocab_size
+        self.words = -(-config.vocab_size // 32)
+        self._rows = SharedRows(self.words, register_rows)
+        self.children = [GrammarProcess(config, start_timeout_s, rows=self._rows) for _ in range(processes)]
+        self._homes: OrderedDict[tuple[str, str], GrammarProcess] = OrderedDict()  # grammar text -> its child
+        self._num_homes = {id(c): 0 for c in self.children}  # texts whose home each child is
+        self._matched: dict[int, tuple[Sequence, GrammarProcess]] = {}  # seq_id -> (it, the child with its matcher)
+        # the step will_sample was told of: its sequence ids, its rows with a grammar (ascending:
+        # row k is at slot k), the half filled, and the children that fill some of them
+        self._step: tuple[list[int], list[int], int, list[GrammarProcess]] | None = None
+        self._half = 1  # the half of the rows taken last: the next step fills the other
+        self._late: list[Refusal] = []  # requests of a child that failed a fill (take_refusals)
+        self.waits = WaitStats()
+
+    # -- requests -------------------------------------------------------------------------------------
+    def hold(self, request_id: str, spec: GrammarSpec, seqs: list[Sequence]) -> None:
+        """Compile ``spec`` for ``seqs`` in its text's home child while that child's load (its
+        constrained sequences, held or matched) is within ``max(8, least / 4)`` of the least
+        loaded one's; else in the least loaded (among equals, the home of the fewest texts), which
+        becomes the home of a text new here."""
+        homes = self._homes
+        least = min(self.children, key=lambda c: (c.load, self._num_homes[id(c)]))
+        home = homes.get(spec.key)
+        if home is not None:
+            homes.move_to_end(spec.key)
+        if home is None or home.load > least.load + max(_HOME_SLACK, least.load // 4):
+            if home is None:
+                homes[spec.key] = least
+                self._num_homes[id(least)] += 1
+                if len(homes) > _HOMES:
+                    self._num_homes[id(homes.popitem(last=False)[1])] -= 1
+            home = least
+        home.hold(request_id, spec, seqs)
+
+    @property
+    def num_held(self) -> int:
+        return sum(c.num_held for c in self.children)
+
+    @property
+    def num_matched(self) -> int:
+        return len(self._matched)
+
+    def take_ready(self) -> tuple[list[list[Sequence]], list[Refusal]]:
+        self.forget_finished()
+        for child in self.children:  # every child's holds first: they compile side by side
+            child.flush()
+        ready: list[list[Sequence]] = []
+        refused: list[Refusal] = []
+        for child in self.children:
+            r, f = child.take_ready()
+            for seqs in r:
+                for seq in seqs:
+                    self._matched[seq.seq_id] = (seq, child)
+            ready += r
+            refused += f
+        return ready, refused
+
+    def forget_finished(self) -> None:
+        changed = False
+        for child in self.children:
+            before = child.num_matched
+            child.forget_finished()
+            changed |= child.num_matched != before
+        if changed:
+            for sid in [sid for sid, (seq, _) in self._matched.items() if seq.is_finished]:
+                del self._matched[sid]
+
+    def has_matcher(self, seq: Sequence) -> bool:
+        return seq.seq_id in self._matched
+
+    def compile_stats(self) -> CompileStats:
+        total = CompileStats()
+        for child in self.children:
+            s = child.compile_stats()
+            total.queries += s.queries
+            total.hits += s.hits
+            total.compiles += s.compiles
+            total.failures += s.failures
+            total.timeouts += s.timeouts
+            total.seconds_sum += s.seconds_sum
+            total.buckets = [a + b for a, b in zip(total.buckets, s.buckets, strict=True)]
+        return total
+
+    def close(self) -> None:
+        for child in self.children:
+            child.close()
+        self._rows.release()
+
+    def child_stats(self, timeout: float = 5.0) -> ChildStats | None:
+        """The busiest child's :class:`ChildStats` (the engine waits for the slowest fill), or None
+        if one does not answer; for diagnostics, between steps."""
+        stats = [child.child_stats(timeout) for child in self.children]
+        if any(s is None for s in stats):
+            return None
+        return max((s for s in stats if s is not None), key=lambda s: s.step_s)
+
+    # -- steps ----------------------------------------------------------------------------------------
+    def any_matched(self, seqs: Seq[Sequence]) -> bool:
+        matched = self._matched
+        return bool(matched) and any(seq.seq_id in matched for seq in seqs)
+
+    def will_sample(self, seqs: Seq[Sequence], drafts: Seq[Seq[int]] | None = None) -> None:
+        """Number the step's rows with a grammar (their slots) and tell the children that fill some."""
+        matched = self._matched
+        ids = [s.seq_id for s in seqs]
+        hits = [matched.get(sid) for sid in ids]
+        rows: list[int] = []  # sampling rows with a grammar, ascending: row k goes to slot k
+        slots: list[int]  # [sampling rows] the slot of each, -1 for rows without a grammar
+        if drafts is None or not any(drafts):  # a row a sequence
+            rows = [i for i, hit in enumerate(hits) if hit is not None]
+            if len(rows) == len(ids):
+                slots = rows
+            else:
+                slots = [-1] * len(ids)
+                for k, i in enumerate(rows):
+                    slots[i] = k
+        else:  # 1 + len(drafts[i]) rows for sequence i
+            slots = []
+            for hit, guess in zip(hits, drafts, strict=True):
+                for _ in range(1 + len(guess)):
+                    if hit is not None:
+                        rows.append(len(slots))
+                    slots.append(len(rows) - 1 if hit is not None else -1)
+        owners = {id(hit[1]) for hit in hits if hit is not None}
+        fillers = [c for c in self.children if id(c) in owners]
+        half = self._half ^ 1
+        self._rows.reserve(len(rows))
+        for child in fillers:
+            child.will_sample(seqs, drafts, placement=(slots, half))
+        self._step = (ids, rows, half, fillers)
+
+    def accept_step(self, items: Seq[tuple[Sequence, Seq[int]]]) -> dict[int, Refusal]:
+        """Each child gets its sequences' tokens (and the next step's layout, if it fills rows there)."""
+        matched = self._matched
+        shares: dict[int, list[tuple[Sequence, Seq[int]]]] = {id(c): [] for c in self.children}
+        for seq, tokens in items:
+            hit = matched.get(seq.seq_id)
+            if hit is not None:
+                shares[id(hit[1])].append((seq, tokens))
+        refusals: dict[int, Refusal] = {}
+        for child in self.children:
+            refusals.update(child.accept_step(shares[id(child)]))
+        return refusals
+
+    def bitmask_rows(self, seqs: Seq[Sequence], drafts: Seq[Seq[int]] | None = None) -> TokenBitmaskRows | None:
+        """The step's rows, once every child that fills some has written them."""
+        step = self._step
+        if step is None or step[0] != [s.seq_id for s in seqs]:
+            raise GrammarProcessError("the grammar rows asked for are not those of the step launched last")
+        self._step = None
+        _, rows, half, fillers = step
+        if not rows:
+            return None
+        block = self._rows.views[half]  # [capacity, words]: row k at slot k
+        filled: list[list[int]] = []  # each child's rows
+        waited = 0.0
+        for child in fillers:
+            before = child.waits.wait_s
+            try:
+                taken = child.take_rows(seqs)
+            except GrammarProcessError as exc:
+                self._fail_child(child, seqs, exc)
+                taken = None
+            waited += child.waits.wait_s - before
+            if taken is not None:
+                filled.append(taken[0])
+        self.waits.add(waited)
+        self._half = half
+        if sum(map(len, filled)) != len(rows):  # a child filled fewer (it failed, or lost a matcher): open
+            done = {r for part in filled for r in part}
+            block[[k for k, r in enumerate(rows) if r not in done]] = -1
+        return TokenBitmaskRows(rows, self.words, block[: len(rows)], registered=self._rows.registered)
+
+    def _fail_child(self, child: GrammarProcess, seqs: Seq[Sequence], exc: Exception) -> None:
+        """``child``'s rows of this step failed: its running requests fail, the others go on."""
+        refused: dict[str, Refusal] = {}
+        for seq in seqs:
+            hit = self._matched.get(seq.seq_id)
+            if hit is not None and hit[1] is child and not seq.is_finished:
+                r = child.host_fault(seq, "filling this step's token masks", exc)
+                if r is not None:
+                    refused.setdefault(r.request_id, r)
+        log.error("a grammar process failed this step's rows: its constrained requests fail, the others go on",
+                  requests=sorted(refused), error=repr(exc))
+        self._late.extend(refused.values())
+
+    def take_refusals(self) -> list[Refusal]:
+        out, self._late = self._late, []
+        seen = {r.request_id for r in out}
+        for child in self.children:
+            out += [r for r in child.take_refusals() if r.request_id not in seen]
+        return out
+
+    def terminated(self, seq: Sequence) -> bool:
+        return seq.seq_id in self._matched
+
+    def host_fault(self, seq: Sequence, doing: str, exc: Exception) -> Refusal | None:
+        hit = self._matched.get(seq.seq_id)
+        return None if hit is None else hit[1].host_fault(seq, doing, exc)
