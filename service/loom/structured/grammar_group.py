@@ -41,6 +41,9 @@ log = structlog.get_logger(__name__)
 
 _HOME_SLACK = 8  # sequences a text's home child may hold above the least loaded before it overflows
 _HOMES = 4096  # grammar texts whose home is remembered (most recent)
+# A child's share of a step: its sequences (in the step's order), their drafts (None: none), and
+# the slot of each of its sampling rows
+_Share = tuple[list[Sequence], list[Seq[int]] | None, list[int]]
 
 
 class GrammarProcessGroup:
@@ -61,8 +64,8 @@ class GrammarProcessGroup:
         self._num_homes = {id(c): 0 for c in self.children}  # texts whose home each child is
         self._matched: dict[int, tuple[Sequence, GrammarProcess]] = {}  # seq_id -> (it, the child with its matcher)
         # the step will_sample was told of: its sequence ids, its rows with a grammar (ascending:
-        # row k is at slot k), the half filled, and the children that fill some of them
-        self._step: tuple[list[int], list[int], int, list[GrammarProcess]] | None = None
+        # row k is at slot k), the half filled, and the children that fill some of them with their shares
+        self._step: tuple[list[int], list[int], int, list[tuple[GrammarProcess, _Share]]] | None = None
         self._half = 1  # the half of the rows taken last: the next step fills the other
         self._late: list[Refusal] = []  # requests of a child that failed a fill (take_refusals)
         self.waits = WaitStats()
@@ -155,34 +158,39 @@ class GrammarProcessGroup:
         return bool(matched) and any(seq.seq_id in matched for seq in seqs)
 
     def will_sample(self, seqs: Seq[Sequence], drafts: Seq[Seq[int]] | None = None) -> None:
-        """Number the step's rows with a grammar (their slots) and tell the children that fill some."""
+        """Number the step's rows with a grammar (their slots, ascending) and give each child that
+        fills some its own sequences only, with the slots of their rows."""
         matched = self._matched
-        ids = [s.seq_id for s in seqs]
-        hits = [matched.get(sid) for sid in ids]
-        rows: list[int] = []  # sampling rows with a grammar, ascending: row k goes to slot k
-        slots: list[int]  # [sampling rows] the slot of each, -1 for rows without a grammar
-        if drafts is None or not any(drafts):  # a row a sequence
+        hits = [matched.get(s.seq_id) for s in seqs]
+        drafted = drafts is not None and any(drafts)
+        rows: list[int] = []  # [G] sampling rows with a grammar, ascending: row k goes to slot k
+        shares: dict[int, _Share] = {}  # id(child) -> its share of the step
+        if not drafted:  # a row a sequence
             rows = [i for i, hit in enumerate(hits) if hit is not None]
-            if len(rows) == len(ids):
-                slots = rows
-            else:
-                slots = [-1] * len(ids)
-                for k, i in enumerate(rows):
-                    slots[i] = k
+            for child in self.children:
+                mine = [(k, i) for k, i in enumerate(rows) if hits[i][1] is child]  # type: ignore[index]
+                if mine:
+                    shares[id(child)] = ([seqs[i] for _, i in mine], None, [k for k, _ in mine])
         else:  # 1 + len(drafts[i]) rows for sequence i
-            slots = []
-            for hit, guess in zip(hits, drafts, strict=True):
-                for _ in range(1 + len(guess)):
-                    if hit is not None:
-                        rows.append(len(slots))
-                    slots.append(len(rows) - 1 if hit is not None else -1)
-        owners = {id(hit[1]) for hit in hits if hit is not None}
-        fillers = [c for c in self.children if id(c) in owners]
+            assert drafts is not None
+            row = 0
+            for seq, hit, guess in zip(seqs, hits, drafts, strict=True):
+                n = 1 + len(guess)
+                if hit is not None:
+                    share = shares.get(id(hit[1]))
+                    if share is None:
+                        share = shares[id(hit[1])] = ([], [], [])
+                    share[0].append(seq)
+                    share[1].append(guess)  # type: ignore[union-attr]
+                    share[2].extend(range(len(rows), len(rows) + n))
+                    rows.extend(range(row, row + n))
+                row += n
         half = self._half ^ 1
         self._rows.reserve(len(rows))
-        for child in fillers:
-            child.will_sample(seqs, drafts, placement=(slots, half))
-        self._step = (ids, rows, half, fillers)
+        fillers = [(c, shares[id(c)]) for c in self.children if id(c) in shares]
+        for child, (own, own_drafts, slots) in fillers:
+            child.will_sample(own, own_drafts, placement=(slots, half))
+        self._step = ([s.seq_id for s in seqs], rows, half, fillers)
 
     def accept_step(self, items: Seq[tuple[Sequence, Seq[int]]]) -> dict[int, Refusal]:
         """Each child gets its sequences' tokens (and the next step's layout, if it fills rows there)."""
@@ -198,7 +206,7 @@ class GrammarProcessGroup:
         return refusals
 
     def bitmask_rows(self, seqs: Seq[Sequence], drafts: Seq[Seq[int]] | None = None) -> TokenBitmaskRows | None:
-        """The step's rows, once every child that fills some has written them."""
+        """The step's rows, once every child that fills some has written them at their slots."""
         step = self._step
         if step is None or step[0] != [s.seq_id for s in seqs]:
             raise GrammarProcessError("the grammar rows asked for are not those of the step launched last")
@@ -207,23 +215,23 @@ class GrammarProcessGroup:
         if not rows:
             return None
         block = self._rows.views[half]  # [capacity, words]: row k at slot k
-        filled: list[list[int]] = []  # each child's rows
+        unfilled: list[int] = []  # slots no child wrote (it failed, or lost a matcher): left open
         waited = 0.0
-        for child in fillers:
+        for child, (own, _, slots) in fillers:
             before = child.waits.wait_s
             try:
-                taken = child.take_rows(seqs)
+                taken = child.take_rows(own)  # (its rows are numbered in its own sampling rows)
             except GrammarProcessError as exc:
-                self._fail_child(child, seqs, exc)
+                self._fail_child(child, own, exc)
                 taken = None
             waited += child.waits.wait_s - before
-            if taken is not None:
-                filled.append(taken[0])
+            if taken is None or len(taken[0]) != len(slots):
+                done = set(taken[0]) if taken is not None else set()
+                unfilled += [slot for r, slot in enumerate(slots) if r not in done]
         self.waits.add(waited)
         self._half = half
-        if sum(map(len, filled)) != len(rows):  # a child filled fewer (it failed, or lost a matcher): open
-            done = {r for part in filled for r in part}
-            block[[k for k, r in enumerate(rows) if r not in done]] = -1
+        if unfilled:
+            block[unfilled] = -1
         return TokenBitmaskRows(rows, self.words, block[: len(rows)], registered=self._rows.registered)
 
     def _fail_child(self, child: GrammarProcess, seqs: Seq[Sequence], exc: Exception) -> None:
