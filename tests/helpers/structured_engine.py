@@ -3,12 +3,25 @@ the checks that tests/unit/test_structured_engine.py and test_grammar_process.py
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from loom.engine.llm_engine import LLMEngine
 from loom.engine.types import EngineOutput, EngineRequest, FinishReason, SamplingParams, StoppingParams
 from loom.frontend.tokenizer import Tokenizer
+from loom.structured.grammars import choice_to_ebnf
 from loom.structured.spec import GrammarSpec
+
+# The grammars of the grammar-process tests (test_grammar_process.py, test_grammar_group.py)
+SCHEMA = {"type": "object", "properties": {
+    "ok": {"type": "boolean"},
+    "n": {"type": "integer", "minimum": 0, "maximum": 9},
+    "color": {"enum": ["red", "green"]},
+}, "required": ["ok", "n", "color"]}
+JSON_SPEC = GrammarSpec("json_schema", json.dumps(SCHEMA), "parameters.constraint.json_schema")
+REGEX = GrammarSpec("regex", "[a-c]{2,4}", "parameters.constraint.regex")
+CHOICE = GrammarSpec("ebnf", choice_to_ebnf(["yes", "no", "maybe"]), "parameters.constraint.choice")
+LONG = GrammarSpec("regex", "(ab|ba|a|b){30,40}", "parameters.constraint.regex")  # many steps
 
 
 def request(rid: str, spec: GrammarSpec | None, new: int = 48, n: int = 1, min_new: int = 0,

@@ -12,27 +12,27 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.structured_engine import assert_faulted, ids, request, run, text
+from helpers.structured_engine import (
+    CHOICE,
+    JSON_SPEC,
+    LONG,
+    REGEX,
+    SCHEMA,
+    assert_faulted,
+    ids,
+    request,
+    run,
+    text,
+)
 
 from loom.config import ConfigError, EngineConfig
 from loom.engine.llm_engine import LLMEngine
 from loom.engine.types import EngineOutput, EngineRequest, SamplingParams, StoppingParams
 from loom.frontend.tokenizer import Tokenizer
 from loom.structured.grammar_group import GrammarProcessGroup
-from loom.structured.grammars import choice_to_ebnf
 from loom.structured.spec import GrammarSpec
 
 jsonschema = pytest.importorskip("jsonschema")
-
-SCHEMA = {"type": "object", "properties": {
-    "ok": {"type": "boolean"},
-    "n": {"type": "integer", "minimum": 0, "maximum": 9},
-    "color": {"enum": ["red", "green"]},
-}, "required": ["ok", "n", "color"]}
-JSON_SPEC = GrammarSpec("json_schema", json.dumps(SCHEMA), "parameters.constraint.json_schema")
-REGEX = GrammarSpec("regex", "[a-c]{2,4}", "parameters.constraint.regex")
-CHOICE = GrammarSpec("ebnf", choice_to_ebnf(["yes", "no", "maybe"]), "parameters.constraint.choice")
-LONG = GrammarSpec("regex", "(ab|ba|a|b){30,40}", "parameters.constraint.regex")
 
 
 @pytest.fixture(scope="module")

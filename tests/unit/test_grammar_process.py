@@ -13,7 +13,18 @@ from typing import Any
 
 import pytest
 from helpers.call_counter import CallCounter
-from helpers.structured_engine import assert_faulted, ids, request, run, text
+from helpers.structured_engine import (
+    CHOICE,
+    JSON_SPEC,
+    LONG,
+    REGEX,
+    SCHEMA,
+    assert_faulted,
+    ids,
+    request,
+    run,
+    text,
+)
 
 from loom.config import ConfigError, EngineConfig
 from loom.engine.llm_engine import LLMEngine
@@ -21,20 +32,9 @@ from loom.engine.types import EngineOutput, EngineRequest, FinishReason, Samplin
 from loom.frontend.tokenizer import Tokenizer
 from loom.structured.driver import StructuredOutput
 from loom.structured.grammar_process import GrammarProcess
-from loom.structured.grammars import choice_to_ebnf
 from loom.structured.spec import GrammarSpec
 
 jsonschema = pytest.importorskip("jsonschema")
-
-SCHEMA = {"type": "object", "properties": {
-    "ok": {"type": "boolean"},
-    "n": {"type": "integer", "minimum": 0, "maximum": 9},
-    "color": {"enum": ["red", "green"]},
-}, "required": ["ok", "n", "color"]}
-JSON_SPEC = GrammarSpec("json_schema", json.dumps(SCHEMA), "parameters.constraint.json_schema")
-REGEX = GrammarSpec("regex", "[a-c]{2,4}", "parameters.constraint.regex")
-CHOICE = GrammarSpec("ebnf", choice_to_ebnf(["yes", "no", "maybe"]), "parameters.constraint.choice")
-LONG = GrammarSpec("regex", "(ab|ba|a|b){30,40}", "parameters.constraint.regex")  # many steps
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +51,6 @@ def tok(model_dir: Path) -> Tokenizer:
 
 def make_engine(model_dir: Path, **overrides: Any) -> LLMEngine:
     return LLMEngine(EngineConfig(model_id=str(model_dir), max_batch_total_tokens=4096, warmup=False, **overrides))
-
-
-
-
 
 
 def mixed() -> list[EngineRequest]:
@@ -74,7 +70,6 @@ def engine(model_dir: Path) -> Any:
     subject = make_engine(model_dir, async_scheduling="on", fault_injection=True)
     yield subject
     subject.close()
-
 
 
 def test_the_same_tokens_as_the_driver_in_the_engines_process(engine: LLMEngine, reference: LLMEngine,
