@@ -197,6 +197,8 @@ def test_a_process_dying_fails_its_requests_alone_and_a_new_one_serves_the_next(
     after = run(engine, [request("json", JSON_SPEC, do_sample=True, seed=5)])  # a new child, or the other one
     assert ids(after[("json", 0)]) == ids(want[("json", 0)])
     assert dying._proc is not None and dying._proc.poll() is None  # (its requests failed, so it started again)
+    engine.step()  # nothing left: the dead child's sequences are forgotten here too
+    assert group.num_matched == 0
 
 
 def test_the_setting_is_checked_and_one_process_is_no_group(model_dir: Path) -> None:

@@ -23,6 +23,7 @@ A child that ends or fails to fill fails its own requests only (as refusals afte
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 
@@ -114,12 +115,10 @@ class GrammarProcessGroup:
         return ready, refused
 
     def forget_finished(self) -> None:
-        changed = False
         for child in self.children:
-            before = child.num_matched
             child.forget_finished()
-            changed |= child.num_matched != before
-        if changed:
+        # (the children forgot some, or one started again: the same finished sequences here)
+        if len(self._matched) != sum(c.num_matched for c in self.children):
             for sid in [sid for sid, (seq, _) in self._matched.items() if seq.is_finished]:
                 del self._matched[sid]
 
@@ -127,16 +126,14 @@ class GrammarProcessGroup:
         return seq.seq_id in self._matched
 
     def compile_stats(self) -> CompileStats:
+        """The children's compile statistics, summed (each has its own compilers and cache)."""
         total = CompileStats()
         for child in self.children:
-            s = child.compile_stats()
-            total.queries += s.queries
-            total.hits += s.hits
-            total.compiles += s.compiles
-            total.failures += s.failures
-            total.timeouts += s.timeouts
-            total.seconds_sum += s.seconds_sum
-            total.buckets = [a + b for a, b in zip(total.buckets, s.buckets, strict=True)]
+            stats = child.compile_stats()
+            for f in dataclasses.fields(CompileStats):
+                mine, theirs = getattr(total, f.name), getattr(stats, f.name)
+                setattr(total, f.name, [a + b for a, b in zip(mine, theirs, strict=True)] if isinstance(mine, list)
+                        else mine + theirs)
         return total
 
     def close(self) -> None:
