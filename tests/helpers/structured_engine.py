@@ -1,5 +1,6 @@
 """Stepping the in-process engine with constrained requests: the request shape, the step loop and
-the checks that tests/unit/test_structured_engine.py and test_grammar_process.py share."""
+the checks that tests/unit/test_structured_engine.py, test_grammar_process.py and
+test_grammar_group.py share."""
 
 from __future__ import annotations
 
@@ -22,6 +23,28 @@ JSON_SPEC = GrammarSpec("json_schema", json.dumps(SCHEMA), "parameters.constrain
 REGEX = GrammarSpec("regex", "[a-c]{2,4}", "parameters.constraint.regex")
 CHOICE = GrammarSpec("ebnf", choice_to_ebnf(["yes", "no", "maybe"]), "parameters.constraint.choice")
 LONG = GrammarSpec("regex", "(ab|ba|a|b){30,40}", "parameters.constraint.regex")  # many steps
+DRAFTED = GrammarSpec("regex", "(ab|ba|a|b){4,40}", "parameters.constraint.regex")  # followed by n-gram drafts
+
+
+def make_engine(model_dir: Any, **overrides: Any) -> LLMEngine:
+    """The grammar-process tests' engine on ``model_dir`` (a tiny model with SmolLM2's vocabulary)."""
+    from loom.config import EngineConfig
+
+    return LLMEngine(EngineConfig(model_id=str(model_dir), max_batch_total_tokens=4096, warmup=False, **overrides))
+
+
+def mixed() -> list[EngineRequest]:
+    """Constrained requests of three grammars (one with two completions, one with min_new_tokens)
+    and a plain one."""
+    return [request("json", JSON_SPEC, n=2, do_sample=True, seed=5), request("regex", REGEX, do_sample=True, seed=1),
+            request("choice", CHOICE), request("min", REGEX, min_new=3), request("plain", None, new=12)]
+
+
+def drafted(tok: Tokenizer, rid: str, new: int, spec: GrammarSpec | None = DRAFTED) -> EngineRequest:
+    """A request whose prompt repeats itself, so that n-gram speculation drafts (``spec`` None: plain)."""
+    prompt = tuple(tok.encode("ab ab ab ab ab ab ab ab ab ab"))
+    stopping = StoppingParams(max_new_tokens=new, ignore_eos=spec is None)
+    return EngineRequest(rid, prompt, SamplingParams(constraint=spec), stopping)
 
 
 def request(rid: str, spec: GrammarSpec | None, new: int = 48, n: int = 1, min_new: int = 0,

@@ -15,20 +15,24 @@ from typing import Any
 import pytest
 from helpers.structured_engine import (
     CHOICE,
+    DRAFTED,
     JSON_SPEC,
     LONG,
     REGEX,
     SCHEMA,
     assert_faulted,
+    drafted,
     ids,
+    make_engine,
     request,
     run,
     text,
 )
+from helpers.structured_engine import mixed as shared_mixed
 
 from loom.config import ConfigError, EngineConfig
 from loom.engine.llm_engine import LLMEngine
-from loom.engine.types import EngineOutput, EngineRequest, SamplingParams, StoppingParams
+from loom.engine.types import EngineOutput, EngineRequest
 from loom.frontend.tokenizer import Tokenizer
 from loom.structured.grammar_group import GrammarProcessGroup
 from loom.structured.spec import GrammarSpec
@@ -48,16 +52,10 @@ def tok(model_dir: Path) -> Tokenizer:
     return Tokenizer.from_model_dir(model_dir)
 
 
-def make_engine(model_dir: Path, **overrides: Any) -> LLMEngine:
-    return LLMEngine(EngineConfig(model_id=str(model_dir), max_batch_total_tokens=4096, warmup=False, **overrides))
-
-
 def mixed() -> list[EngineRequest]:
-    """Constrained requests of four grammars (one with two completions, one with min_new_tokens)
-    and a plain one: spread over the two processes, rows of both in most steps."""
-    return [request("json", JSON_SPEC, n=2, do_sample=True, seed=5), request("regex", REGEX, do_sample=True, seed=1),
-            request("choice", CHOICE), request("min", REGEX, min_new=3), request("plain", None, new=12),
-            request("long", LONG), request("json2", JSON_SPEC)]
+    """The grammar-process tests' requests and two more of four grammars in all: spread over the
+    two processes, rows of both in most steps."""
+    return [*shared_mixed(), request("long", LONG), request("json2", JSON_SPEC)]
 
 
 @pytest.fixture(scope="module")
@@ -137,17 +135,12 @@ def test_synchronous_scheduling_speculation_and_the_plain_rows_give_the_same_tok
     the children) every row takes that copy."""
     if not fast_rows:
         monkeypatch.setenv("LOOM_GRAMMAR_FAST_ROWS", "0")
-    spec = GrammarSpec("regex", "(ab|ba|a|b){4,40}", "parameters.constraint.regex")
-    prompt = tuple(tok.encode("ab ab ab ab ab ab ab ab ab ab"))  # n-gram drafts come from repeats
-    reqs = [EngineRequest("g", prompt, SamplingParams(constraint=spec), StoppingParams(max_new_tokens=40)),
-            EngineRequest("p", prompt, SamplingParams(), StoppingParams(max_new_tokens=12, ignore_eos=True)),
-            EngineRequest("g2", prompt, SamplingParams(constraint=spec), StoppingParams(max_new_tokens=30)),
-            *mixed()]
+    reqs = [drafted(tok, "g", 40), drafted(tok, "p", 12, spec=None), drafted(tok, "g2", 30), *mixed()]
     want = run(reference, reqs)
     speculating = make_engine(model_dir, async_scheduling="off", grammar_process="on", grammar_processes=2,
                               speculate=3)
     try:
-        run(speculating, [request("warm-a", spec, new=2), request("warm-b", spec, new=2)])
+        run(speculating, [request("warm-a", DRAFTED, new=2), request("warm-b", DRAFTED, new=2)])
         _, shared = warmed_group(speculating, monkeypatch)
         got = run(speculating, reqs)
     finally:

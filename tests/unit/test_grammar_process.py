@@ -20,7 +20,10 @@ from helpers.structured_engine import (
     REGEX,
     SCHEMA,
     assert_faulted,
+    drafted,
     ids,
+    make_engine,
+    mixed,
     request,
     run,
     text,
@@ -28,7 +31,7 @@ from helpers.structured_engine import (
 
 from loom.config import ConfigError, EngineConfig
 from loom.engine.llm_engine import LLMEngine
-from loom.engine.types import EngineOutput, EngineRequest, FinishReason, SamplingParams, StoppingParams
+from loom.engine.types import EngineOutput, FinishReason
 from loom.frontend.tokenizer import Tokenizer
 from loom.structured.driver import StructuredOutput
 from loom.structured.grammar_process import GrammarProcess
@@ -47,15 +50,6 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path)
 @pytest.fixture(scope="module")
 def tok(model_dir: Path) -> Tokenizer:
     return Tokenizer.from_model_dir(model_dir)
-
-
-def make_engine(model_dir: Path, **overrides: Any) -> LLMEngine:
-    return LLMEngine(EngineConfig(model_id=str(model_dir), max_batch_total_tokens=4096, warmup=False, **overrides))
-
-
-def mixed() -> list[EngineRequest]:
-    return [request("json", JSON_SPEC, n=2, do_sample=True, seed=5), request("regex", REGEX, do_sample=True, seed=1),
-            request("choice", CHOICE), request("min", REGEX, min_new=3), request("plain", None, new=12)]
 
 
 @pytest.fixture(scope="module")
@@ -94,11 +88,7 @@ def test_the_same_tokens_as_the_driver_in_the_engines_process(engine: LLMEngine,
 def test_synchronous_scheduling_and_speculation_give_the_same_tokens(model_dir: Path, reference: LLMEngine,
                                                                     tok: Tokenizer) -> None:
     """Without a step in flight the rows are asked for at once; with drafts, one row per draft."""
-    spec = GrammarSpec("regex", "(ab|ba|a|b){4,40}", "parameters.constraint.regex")
-    prompt = tuple(tok.encode("ab ab ab ab ab ab ab ab ab ab"))  # n-gram drafts come from repeats
-    reqs = [EngineRequest("g", prompt, SamplingParams(constraint=spec), StoppingParams(max_new_tokens=40)),
-            EngineRequest("p", prompt, SamplingParams(), StoppingParams(max_new_tokens=12, ignore_eos=True)),
-            *mixed()]
+    reqs = [drafted(tok, "g", 40), drafted(tok, "p", 12, spec=None), *mixed()]
     want = run(reference, reqs)
     speculating = make_engine(model_dir, async_scheduling="off", grammar_process="on", speculate=3)
     try:

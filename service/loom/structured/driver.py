@@ -93,7 +93,7 @@ _MAX_ROOTS = 1 << 10
 # are placed at a group's slots (:meth:`StructuredOutput._fast_rows`)
 _ByRow = Seq[_Matched] | dict[int, _Matched]
 # (rows shared by a group's grammar processes [capacity, ceil(V / 32)] int32, the slot there of
-# each of the step's sampling rows, -1 for rows another process fills): where bitmask_rows writes
+# each of the step's sampling rows): where bitmask_rows writes
 Placement = tuple[torch.Tensor, list[int]]
 
 
@@ -284,21 +284,17 @@ class StructuredOutput:
 
         ``into`` (a grammar process of a group, loom.structured.grammar_group): (rows shared with
         the group's other processes, the slot there of each sampling row): each row is written at
-        its slot, and rows whose slot is -1 are neither filled nor returned (another process's)."""
+        its slot instead of from row 0."""
         if self.fast_rows and (drafts is None or not any(drafts)):
             return self._fast_rows(seqs, into)
         rows = self._plain_rows(seqs, drafts)
         return rows if into is None or rows is None else self._placed(rows, into)
 
-    def _placed(self, filled: TokenBitmaskRows, into: Placement) -> TokenBitmaskRows | None:
-        """``filled`` (rows from 0) copied to their slots in ``into``'s rows; those without one dropped."""
+    def _placed(self, filled: TokenBitmaskRows, into: Placement) -> TokenBitmaskRows:
+        """``filled`` (rows from 0) copied to their slots in ``into``'s rows."""
         out, slots = into
-        kept = [g for g, row in enumerate(filled.rows) if slots[row] >= 0]
-        if not kept:
-            return None
-        rows = [filled.rows[g] for g in kept]
-        out[[slots[row] for row in rows]] = filled.tensor()[kept]
-        return TokenBitmaskRows(rows, self.words, out)
+        out[[slots[row] for row in filled.rows]] = filled.tensor()
+        return TokenBitmaskRows(filled.rows, self.words, out)
 
     def _plain_rows(self, seqs: Seq[Sequence], drafts: Seq[Seq[int]] | None) -> TokenBitmaskRows | None:
         """:meth:`bitmask_rows` row by row (drafts, or the fast path switched off)."""
@@ -394,12 +390,11 @@ class StructuredOutput:
         done in the rows' own numbering (``at``, and ``by_row`` for the entry of a row).
         """
         matchers = self._matchers
-        slots = into[1] if into is not None else None
         rows: list[int] = []
         entries: list[_Matched] = []
         for i, seq in enumerate(seqs):
             entry = matchers.get(seq.seq_id)
-            if entry is not None and (slots is None or slots[i] >= 0):
+            if entry is not None:
                 rows.append(i)
                 entries.append(entry)
         if not rows:

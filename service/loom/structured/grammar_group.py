@@ -231,15 +231,13 @@ class GrammarProcessGroup:
             block[unfilled] = -1
         return TokenBitmaskRows(rows, self.words, block[: len(rows)], registered=self._rows.registered)
 
-    def _fail_child(self, child: GrammarProcess, seqs: Seq[Sequence], exc: Exception) -> None:
-        """``child``'s rows of this step failed: its running requests fail, the others go on."""
+    def _fail_child(self, child: GrammarProcess, own: Seq[Sequence], exc: Exception) -> None:
+        """``child``'s rows of this step (its sequences ``own``) failed: its running requests fail,
+        the others go on."""
         refused: dict[str, Refusal] = {}
-        for seq in seqs:
-            hit = self._matched.get(seq.seq_id)
-            if hit is not None and hit[1] is child and not seq.is_finished:
-                r = child.host_fault(seq, "filling this step's token masks", exc)
-                if r is not None:
-                    refused.setdefault(r.request_id, r)
+        for seq in own:
+            if not seq.is_finished and (r := child.host_fault(seq, "filling this step's token masks", exc)) is not None:
+                refused.setdefault(r.request_id, r)
         log.error("a grammar process failed this step's rows: its constrained requests fail, the others go on",
                   requests=sorted(refused), error=repr(exc))
         self._late.extend(refused.values())

@@ -78,8 +78,8 @@ _CACHED_READY_WAIT_S = 0.010
 _KNOWN_COMPILED = 4096  # grammar texts remembered as compiled in the child (most recent)
 
 # A step's rows as the engine describes them to the child: the step's sequence ids and their drafts
-# (None: no drafts), then, for a group's child, the slot in the shared rows of each sampling row
-# (-1: a row the child does not fill) and the half to fill (None, None: the child's own rows).
+# (None: no drafts), then, for a group's child (given only its own sequences), the slot in the
+# shared rows of each sampling row and the half to fill (None, None: the child's own rows).
 Layout = tuple[list[int], list[list[int]] | None, list[int] | None, int | None]
 
 
@@ -445,7 +445,7 @@ class GrammarProcess:
                     placement: tuple[list[int], int] | None = None) -> None:
         """The rows of the step just launched: sent with the previous step's tokens when those are
         still to be accepted (the fill must see them), else now. ``placement`` (a group's child):
-        (the slot of each sampling row in the shared rows, -1 for none; the half to fill), where
+        (the slot of each sampling row in the shared rows; the half to fill), where
         the child writes its rows instead of from the first row of a half of its choosing."""
         ids = [s.seq_id for s in seqs]
         guesses = [list(d) for d in drafts] if drafts is not None and any(drafts) else None
