@@ -16,14 +16,6 @@ from .server_process import ServerProcess, start_server
 
 
 @pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
-    """A random-weight 2-layer Llama whose vocabulary is SmolLM2's, with SmolLM2's tokenizer files."""
-    from helpers.tiny_models import save_tiny_llama_with_vocab_of
-
-    return save_tiny_llama_with_vocab_of(default_model_dir, tmp_path_factory.mktemp("tiny-llama-smol-vocab"))
-
-
-@pytest.fixture(scope="session")
 def server_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("server-logs")
 

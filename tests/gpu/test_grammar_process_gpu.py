@@ -31,13 +31,6 @@ SCHEMA = {"type": "object", "properties": {
 }, "required": ["ok", "n", "color"]}
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
-    from helpers.tiny_models import save_tiny_llama_with_vocab_of
-
-    return save_tiny_llama_with_vocab_of(default_model_dir, tmp_path_factory.mktemp("tiny-grammar-process-gpu"))
-
-
 def _requests() -> list[Any]:
     from helpers.structured_engine import request
 
@@ -62,10 +55,10 @@ def _engine(model_dir: Path, **overrides: Any) -> Any:
 
 
 @pytest.fixture(scope="module")
-def want(model_dir: Path) -> Iterator[dict[tuple[str, int], list[int]]]:
+def want(tiny_llama_dir: Path) -> Iterator[dict[tuple[str, int], list[int]]]:
     from helpers.structured_engine import ids, run
 
-    reference = _engine(model_dir, async_scheduling="off", grammar_process="off")
+    reference = _engine(tiny_llama_dir, async_scheduling="off", grammar_process="off")
     try:
         yield {k: ids(v) for k, v in run(reference, _requests()).items()}
     finally:
@@ -75,7 +68,7 @@ def want(model_dir: Path) -> Iterator[dict[tuple[str, int], list[int]]]:
 @pytest.mark.parametrize(("registered", "stage_before_rows", "processes"),
                          [(True, False, 1), (False, False, 1), (True, True, 1), (True, True, 2)])
 def test_rows_copied_from_the_shared_memory_give_the_drivers_tokens(
-        model_dir: Path, want: dict[tuple[str, int], list[int]], monkeypatch: pytest.MonkeyPatch,
+        tiny_llama_dir: Path, want: dict[tuple[str, int], list[int]], monkeypatch: pytest.MonkeyPatch,
         registered: bool, stage_before_rows: bool, processes: int) -> None:
     from helpers.call_counter import CallCounter
     from helpers.structured_engine import ids, run
@@ -86,7 +79,7 @@ def test_rows_copied_from_the_shared_memory_give_the_drivers_tokens(
 
     monkeypatch.setattr(kernel_switches, "grammar_rows_registered", registered)
     monkeypatch.setattr(kernel_switches, "stage_before_rows", stage_before_rows)
-    engine = _engine(model_dir, async_scheduling="on", grammar_process="on", grammar_processes=processes)
+    engine = _engine(tiny_llama_dir, async_scheduling="on", grammar_process="on", grammar_processes=processes)
     staged = CallCounter(monkeypatch, engine.worker, "stage_forward")
     try:
         got = {k: ids(v) for k, v in run(engine, _requests()).items()}

@@ -41,15 +41,8 @@ jsonschema = pytest.importorskip("jsonschema")
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
-    from helpers.tiny_models import save_tiny_llama_with_vocab_of
-
-    return save_tiny_llama_with_vocab_of(default_model_dir, tmp_path_factory.mktemp("tiny-grammar-group"))
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir: Path) -> Tokenizer:
-    return Tokenizer.from_model_dir(model_dir)
+def tok(tiny_llama_dir: Path) -> Tokenizer:
+    return Tokenizer.from_model_dir(tiny_llama_dir)
 
 
 def mixed() -> list[EngineRequest]:
@@ -59,15 +52,15 @@ def mixed() -> list[EngineRequest]:
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir: Path) -> LLMEngine:
+def reference(tiny_llama_dir: Path) -> LLMEngine:
     """The driver in the engine's process, synchronous scheduling."""
-    return make_engine(model_dir, async_scheduling="off", grammar_process="off")
+    return make_engine(tiny_llama_dir, async_scheduling="off", grammar_process="off")
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir: Path) -> Any:
+def engine(tiny_llama_dir: Path) -> Any:
     """Asynchronous scheduling with two grammar processes, fault injection on."""
-    subject = make_engine(model_dir, async_scheduling="on", grammar_processes=2, fault_injection=True)
+    subject = make_engine(tiny_llama_dir, async_scheduling="on", grammar_processes=2, fault_injection=True)
     yield subject
     subject.close()
 
@@ -128,7 +121,7 @@ def test_requests_spread_over_both_give_the_drivers_tokens(engine: LLMEngine, re
 
 @pytest.mark.parametrize("fast_rows", [True, False])
 def test_synchronous_scheduling_speculation_and_the_plain_rows_give_the_same_tokens(
-        model_dir: Path, reference: LLMEngine, tok: Tokenizer, monkeypatch: pytest.MonkeyPatch,
+        tiny_llama_dir: Path, reference: LLMEngine, tok: Tokenizer, monkeypatch: pytest.MonkeyPatch,
         fast_rows: bool) -> None:
     """Without a step in flight the rows are asked for at once; with drafts, one row per draft,
     each process copying its block of rows to its slots; with LOOM_GRAMMAR_FAST_ROWS=0 (read by
@@ -137,7 +130,7 @@ def test_synchronous_scheduling_speculation_and_the_plain_rows_give_the_same_tok
         monkeypatch.setenv("LOOM_GRAMMAR_FAST_ROWS", "0")
     reqs = [drafted(tok, "g", 40), drafted(tok, "p", 12, spec=None), drafted(tok, "g2", 30), *mixed()]
     want = run(reference, reqs)
-    speculating = make_engine(model_dir, async_scheduling="off", grammar_process="on", grammar_processes=2,
+    speculating = make_engine(tiny_llama_dir, async_scheduling="off", grammar_process="on", grammar_processes=2,
                               speculate=3)
     try:
         run(speculating, [request("warm-a", DRAFTED, new=2), request("warm-b", DRAFTED, new=2)])
@@ -196,10 +189,10 @@ def test_a_process_dying_fails_its_requests_alone_and_a_new_one_serves_the_next(
     assert group.num_matched == 0
 
 
-def test_the_setting_is_checked_and_one_process_is_no_group(model_dir: Path) -> None:
+def test_the_setting_is_checked_and_one_process_is_no_group(tiny_llama_dir: Path) -> None:
     with pytest.raises(ConfigError, match="--grammar-processes must be 1 to 16, got 0"):
-        EngineConfig(model_id=str(model_dir), grammar_processes=0)
-    subject = make_engine(model_dir, grammar_process="on")
+        EngineConfig(model_id=str(tiny_llama_dir), grammar_processes=0)
+    subject = make_engine(tiny_llama_dir, grammar_process="on")
     try:
         run(subject, [request("choice", CHOICE)])
         assert not isinstance(subject._structured, GrammarProcessGroup)
@@ -209,11 +202,11 @@ def test_the_setting_is_checked_and_one_process_is_no_group(model_dir: Path) -> 
         GrammarProcessGroup(None, 1)  # type: ignore[arg-type]
 
 
-def test_a_grammar_text_stays_in_its_home_child_until_that_holds_too_many_more(model_dir: Path) -> None:
+def test_a_grammar_text_stays_in_its_home_child_until_that_holds_too_many_more(tiny_llama_dir: Path) -> None:
     """Requests of one text go to the child it went to first (shared cache, shared rows of
     matchers in the same state) while that child holds at most 8 sequences more than the least
     loaded; past that, to the least loaded. A new text goes to the least loaded child."""
-    subject = make_engine(model_dir, async_scheduling="on", grammar_processes=2)
+    subject = make_engine(tiny_llama_dir, async_scheduling="on", grammar_processes=2)
     try:
         group = subject._structured_output()
         assert isinstance(group, GrammarProcessGroup)

@@ -41,27 +41,20 @@ jsonschema = pytest.importorskip("jsonschema")
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
-    from helpers.tiny_models import save_tiny_llama_with_vocab_of
-
-    return save_tiny_llama_with_vocab_of(default_model_dir, tmp_path_factory.mktemp("tiny-grammar-process"))
+def tok(tiny_llama_dir: Path) -> Tokenizer:
+    return Tokenizer.from_model_dir(tiny_llama_dir)
 
 
 @pytest.fixture(scope="module")
-def tok(model_dir: Path) -> Tokenizer:
-    return Tokenizer.from_model_dir(model_dir)
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir: Path) -> LLMEngine:
+def reference(tiny_llama_dir: Path) -> LLMEngine:
     """The driver in the engine's process, synchronous scheduling."""
-    return make_engine(model_dir, async_scheduling="off", grammar_process="off")
+    return make_engine(tiny_llama_dir, async_scheduling="off", grammar_process="off")
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir: Path) -> Any:
+def engine(tiny_llama_dir: Path) -> Any:
     """Asynchronous scheduling with the grammar process (auto chooses it), fault injection on."""
-    subject = make_engine(model_dir, async_scheduling="on", fault_injection=True)
+    subject = make_engine(tiny_llama_dir, async_scheduling="on", fault_injection=True)
     yield subject
     subject.close()
 
@@ -85,12 +78,12 @@ def test_the_same_tokens_as_the_driver_in_the_engines_process(engine: LLMEngine,
     assert engine._structured.num_matched == 0
 
 
-def test_synchronous_scheduling_and_speculation_give_the_same_tokens(model_dir: Path, reference: LLMEngine,
+def test_synchronous_scheduling_and_speculation_give_the_same_tokens(tiny_llama_dir: Path, reference: LLMEngine,
                                                                     tok: Tokenizer) -> None:
     """Without a step in flight the rows are asked for at once; with drafts, one row per draft."""
     reqs = [drafted(tok, "g", 40), drafted(tok, "p", 12, spec=None), *mixed()]
     want = run(reference, reqs)
-    speculating = make_engine(model_dir, async_scheduling="off", grammar_process="on", speculate=3)
+    speculating = make_engine(tiny_llama_dir, async_scheduling="off", grammar_process="on", speculate=3)
     try:
         got = run(speculating, reqs)
         assert isinstance(speculating._structured, GrammarProcess)
@@ -153,17 +146,17 @@ def test_the_process_dying_fails_its_requests_and_a_new_one_serves_the_next(engi
     assert grammars._proc is not None and grammars._proc.poll() is None
 
 
-def test_auto_runs_it_with_asynchronous_scheduling_on_one_shard(model_dir: Path) -> None:
-    sync = make_engine(model_dir, async_scheduling="off")
+def test_auto_runs_it_with_asynchronous_scheduling_on_one_shard(tiny_llama_dir: Path) -> None:
+    sync = make_engine(tiny_llama_dir, async_scheduling="off")
     assert not sync._grammar_process_wanted()
-    assert make_engine(model_dir, async_scheduling="on")._grammar_process_wanted()
-    assert not make_engine(model_dir, async_scheduling="on", grammar_process="off")._grammar_process_wanted()
+    assert make_engine(tiny_llama_dir, async_scheduling="on")._grammar_process_wanted()
+    assert not make_engine(tiny_llama_dir, async_scheduling="on", grammar_process="off")._grammar_process_wanted()
     with pytest.raises(ConfigError, match="--grammar-process must be auto, on or off; got 'yes'"):
-        EngineConfig(model_id=str(model_dir), grammar_process="yes")
+        EngineConfig(model_id=str(tiny_llama_dir), grammar_process="yes")
 
 
-def test_close_stops_the_child(model_dir: Path) -> None:
-    subject = make_engine(model_dir, grammar_process="on")
+def test_close_stops_the_child(tiny_llama_dir: Path) -> None:
+    subject = make_engine(tiny_llama_dir, grammar_process="on")
     run(subject, [request("choice", CHOICE)])
     grammars = subject._structured
     assert isinstance(grammars, GrammarProcess) and grammars._proc is not None
@@ -172,11 +165,11 @@ def test_close_stops_the_child(model_dir: Path) -> None:
     assert proc.poll() == 0
 
 
-def test_wait_and_child_statistics_and_a_quiet_exit_when_the_engine_goes(model_dir: Path) -> None:
+def test_wait_and_child_statistics_and_a_quiet_exit_when_the_engine_goes(tiny_llama_dir: Path) -> None:
     """The diagnostics scripts/profile_s1.py reports: every fill counted on the engine's side, the
     child's steps and their time, its full collections (none while serving: its start-up objects
     are frozen); and a child whose engine vanished without a close exits at once, cleanly."""
-    subject = make_engine(model_dir, grammar_process="on")
+    subject = make_engine(tiny_llama_dir, grammar_process="on")
     try:
         run(subject, [request("long", LONG), request("choice", CHOICE)])
         grammars = subject._structured
@@ -198,7 +191,7 @@ def test_wait_and_child_statistics_and_a_quiet_exit_when_the_engine_goes(model_d
         subject.close()
 
 
-def test_a_burst_on_grammars_compiled_before_joins_the_step_it_arrived_for(model_dir: Path,
+def test_a_burst_on_grammars_compiled_before_joins_the_step_it_arrived_for(tiny_llama_dir: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """A cache hit in the child is ready at once, as in the engine's process: the engine waits for
     those answers (briefly), so a burst of such requests is prefilled in one step, not split over
@@ -207,7 +200,7 @@ def test_a_burst_on_grammars_compiled_before_joins_the_step_it_arrived_for(model
     from loom.structured import grammar_process
 
     monkeypatch.setattr(grammar_process, "_CACHED_READY_WAIT_S", 2.0)
-    subject = make_engine(model_dir, grammar_process="on")
+    subject = make_engine(tiny_llama_dir, grammar_process="on")
     try:
         run(subject, [request("first", JSON_SPEC)])  # compiled now, and known to be
         for i in range(8):
@@ -225,10 +218,10 @@ def test_a_burst_on_grammars_compiled_before_joins_the_step_it_arrived_for(model
         subject.close()
 
 
-def test_a_request_is_waited_for_once_even_if_its_text_was_evicted_in_the_child(model_dir: Path) -> None:
+def test_a_request_is_waited_for_once_even_if_its_text_was_evicted_in_the_child(tiny_llama_dir: Path) -> None:
     """A text the engine remembers as compiled may have left the child's cache and compile for
     real: the engine waits for its answer at one take_ready only, not at every step after."""
-    subject = make_engine(model_dir, grammar_process="on")
+    subject = make_engine(tiny_llama_dir, grammar_process="on")
     try:
         run(subject, [request("first", CHOICE)])  # the child is up and its vocabulary described
         grammars = subject._structured
@@ -258,7 +251,7 @@ def test_a_request_is_waited_for_once_even_if_its_text_was_evicted_in_the_child(
         subject.close()
 
 
-def test_a_burst_of_holds_goes_in_one_message_and_its_cache_hits_come_back_in_one(model_dir: Path,
+def test_a_burst_of_holds_goes_in_one_message_and_its_cache_hits_come_back_in_one(tiny_llama_dir: Path,
                                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """The requests held since the engine last looked go to the child together when it next looks
     (one message, not one each), and the ones whose grammar the child has compiled come back in one
@@ -266,7 +259,7 @@ def test_a_burst_of_holds_goes_in_one_message_and_its_cache_hits_come_back_in_on
     from loom.structured import grammar_process
 
     monkeypatch.setattr(grammar_process, "_CACHED_READY_WAIT_S", 2.0)  # (a loaded 2-core machine)
-    subject = make_engine(model_dir, grammar_process="on")
+    subject = make_engine(tiny_llama_dir, grammar_process="on")
     try:
         run(subject, [request("first", JSON_SPEC)])
         grammars = subject._structured
@@ -305,7 +298,7 @@ def test_a_burst_of_holds_goes_in_one_message_and_its_cache_hits_come_back_in_on
 
 
 @pytest.mark.parametrize("stage_before_rows", [True, False])
-def test_staging_the_next_step_before_the_rows_gives_the_same_tokens(model_dir: Path, reference: LLMEngine,
+def test_staging_the_next_step_before_the_rows_gives_the_same_tokens(tiny_llama_dir: Path, reference: LLMEngine,
                                                                     monkeypatch: pytest.MonkeyPatch,
                                                                     stage_before_rows: bool) -> None:
     """LOOM_STAGE_BEFORE_ROWS (on by default): the next step's inputs are staged before the engine
@@ -316,7 +309,7 @@ def test_staging_the_next_step_before_the_rows_gives_the_same_tokens(model_dir: 
 
     monkeypatch.setattr(kernel_switches, "stage_before_rows", stage_before_rows)
     want = run(reference, mixed())
-    subject = make_engine(model_dir, async_scheduling="on", grammar_process="on")
+    subject = make_engine(tiny_llama_dir, async_scheduling="on", grammar_process="on")
     staged = CallCounter(monkeypatch, subject.worker, "stage_forward")
     try:
         got = run(subject, mixed())

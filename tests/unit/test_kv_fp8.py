@@ -102,13 +102,6 @@ def test_backend_sizes_and_refusals() -> None:
 # -- the engine --------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
-    from helpers.tiny_models import save_tiny_llama_with_vocab_of
-
-    return save_tiny_llama_with_vocab_of(default_model_dir, tmp_path_factory.mktemp("tiny-fp8-kv"))
-
-
 def run(model_dir: Path, prompts: list[tuple[int, ...]], new: int = 12, **config: Any) -> dict[str, list[int]]:
     from loom.engine.llm_engine import LLMEngine
     from loom.engine.types import EngineRequest, SamplingParams, StoppingParams
@@ -125,25 +118,25 @@ def run(model_dir: Path, prompts: list[tuple[int, ...]], new: int = 12, **config
     return out
 
 
-def test_engine_tokens_do_not_depend_on_batching_chunking_or_the_prefix_cache(model_dir: Path) -> None:
+def test_engine_tokens_do_not_depend_on_batching_chunking_or_the_prefix_cache(tiny_llama_dir: Path) -> None:
     shared = tuple(range(100, 160))  # 60 tokens: three whole blocks of 16 shared
     prompts = [(*shared, 7, 8, 9), tuple(range(300, 341)), (*shared, 11, 12)]
-    alone = {f"r{i}": run(model_dir, [p], max_batch_total_tokens=1024,
+    alone = {f"r{i}": run(tiny_llama_dir, [p], max_batch_total_tokens=1024,
                           enable_prefix_caching=False)["r0"] for i, p in enumerate(prompts)}
-    batched = run(model_dir, prompts, max_batch_total_tokens=1024)  # r2 reads r0's cached blocks
+    batched = run(tiny_llama_dir, prompts, max_batch_total_tokens=1024)  # r2 reads r0's cached blocks
     assert batched == alone
-    chunked = run(model_dir, prompts, max_batch_total_tokens=1024, max_batch_prefill_tokens=24)
+    chunked = run(tiny_llama_dir, prompts, max_batch_total_tokens=1024, max_batch_prefill_tokens=24)
     assert chunked == alone
     # a pool of 8 blocks (128 tokens) for 3 sequences of up to 75: preemption and recompute
-    tight = run(model_dir, prompts, max_batch_total_tokens=128, max_total_tokens=128)
+    tight = run(tiny_llama_dir, prompts, max_batch_total_tokens=128, max_total_tokens=128)
     assert tight == alone
 
 
-def test_engine_reports_the_format_and_twice_the_tokens(model_dir: Path) -> None:
+def test_engine_reports_the_format_and_twice_the_tokens(tiny_llama_dir: Path) -> None:
     from loom.engine.llm_engine import LLMEngine
 
-    dense = LLMEngine(EngineConfig(model_id=str(model_dir), warmup=False, max_batch_total_tokens=512))
-    fp8 = LLMEngine(EngineConfig(model_id=str(model_dir), warmup=False, max_batch_total_tokens=512,
+    dense = LLMEngine(EngineConfig(model_id=str(tiny_llama_dir), warmup=False, max_batch_total_tokens=512))
+    fp8 = LLMEngine(EngineConfig(model_id=str(tiny_llama_dir), warmup=False, max_batch_total_tokens=512,
                                  kv_cache_dtype="fp8"))
     assert dense.worker.kv_bytes_per_token > 1.8 * fp8.worker.kv_bytes_per_token  # fp32 model: ~3.8x
     assert any(p.startswith("attention:") and "kv_cache_dtype=fp8_e4m3" in p for p in fp8.info.plugins)

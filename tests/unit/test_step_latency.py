@@ -81,19 +81,12 @@ def test_scheduler_caps_prefill_only_in_steps_with_decodes() -> None:
     assert asked == [1, 1]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
-    from helpers.tiny_models import save_tiny_llama_with_vocab_of
-
-    return save_tiny_llama_with_vocab_of(default_model_dir, tmp_path_factory.mktemp("tiny-step-latency"))
-
-
-def test_engine_tokens_are_the_same_with_a_latency_target(model_dir: Path) -> None:
+def test_engine_tokens_are_the_same_with_a_latency_target(tiny_llama_dir: Path) -> None:
     from loom.engine.llm_engine import LLMEngine
     from loom.engine.types import EngineRequest, SamplingParams, StoppingParams
 
     def run(**extra: float) -> tuple[dict[str, list[int]], LLMEngine]:
-        engine = LLMEngine(EngineConfig(model_id=str(model_dir), warmup=False, max_batch_total_tokens=2048,
+        engine = LLMEngine(EngineConfig(model_id=str(tiny_llama_dir), warmup=False, max_batch_total_tokens=2048,
                                         **extra))  # type: ignore[arg-type]
         engine.add_request(EngineRequest("early", tuple(range(5, 25)), SamplingParams(),
                                          StoppingParams(max_new_tokens=40, ignore_eos=True)))

@@ -38,15 +38,8 @@ CHOICE = GrammarSpec("ebnf", choice_to_ebnf(["yes", "no", "maybe"]), "parameters
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
-    from helpers.tiny_models import save_tiny_llama_with_vocab_of
-
-    return save_tiny_llama_with_vocab_of(default_model_dir, tmp_path_factory.mktemp("tiny-structured"))
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir: Path) -> Tokenizer:
-    return Tokenizer.from_model_dir(model_dir)
+def tok(tiny_llama_dir: Path) -> Tokenizer:
+    return Tokenizer.from_model_dir(tiny_llama_dir)
 
 
 def make_engine(model_dir: Path, **overrides: Any) -> LLMEngine:
@@ -65,8 +58,8 @@ def finish(outs: list[EngineOutput]) -> FinishReason | None:
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir: Path) -> LLMEngine:
-    return make_engine(model_dir)
+def engine(tiny_llama_dir: Path) -> LLMEngine:
+    return make_engine(tiny_llama_dir)
 
 
 def test_constrained_outputs_match_and_unconstrained_rows_are_untouched(engine: LLMEngine, tok: Tokenizer) -> None:
@@ -135,7 +128,7 @@ def test_logprobs_are_those_of_the_constrained_distribution(engine: LLMEngine, t
 
 
 @pytest.mark.parametrize("grammar_process", ["off", "on"])
-def test_async_scheduling_gives_the_same_outputs(model_dir: Path, engine: LLMEngine, grammar_process: str) -> None:
+def test_async_scheduling_gives_the_same_outputs(tiny_llama_dir: Path, engine: LLMEngine, grammar_process: str) -> None:
     """Constrained steps stay asynchronous: the forward is queued, the previous step's tokens are
     read back, and only then are the grammar rows filled and the sampling queued (off), or the rows
     are filled in the grammar process meanwhile and the sampling is queued at the next launch (on).
@@ -144,7 +137,7 @@ def test_async_scheduling_gives_the_same_outputs(model_dir: Path, engine: LLMEng
             request("regex", REGEX, n=2, do_sample=True, seed=4), request("choice", CHOICE),
             request("min", REGEX, min_new=3)]
     sync = run(engine, reqs)
-    overlapped = make_engine(model_dir, async_scheduling="on", grammar_process=grammar_process)
+    overlapped = make_engine(tiny_llama_dir, async_scheduling="on", grammar_process=grammar_process)
     forced = run(overlapped, reqs)
     assert {k: ids(v) for k, v in forced.items()} == {k: ids(v) for k, v in sync.items()}
     assert forced[("choice", 0)][-1].finish_reason is FinishReason.EOS_TOKEN
@@ -167,14 +160,14 @@ def test_aborted_while_compiling_and_bad_grammar_refused(engine: LLMEngine) -> N
     assert (bad.rejection.status, bad.rejection.field) == ("INVALID_ARGUMENT", "parameters.constraint.grammar")
 
 
-def test_speculation_drafts_are_masked_per_row_and_change_no_token(model_dir: Path, engine: LLMEngine,
+def test_speculation_drafts_are_masked_per_row_and_change_no_token(tiny_llama_dir: Path, engine: LLMEngine,
                                                                   tok: Tokenizer) -> None:
     spec = GrammarSpec("regex", "(ab|ba|a|b){4,40}", "parameters.constraint.regex")
     prompt = tuple(tok.encode("ab ab ab ab ab ab ab ab ab ab"))  # n-gram drafts come from repeats
     reqs = [EngineRequest("g", prompt, SamplingParams(constraint=spec), StoppingParams(max_new_tokens=40)),
             EngineRequest("p", prompt, SamplingParams(), StoppingParams(max_new_tokens=12, ignore_eos=True))]
     plain = run(engine, reqs)
-    speculating = make_engine(model_dir, speculate=3)
+    speculating = make_engine(tiny_llama_dir, speculate=3)
     drafted = run(speculating, reqs)
     assert {k: ids(v) for k, v in drafted.items()} == {k: ids(v) for k, v in plain.items()}
     assert sum(o.num_draft_tokens for o in drafted[("g", 0)]) > 0  # the constrained request verified drafts
@@ -236,13 +229,13 @@ def test_a_matcher_that_raises_fails_its_request_alone(engine: LLMEngine, tok: T
 @pytest.mark.parametrize("scheduling", ["sync", "async"])
 @pytest.mark.parametrize("where", ["bitmask_rows", "accept_step"])
 def test_a_grammar_fault_outside_xgrammar_fails_the_constrained_requests_of_the_step(
-        model_dir: Path, engine: LLMEngine, monkeypatch: pytest.MonkeyPatch, scheduling: str, where: str) -> None:
+        tiny_llama_dir: Path, engine: LLMEngine, monkeypatch: pytest.MonkeyPatch, scheduling: str, where: str) -> None:
     """The engine's backstop: when the driver itself raises (a bug outside xgrammar) filling the
     rows (the step is then sampled without a mask) or accepting the tokens, the step's
     constrained requests fail with INTERNAL GRAMMAR_MATCHER_FAULT, the unconstrained one ends as
     it does alone, and engine.step() never raises."""
     plain_alone = run(engine, [request("plain", None, new=12)])[("plain", 0)]
-    subject = engine if scheduling == "sync" else make_engine(model_dir, async_scheduling="on")
+    subject = engine if scheduling == "sync" else make_engine(tiny_llama_dir, async_scheduling="on")
 
     def boom(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(f"injected: a bug in {where}")
