@@ -81,8 +81,8 @@ def default_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
     """A random-weight 2-layer Llama whose vocabulary is SmolLM2's, with SmolLM2's tokenizer files
-    (float32, seeded), built once per session: the e2e servers, the structured-output and FP8 KV
-    engine tests."""
+    (float32, seeded), built once per session for every test that needs a fast model with a real
+    vocabulary (grammars, the e2e servers)."""
     from helpers.tiny_models import save_tiny_llama_with_vocab_of
 
     return save_tiny_llama_with_vocab_of(default_model_dir, tmp_path_factory.mktemp("tiny-llama-smol-vocab"))
