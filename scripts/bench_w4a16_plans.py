@@ -202,6 +202,16 @@ def main() -> None:
                         general_s = _time_graphed(lambda c=current: run(c), device)
                     finally:
                         wt.INT_GEMV = True
+                packed_s = float_tile_s = None
+                if m > 1 and not args.interpret:  # the current plan with the 4-bit tile both ways (LOOM_W4A16_PACKED)
+                    was = wt.PACKED
+                    try:
+                        wt.PACKED = True
+                        packed_s = _time_graphed(lambda c=current: run(c), device)
+                        wt.PACKED = False
+                        float_tile_s = _time_graphed(lambda c=current: run(c), device)
+                    finally:
+                        wt.PACKED = was
                 plain_s = None
                 if m > 1:  # the plain tiled GEMM's rule (what 16-bit activations took before _gemm_t_kernel)
                     plain = wt.plan(m, n, k, layout.group_size, wt.sm_count(device) if device.type == "cuda" else 8,
@@ -218,6 +228,7 @@ def main() -> None:
                 row = {"scheme": scheme_name, "layer": name, "m": m, "n": n, "k": k, "current_plan": current.__dict__,
                        "current_s": cur_s, "current_plan_general_gemv_s": general_s, "best": best, "bf16_cublas_s": bf16_s,
                        "dequantize_then_cublas_s": dense_path_s, "plain_gemm_rule_s": plain_s, "weight_read_limit_s": limit_s,
+                       "current_plan_packed_tile_s": packed_s, "current_plan_float32_tile_s": float_tile_s,
                        "candidates": timings}
                 results.append(row)
                 if best is not None:
@@ -226,7 +237,9 @@ def main() -> None:
                           f"{bf16_s * 1e6:8.1f} us; dequantize + cuBLAS {dense_path_s * 1e6:8.1f} us; limit {limit_s * 1e6:7.1f} us (best at "
                           f"{limit_s / best['s']:.0%})"
                           + (f"; the general GEMV {general_s * 1e6:8.1f} us" if general_s is not None else "")
-                          + (f"; plain GEMM rule {plain_s * 1e6:8.1f} us" if plain_s is not None else ""),
+                          + (f"; plain GEMM rule {plain_s * 1e6:8.1f} us" if plain_s is not None else "")
+                          + (f"; packed tile {packed_s * 1e6:8.1f} us against float32 tile {float_tile_s * 1e6:8.1f} us"
+                             if packed_s is not None and float_tile_s is not None else ""),
                           flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"copy_bytes_per_s": bandwidth, "results": results}, indent=1))

@@ -20,6 +20,8 @@
 #   bash scripts/gpu_round.sh s1-rows [PAIRS]  # S1 with the grammar rows registered for the GPU and staged, then in-process (16 pairs)
 #   bash scripts/gpu_round.sh s1-env VAR A B [PAIRS] # S1 (grammar process) with VAR=A and VAR=B alternating, twice each (16 pairs)
 #   bash scripts/gpu_round.sh s1-arg FLAG A B [PAIRS] [ROUNDS] # S1 with a bench flag at A and B alternating (2 rounds)
+#   bash scripts/gpu_round.sh w4a16-packed     # LOOM_W4A16_PACKED's GPU tests (same bits), then the transposed GEMM's plans both ways
+#   bash scripts/gpu_round.sh w2-packed        # W2 int4 with the packed tile and without, alternating, bf16 beside
 #   bash scripts/gpu_round.sh gpu-test FILE... # GPU-marked tests of the files named -> $OUT/gpu-tests-<first file>.txt
 #
 # What is owed: docs/benchmarks.md's list at its end ("What is owed to the next round").
@@ -149,6 +151,25 @@ fused-input-rule)  # the SiLU-and-quantize launch rule of session 35 (two passes
       --model-id random:llama-8b --quantize fp8 | grep "^W2"
     [ $r = a ] && BENCH_MAX_S=70 bash "$0" bench w2-bf16-beside-fused-input-rule --workloads W2 \
       --model-id random:llama-8b | grep "^W2"
+  done
+  rm -f "$OUT"/w2-*.log
+  ;;
+w4a16-packed)  # #15: LOOM_W4A16_PACKED (the 4-bit tile two weights to an operation): its bits, then the plans both ways
+  python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/loomsite . || exit 1
+  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -n 4 tests/gpu/test_quant_kernels_gpu.py \
+    -k "packed or gptq-g128 or awq-g128" -rfE > "$OUT/gpu-tests-w4a16-packed.txt" 2>&1
+  tail -3 "$OUT/gpu-tests-w4a16-packed.txt"
+  t=$(left); [ "$t" -gt 150 ] && LOOM_W4A16_PACKED=1 timeout $(( t > 260 ? 200 : t - 50 )) python3 scripts/bench_w4a16_plans.py --schemes gptq \
+    --tokens 16,64,128,256 --quick --transposed-only --budget-s 150 --out "$OUT/w4a16-plans-packed.json" \
+    > "$OUT/w4a16-packed.log" 2>&1; grep -E "M=|budget" "$OUT/w4a16-packed.log" | sed 's/ {.*}//' | cut -c1-420
+  ;;
+w2-packed)  # #15: W2 int4 (--quantize gptq) with the packed tile and without, alternating, bf16 beside
+  for r in a b; do
+    LOOM_W4A16_PACKED=1 BENCH_MAX_S=90 bash "$0" bench w2-gptq-packed-$r --workloads W2 --model-id random:llama-8b \
+      --quantize gptq | grep "^W2"
+    LOOM_W4A16_PACKED=0 BENCH_MAX_S=90 bash "$0" bench w2-gptq-float-tile-$r --workloads W2 \
+      --model-id random:llama-8b --quantize gptq | grep "^W2"
+    [ $r = a ] && BENCH_MAX_S=70 bash "$0" bench w2-bf16-beside-packed --workloads W2 --model-id random:llama-8b | grep "^W2"
   done
   rm -f "$OUT"/w2-*.log
   ;;

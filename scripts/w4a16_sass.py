@@ -44,10 +44,13 @@ class Case:
     num_stages: int = 2
     act_order: bool = False
     block_m: int = 1
+    packed: bool = False  # gemm-t: 4-bit codes dequantized two to a 32-bit operation (_int_tile_t_x2)
+    even_k: bool = False  # gemm-t: K a multiple of the tile, loads without predicates (EVEN_K)
 
     @property
     def label(self) -> str:
-        extra = " act-order" if self.act_order else ""
+        extra = (" act-order" if self.act_order else "") + (" packed" if self.packed else "") + (
+            " even-k" if self.even_k else "")
         m = f"{self.block_m}x" if self.kernel.startswith("gemm") else ""
         return (f"{self.kernel} {self.dtype} {self.bits}-bit g{self.group} {m}{self.block_k}x{self.block_n} "
                 f"w{self.num_warps}{extra}")
@@ -86,7 +89,9 @@ def _compile(wt: Any, case: Case) -> tuple[bytes, str]:
             consts.update(IEEE=False)
         else:  # the magic number arrives as a run-time argument (see _int_tile_t)
             sig["MAGIC"] = "i32"
-            consts.update(INT_CODES=case.group % case.block_k == 0)
+            consts.update(INT_CODES=case.group % case.block_k == 0,
+                          PACKED_BASE=(128 if case.dtype == "bf16" else 1024) if case.packed else 0,
+                          EVEN_K=case.even_k)
         # K_SPLIT is a multiple of 16 in every launch (whole K tiles), so the launcher specialises
         # it as one: marked plain, the loop's loads compiled as 16-bit LDGs, not cp.async
         plain = ("M", "MAGIC")
@@ -167,6 +172,13 @@ def cases() -> list[Case]:
             Case("gemm-t", "bf16", 4, 128, 64, 64, 4, 4, block_m=16),
             Case("gemm-t", "bf16", 4, 128, 64, 64, 4, 3, block_m=128),
             Case("gemm-t", "bf16", 4, 128, 64, 64, 4, 3, block_m=256)]
+    # the same plans with the 4-bit tile dequantized two weights to a 32-bit operation and whole K
+    # tiles loaded without predicates (LOOM_W4A16_PACKED=1), and fp16's 128-token plan both ways
+    out += [Case("gemm-t", "bf16", 4, 128, 64, 64, 4, 4, block_m=16, packed=True, even_k=True),
+            Case("gemm-t", "bf16", 4, 128, 64, 64, 4, 3, block_m=128, packed=True, even_k=True),
+            Case("gemm-t", "bf16", 4, 128, 64, 64, 4, 3, block_m=256, packed=True, even_k=True),
+            Case("gemm-t", "fp16", 4, 128, 64, 64, 4, 3, block_m=128),
+            Case("gemm-t", "fp16", 4, 128, 64, 64, 4, 3, block_m=128, packed=True, even_k=True)]
     return out
 
 

@@ -244,10 +244,19 @@ def _gemm_tile(M, N, K, K_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @_jit
-def _x_tile(x_rows, perm_ptr, k0, m_mask, K, HAS_PERM: tl.constexpr, BLOCK_K: tl.constexpr):
+def _x_tile(x_rows, perm_ptr, k0, m_mask, K, HAS_PERM: tl.constexpr, BLOCK_K: tl.constexpr,
+            UNMASKED: tl.constexpr = False):
     """The activations ``x[rows, k0 : k0 + BLOCK_K]`` (act-order: the inputs ``perm`` names, the
-    layer's sorted order), zero outside M and K: ``[BLOCK_M, BLOCK_K]``."""
+    layer's sorted order), zero outside M and K: ``[BLOCK_M, BLOCK_K]``. ``UNMASKED``: every row
+    pointer is valid (rows past M clamped to the last) and the tile lies inside K, so the loads
+    need no predicates (at 256 tokens, five instructions an asynchronous copy fewer)."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
+    if UNMASKED:
+        if HAS_PERM:  # noqa: SIM108 (a constexpr branch, kept as a plain if for Triton)
+            src = tl.load(perm_ptr + offs_k)
+        else:
+            src = offs_k
+        return tl.load(x_rows + src[None, :])
     k_mask = offs_k < K
     if HAS_PERM:  # noqa: SIM108 (a constexpr branch, kept as a plain if for Triton)
         src = tl.load(perm_ptr + offs_k, mask=k_mask, other=0)
@@ -310,12 +319,60 @@ def _int_tile_t(qw_ptr, s_ptr, z_ptr, k0, offs_n, n_mask, K, stride_qk, stride_s
 
 
 @_jit
+def _int_tile_t_x2(qw_ptr, s_ptr, z_ptr, k0, offs_n, n_mask, K, stride_qk, stride_sk, MAGIC2,
+                   GROUP: tl.constexpr, F: tl.constexpr, WORDS: tl.constexpr, BASE: tl.constexpr,
+                   EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """:func:`_int_tile_t` for 4-bit codes, two weights to a 32-bit operation, in the
+    activations' 16-bit dtype: the same bits as the float32 tile rounded once.
+
+    Word ``w`` holds code ``j`` at bits ``4j`` (j < 8). ``(w >> 4j) & 0x000F000F`` puts codes
+    ``j`` and ``j + 4`` in the low bits of its two half-words; ORed with ``MAGIC2`` (the 16-bit
+    float ``BASE`` twice: bf16 0x4300 = 128, fp16 0x6400 = 1024, where the mantissa's unit is 1)
+    each half *is* the float ``BASE + q`` (one LOP3 for two weights). ``(BASE + q) - (BASE +
+    zero)`` is exact (a small integer), and one multiply by the scale rounds ``(q - zero) *
+    scale`` once, as the float32 path's cast does (that product is exact in float32). Both are
+    one two-wide instruction (HADD2 / HMUL2, inline PTX: Triton's vectorizer pairs the halves of
+    different words instead, with a PRMT for each); the float32 path spends a FADD, a FMUL and
+    half a conversion on each weight."""
+    rows = k0 // F + tl.arange(0, WORDS)
+    if EVEN_K:
+        words = tl.load(qw_ptr + rows[:, None] * stride_qk + offs_n[None, :], mask=n_mask[None, :], other=0)
+    else:
+        words = tl.load(qw_ptr + rows[:, None] * stride_qk + offs_n[None, :],
+                        mask=(rows < K // F)[:, None] & n_mask[None, :], other=0)  # [WORDS, BLOCK_N]
+    g = k0 // GROUP
+    s = tl.load(s_ptr + g * stride_sk + offs_n, mask=n_mask, other=0.0)  # [BLOCK_N], 16-bit
+    zb = (tl.load(z_ptr + g * stride_sk + offs_n, mask=n_mask, other=0.0).to(tl.float32) + BASE).to(s.dtype)
+    s1 = s.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    z1 = zb.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    s2 = (s1 | (s1 << 16))[None, None, :]  # the scale in both halves
+    z2 = (z1 | (z1 << 16))[None, None, :]
+    HALF: tl.constexpr = F // 2
+    shifts = tl.arange(0, HALF) * 4
+    shifted = words[:, None, :] >> shifts[None, :, None]  # [WORDS, HALF, BLOCK_N]
+    if BASE == 128:  # (code j, code j + HALF) dequantized, low half first
+        pair = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; lop3.b32 t, $1, 0x000F000F, $2, 0xEA; sub.rn.bf16x2 t, t, $3; mul.rn.bf16x2 $0, t, $4; }",
+            "=r,r,r,r,r", [shifted, MAGIC2, z2, s2], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        pair = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; lop3.b32 t, $1, 0x000F000F, $2, 0xEA; sub.rn.f16x2 t, t, $3; mul.rn.f16x2 $0, t, $4; }",
+            "=r,r,r,r,r", [shifted, MAGIC2, z2, s2], dtype=tl.int32, is_pure=True, pack=1)
+    lo = pair.to(tl.int16).to(s.dtype, bitcast=True)
+    hi = (pair >> 16).to(tl.int16).to(s.dtype, bitcast=True)
+    # input r * F + h * HALF + j of the tile: [WORDS, HALF, BLOCK_N, 2] -> [WORDS, 2, HALF, BLOCK_N]
+    v = tl.permute(tl.join(lo, hi), (0, 3, 1, 2))
+    return tl.reshape(v, (BLOCK_K, BLOCK_N))
+
+
+@_jit
 def _gemm_t_kernel(x_ptr, perm_ptr, qw_ptr, s_ptr, z_ptr, lut_ptr, bias_ptr, out_ptr,
                    M, N, K, K_SPLIT, stride_xm, stride_qk, stride_sk, stride_om, stride_os, MAGIC,
                    GROUP: tl.constexpr, BITS: tl.constexpr, F: tl.constexpr, LUT: tl.constexpr,
                    ONE_GROUP: tl.constexpr, WORDS: tl.constexpr, HAS_PERM: tl.constexpr,
                    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, INT_CODES: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
+                   PACKED_BASE: tl.constexpr = 0, EVEN_K: tl.constexpr = False):
     """:func:`_gemm_kernel` with the product transposed: ``acc[n, m] = W[n, :] . x[m, :]``, the
     dequantized weight tile as ``tl.dot``'s first operand and the tokens as its second (16-bit
     activations only). On Hopper the first operand of a wgmma may live in registers, so the
@@ -324,15 +381,24 @@ def _gemm_t_kernel(x_ptr, perm_ptr, qw_ptr, s_ptr, z_ptr, lut_ptr, bias_ptr, out
     makes 32 16-bit ones for its shared B operand, ``scripts/w4a16_sass.py``); the activations
     are the shared operand, loaded by ``cp.async``. The tokens are the MMA's N, so a tile of 16
     to 256 tokens is one instruction wide. ``INT_CODES``: integer codes with one group a tile
-    (:func:`_int_tile_t`); otherwise :func:`_weight_tile` (NF4's table, smaller groups)."""
+    (:func:`_int_tile_t`); otherwise :func:`_weight_tile` (NF4's table, smaller groups).
+    ``PACKED_BASE`` (128 for bf16, 1024 for fp16; 0: off): 4-bit integer codes through
+    :func:`_int_tile_t_x2` instead, ``MAGIC`` then its two-half magic. ``EVEN_K``: K is whole
+    tiles, so the activations load without predicates (rows past M clamped to the last)."""
     if USE_PDL:  # x comes from the kernel before
         pdl_prologue()
     pid_s, offs_m, offs_n, m_mask, n_mask, k_start, k_end = _gemm_tile(M, N, K, K_SPLIT, BLOCK_M, BLOCK_N)
-    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    if EVEN_K:  # rows past M read the last row (their sums are never stored): no load predicates
+        x_rows = x_ptr + tl.minimum(offs_m, M - 1).to(tl.int64)[:, None] * stride_xm
+    else:
+        x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
-        x = _x_tile(x_rows, perm_ptr, k0, m_mask, K, HAS_PERM, BLOCK_K)  # [BLOCK_M, BLOCK_K]
-        if INT_CODES:
+        x = _x_tile(x_rows, perm_ptr, k0, m_mask, K, HAS_PERM, BLOCK_K, EVEN_K)  # [BLOCK_M, BLOCK_K]
+        if PACKED_BASE != 0:
+            w = _int_tile_t_x2(qw_ptr, s_ptr, z_ptr, k0, offs_n, n_mask, K, stride_qk, stride_sk, MAGIC,
+                               GROUP, F, WORDS, PACKED_BASE, EVEN_K, BLOCK_K, BLOCK_N)
+        elif INT_CODES:
             w = _int_tile_t(qw_ptr, s_ptr, z_ptr, k0, offs_n, n_mask, K, stride_qk, stride_sk, MAGIC,
                             GROUP, BITS, F, WORDS, BLOCK_K, BLOCK_N).to(x.dtype)
         else:
@@ -634,6 +700,25 @@ def w4a16_linear(x: torch.Tensor, layout: W4A16Layout, bias: torch.Tensor | None
 
 
 _MAGIC = 0x4B000000  # the float 2^23's bits (see _gemv_int_kernel)
+# The 16-bit float BASE twice, by BASE (see _int_tile_t_x2): bf16 128.0, fp16 1024.0
+_MAGIC2 = {128: 0x43004300, 1024: 0x64006400}
+# LOOM_W4A16_PACKED=1 dequantizes 4-bit integer codes in the transposed GEMM two to a 32-bit
+# operation in the activations' dtype (_int_tile_t_x2: the same bits) and loads whole K tiles
+# without predicates; 0 (the default until the H200 has timed it: scripts/gpu_round.sh
+# w4a16-packed) keeps the float32 tile. Read once at import.
+PACKED = os.environ.get("LOOM_W4A16_PACKED", "0") == "1"
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _packed_base(layout: W4A16Layout, dtype: torch.dtype) -> int:
+    """The packed tile's BASE for this layout and activation dtype, 0 where it does not apply:
+    switched off, codes of other than 4 bits, or the interpreter (inline PTX)."""
+    if not PACKED or layout.bits != 4 or _interpreting():
+        return 0
+    return {torch.bfloat16: 128, torch.float16: 1024}.get(dtype, 0)
 # LOOM_W4A16_INT_GEMV=0 keeps integer codes on the general GEMV (for side-by-side benchmarks)
 INT_GEMV = os.environ.get("LOOM_W4A16_INT_GEMV", "1") != "0"
 
@@ -681,9 +766,12 @@ def _fused(x2: torch.Tensor, layout: W4A16Layout, seg: Segment, bias: torch.Tens
         _gemv_kernel[(triton.cdiv(n, p.block_n), p.split)](x2, perm, qw, s, z, lut, b, target, n, k, p.k_split, qw.stride(0), s.stride(0),
                            stride_os, **flags)
     elif p.kind == "gemm_t":
+        int_codes = _int_codes(layout, seg, p.block_k)
+        base = _packed_base(layout, x2.dtype) if int_codes else 0
         _gemm_t_kernel[(triton.cdiv(n, p.block_n), triton.cdiv(m, p.block_m), p.split)](
             x2, perm, qw, s, z, lut, b, target, m, n, k, p.k_split, x2.stride(0), qw.stride(0), s.stride(0), stride_om,
-            stride_os, _MAGIC, INT_CODES=_int_codes(layout, seg, p.block_k), BLOCK_M=p.block_m, **flags)
+            stride_os, _MAGIC2[base] if base else _MAGIC, INT_CODES=int_codes, BLOCK_M=p.block_m, PACKED_BASE=base,
+            EVEN_K=PACKED and k % p.block_k == 0 and not _interpreting(), **flags)
     else:
         _gemm_kernel[(triton.cdiv(n, p.block_n), triton.cdiv(m, p.block_m), p.split)](x2, perm, qw, s, z, lut, b, target, m, n, k, p.k_split, x2.stride(0), qw.stride(0),
                            s.stride(0), stride_om, stride_os, IEEE=x2.dtype == torch.float32,

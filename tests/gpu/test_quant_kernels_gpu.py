@@ -223,6 +223,29 @@ def test_kernels_replay_in_a_cuda_graph(name: str) -> None:
             assert torch.equal(captured, gpu(x)), f"{name} M={m}"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", ["gptq-g128", "gptq-g128-act-order", "awq-g128"])
+def test_packed_4bit_tile_gives_the_float32_tiles_bits(name: str, dtype: torch.dtype,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """``LOOM_W4A16_PACKED``: the transposed GEMM's 4-bit tile dequantized two weights to a 32-bit
+    operation in the activations' dtype (and whole K tiles loaded without predicates) gives the
+    same output bits as the float32 tile rounded once, at every count the GEMM serves (a partial
+    M tile, split K, 256-token tiles with the dense path moved up), with a bias, on a layer whose
+    N is not a multiple of the tile."""
+    k, parts = 4096, [1024, 200]
+    weights = ql.dense_parts(k, parts, seed=11)
+    bias = torch.randn(sum(parts), generator=torch.Generator().manual_seed(5)) * 0.1
+    layer = ql.build_layer(SCHEMES[name], k, parts, weights, CUDA, dtype, bias)
+    g = torch.Generator(device=CUDA).manual_seed(3)
+    for m in (2, 7, 32, 100, 128, 300):
+        x = torch.randn(m, k, device=CUDA, generator=g).to(dtype)
+        outs = []
+        for packed in (False, True):
+            monkeypatch.setattr(w4a16_triton, "PACKED", packed)
+            outs.append(w4a16_triton.w4a16_linear(x, layer.w4a16, layer.bias, dense_from=1024))
+        assert torch.equal(outs[0], outs[1]), f"{name} {dtype} M={m}"
+
+
 @pytest.mark.parametrize("quantize", ["gptq", "awq", "fp8", "nf4"])
 def test_random_model_through_the_kernels_matches_the_torch_path(quantize: str,
                                                                  quant_registry: PluginRegistry) -> None:
