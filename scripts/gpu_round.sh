@@ -21,7 +21,7 @@
 #   bash scripts/gpu_round.sh s1-env VAR A B [PAIRS] # S1 (grammar process) with VAR=A and VAR=B alternating, twice each (16 pairs)
 #   bash scripts/gpu_round.sh s1-arg FLAG A B [PAIRS] [ROUNDS] # S1 with a bench flag at A and B alternating (2 rounds)
 #   bash scripts/gpu_round.sh w4a16-packed     # LOOM_W4A16_PACKED's GPU tests (same bits), then the transposed GEMM's plans both ways
-#   bash scripts/gpu_round.sh w2-packed        # W2 int4 with the packed tile and without, alternating, bf16 beside
+#   bash scripts/gpu_round.sh w2-packed        # W2 int4 with the packed tile (DENSE_FROM=257) and without, alternating, bf16 beside
 #   bash scripts/gpu_round.sh gpu-test FILE... # GPU-marked tests of the files named -> $OUT/gpu-tests-<first file>.txt
 #
 # What is owed: docs/benchmarks.md's list at its end ("What is owed to the next round").
@@ -164,9 +164,10 @@ w4a16-packed)  # #15: LOOM_W4A16_PACKED (the 4-bit tile two weights to an operat
     > "$OUT/w4a16-packed.log" 2>&1; grep -E "M=|budget" "$OUT/w4a16-packed.log" | sed 's/ {.*}//' | cut -c1-420
   ;;
 w2-packed)  # #15: W2 int4 (--quantize gptq) with the packed tile and without, alternating, bf16 beside
+  # DENSE_FROM: where dequantize + cuBLAS takes over (129 today; 257 gives 129-256 tokens the packed GEMM)
   for r in a b; do
-    LOOM_W4A16_PACKED=1 BENCH_MAX_S=90 bash "$0" bench w2-gptq-packed-$r --workloads W2 --model-id random:llama-8b \
-      --quantize gptq | grep "^W2"
+    LOOM_W4A16_PACKED=1 LOOM_W4A16_DENSE_FROM=${DENSE_FROM:-257} BENCH_MAX_S=90 bash "$0" bench w2-gptq-packed-$r \
+      --workloads W2 --model-id random:llama-8b --quantize gptq | grep "^W2"
     LOOM_W4A16_PACKED=0 BENCH_MAX_S=90 bash "$0" bench w2-gptq-float-tile-$r --workloads W2 \
       --model-id random:llama-8b --quantize gptq | grep "^W2"
     [ $r = a ] && BENCH_MAX_S=70 bash "$0" bench w2-bf16-beside-packed --workloads W2 --model-id random:llama-8b | grep "^W2"
