@@ -58,6 +58,18 @@ def rpc_counts(server: LoomServer) -> dict[tuple[str, str], float]:
             for s in f.samples if s.name == "loom_grpc_requests_total"}
 
 
+async def settled_counts(server: LoomServer, calls: int, timeout_s: float = 10.0) -> dict[tuple[str, str], float]:
+    """``rpc_counts`` once it holds ``calls`` calls: the server counts a call when its handler
+    returns, which can be after the client has read the call's status."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    counts = rpc_counts(server)
+    while sum(counts.values()) < calls and loop.time() < deadline:
+        await asyncio.sleep(0.01)
+        counts = rpc_counts(server)
+    return counts
+
+
 async def started(api_key: str | None = None) -> tuple[LoomServer, grpc.aio.Channel]:
     """Loom's server with its services and interceptors, serving without a model (not run())."""
     server = LoomServer(ServerSettings(host="127.0.0.1", port=0, prometheus_port=0, api_key=api_key))
@@ -105,7 +117,7 @@ def test_malformed_requests_get_invalid_argument_and_are_counted() -> None:
             for rpc, request in VALID.items():
                 err = await call_raw(channel, SERVICE + rpc, request.SerializeToString(), rpc in STREAMING)
                 assert err is not None and err.code() == grpc.StatusCode.UNAVAILABLE, rpc
-            return results, rpc_counts(server)
+            return results, await settled_counts(server, len(CASES) + len(VALID))
         finally:
             await channel.close()
             await server.server.stop(0)
