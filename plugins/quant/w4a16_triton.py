@@ -8,7 +8,8 @@ zero points) and NF4 (a 16-value table) in one family, chosen by the number of t
 - 1 < M < ``DENSE_FROM_TOKENS``: a tiled GEMM with the tile dequantized to the activations'
   dtype (float32 accumulation). 16-bit activations take the transposed form
   (:func:`_gemm_t_kernel`: ``W x^T``, the dequantized tile the tensor cores' register operand
-  and the tokens their N); float32 activations the plain one (``x W^T``).
+  and the tokens their N; 4-bit integer codes dequantized two to a 32-bit operation,
+  :func:`_int_tile_t_x2`); float32 activations the plain one (``x W^T``).
 - M >= ``DENSE_FROM_TOKENS`` (129 by default: large decode batches and prefill): one kernel
   dequantizes the whole weight to a dense ``W^T [K, N]`` and cuBLAS multiplies. On the H200 at
   256 tokens that is 1.1x faster than the best fused plan over llama-8b's layers, while up to
@@ -702,11 +703,12 @@ def w4a16_linear(x: torch.Tensor, layout: W4A16Layout, bias: torch.Tensor | None
 _MAGIC = 0x4B000000  # the float 2^23's bits (see _gemv_int_kernel)
 # The 16-bit float BASE twice, by BASE (see _int_tile_t_x2): bf16 128.0, fp16 1024.0
 _MAGIC2 = {128: 0x43004300, 1024: 0x64006400}
-# LOOM_W4A16_PACKED=1 dequantizes 4-bit integer codes in the transposed GEMM two to a 32-bit
-# operation in the activations' dtype (_int_tile_t_x2: the same bits) and loads whole K tiles
-# without predicates; 0 (the default until the H200 has timed it: scripts/gpu_round.sh
-# w4a16-packed) keeps the float32 tile. Read once at import.
-PACKED = os.environ.get("LOOM_W4A16_PACKED", "0") == "1"
+# The transposed GEMM dequantizes 4-bit integer codes two to a 32-bit operation in the
+# activations' dtype (_int_tile_t_x2: the float32 tile's bits) and loads whole K tiles without
+# predicates: over llama-8b's four layers on an H100 1.21x / 1.09x / 1.25x / 1.10x faster at
+# 16 / 64 / 128 / 256 tokens (bench/results/gpu-w4a16-plans-packed-h100-s42.json).
+# LOOM_W4A16_PACKED=0 keeps the float32 tile (side-by-side runs). Read once at import.
+PACKED = os.environ.get("LOOM_W4A16_PACKED", "1") != "0"
 
 
 def _interpreting() -> bool:
