@@ -189,7 +189,7 @@ s1-rows)  # #17: registered vs staged grammar rows (LOOM_GRAMMAR_ROWS_REGISTERED
   for arm in reg:1:on noreg:0:on off:1:off; do
     IFS=: read -r name registered mode <<< "$arm"
     LOOM_GRAMMAR_ROWS_REGISTERED=$registered BENCH_MAX_S=120 bash "$0" bench "s1-$pairs-rows-$name" --workloads S1 \
-      --s1-repeats "$pairs" --grammar-process "$mode" | grep -E "^S1|rc"
+      --s1-repeats "$pairs" --grammar-process "$mode" | grep -E "^S1|^== "
   done
   rm -f "$OUT"/s1-*.log
   ;;
@@ -197,7 +197,7 @@ s1-env)  # S1 with an environment variable at two values, alternating, twice eac
   var=${1:?variable}; a=${2:?value a}; b=${3:?value b}; pairs=${4:-16}
   for arm in $a $b $a $b; do
     env "$var=$arm" BENCH_MAX_S=100 bash "$0" bench "s1-$pairs-$var-$arm-$(date +%s)" --workloads S1 \
-      --s1-repeats "$pairs" --grammar-process on | grep -E "^S1|rc"
+      --s1-repeats "$pairs" --grammar-process on | grep -E "^S1|^== "
   done
   rm -f "$OUT"/s1-*.log
   ;;
@@ -207,7 +207,7 @@ s1-arg)  # S1 with a bench flag at two values, alternating, twice each: s1-arg F
     for arm in $a $b; do
       t=$(left); [ "$t" -gt 110 ] || { echo "s1-arg $arm: skipped, ${t}s left"; continue; }
       BENCH_MAX_S=100 bash "$0" bench "s1-$pairs-${flag#--}-$arm-$(date +%s)" --workloads S1 --s1-repeats "$pairs" \
-        --grammar-process on "$flag" "$arm" | grep -E "^S1|rc"
+        --grammar-process on "$flag" "$arm" | grep -E "^S1|^== "
     done
   done
   rm -f "$OUT"/s1-*.log
