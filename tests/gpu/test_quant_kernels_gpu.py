@@ -223,8 +223,12 @@ def test_kernels_replay_in_a_cuda_graph(name: str) -> None:
             assert torch.equal(captured, gpu(x)), f"{name} M={m}"
 
 
+PACKED_SCHEMES = {**{n: SCHEMES[n] for n in ("gptq-g128", "gptq-g128-act-order", "awq-g128")},
+                  "gptq-g32": ql.gptq_scheme(32)}  # 32-deep K tiles: four words a tile row
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("name", ["gptq-g128", "gptq-g128-act-order", "awq-g128"])
+@pytest.mark.parametrize("name", list(PACKED_SCHEMES))
 def test_packed_4bit_tile_gives_the_float32_tiles_bits(name: str, dtype: torch.dtype,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """``LOOM_W4A16_PACKED``: the transposed GEMM's 4-bit tile dequantized two weights to a 32-bit
@@ -235,7 +239,7 @@ def test_packed_4bit_tile_gives_the_float32_tiles_bits(name: str, dtype: torch.d
     k, parts = 4096, [1024, 200]
     weights = ql.dense_parts(k, parts, seed=11)
     bias = torch.randn(sum(parts), generator=torch.Generator().manual_seed(5)) * 0.1
-    layer = ql.build_layer(SCHEMES[name], k, parts, weights, CUDA, dtype, bias)
+    layer = ql.build_layer(PACKED_SCHEMES[name], k, parts, weights, CUDA, dtype, bias)
     g = torch.Generator(device=CUDA).manual_seed(3)
     for m in (2, 7, 32, 100, 128, 300):
         x = torch.randn(m, k, device=CUDA, generator=g).to(dtype)
