@@ -332,9 +332,9 @@ def _int_tile_t_x2(qw_ptr, s_ptr, z_ptr, k0, offs_n, n_mask, K, stride_qk, strid
     each half *is* the float ``BASE + q`` (one LOP3 for two weights). ``(BASE + q) - (BASE +
     zero)`` is exact (a small integer), and one multiply by the scale rounds ``(q - zero) *
     scale`` once, as the float32 path's cast does (that product is exact in float32). Both are
-    one two-wide instruction (HADD2 / HMUL2, inline PTX: Triton's vectorizer pairs the halves of
-    different words instead, with a PRMT for each); the float32 path spends a FADD, a FMUL and
-    half a conversion on each weight."""
+    one two-wide instruction (inline PTX: Triton's vectorizer pairs the halves of different words
+    instead, with a PRMT for each; bf16 as FMAs, which sm_80 has too); the float32 path spends a
+    FADD, a FMUL and half a conversion on each weight."""
     rows = k0 // F + tl.arange(0, WORDS)
     if EVEN_K:
         words = tl.load(qw_ptr + rows[:, None] * stride_qk + offs_n[None, :], mask=n_mask[None, :], other=0)
@@ -353,7 +353,11 @@ def _int_tile_t_x2(qw_ptr, s_ptr, z_ptr, k0, offs_n, n_mask, K, stride_qk, strid
     shifted = words[:, None, :] >> shifts[None, :, None]  # [WORDS, HALF, BLOCK_N]
     if BASE == 128:  # (code j, code j + HALF) dequantized, low half first
         pair = tl.inline_asm_elementwise(
-            "{ .reg .b32 t; lop3.b32 t, $1, 0x000F000F, $2, 0xEA; sub.rn.bf16x2 t, t, $3; mul.rn.bf16x2 $0, t, $4; }",
+            # bf16x2 add and multiply are sm_90's; sm_80 has only the FMA: t * 1 - (BASE + zero)
+            # and t * scale + (-0), each exact or rounded once as the subtract and multiply are
+            "{ .reg .b32 t, nz, one, mz; mov.b32 one, 0x3F803F80; mov.b32 mz, 0x80008000; "
+            "lop3.b32 t, $1, 0x000F000F, $2, 0xEA; xor.b32 nz, $3, 0x80008000; "
+            "fma.rn.bf16x2 t, t, one, nz; fma.rn.bf16x2 $0, t, $4, mz; }",
             "=r,r,r,r,r", [shifted, MAGIC2, z2, s2], dtype=tl.int32, is_pure=True, pack=1)
     else:
         pair = tl.inline_asm_elementwise(
