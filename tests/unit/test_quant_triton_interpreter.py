@@ -78,8 +78,9 @@ def test_packed_tile_arithmetic_emulated_on_the_cpu() -> None:
     """``_int_tile_t_x2``'s arithmetic step by step in torch, on random words: ``(w >> 4j) &
     0x000F000F | MAGIC2`` read as two 16-bit floats is ``BASE + code`` (codes j and j + 4), the
     16-bit subtract of ``BASE + zero`` and multiply by the scale (each rounded once, as PTX's
-    ``.rn``; bf16's FMAs by 1 and with -0 added are the same operations) give the bits of ``((code - zero) * scale)`` in float32 rounded once, and the
-    tile's order (``r * 8 + h * 4 + j``) is the inputs' order."""
+    ``.rn``; bf16's FMAs by 1 and with -0 added are the same operations) give the bits of
+    ``((code - zero) * scale)`` in float32 rounded once, and the tile's order (``r * 8 + h * 4 +
+    j``) is the inputs' order."""
     import torch
 
     g = torch.Generator().manual_seed(0)
