@@ -47,8 +47,8 @@ from loom import kernel_switches
 from loom.layers.split_k import split_k
 from loom.layers.split_k import split_sum_kernel as _split_sum_kernel
 from loom.layers.split_k import store_gemv as _store_gemv
+from loom.layers.triton_jit import interpreting, pdl_launch, pdl_prologue
 from loom.layers.triton_jit import jit as _jit
-from loom.layers.triton_jit import pdl_launch, pdl_prologue
 
 from .w4a16_layout import Segment, W4A16Layout
 
@@ -705,6 +705,8 @@ def w4a16_linear(x: torch.Tensor, layout: W4A16Layout, bias: torch.Tensor | None
 
 
 _MAGIC = 0x4B000000  # the float 2^23's bits (see _gemv_int_kernel)
+# LOOM_W4A16_INT_GEMV=0 keeps integer codes on the general GEMV (for side-by-side benchmarks)
+INT_GEMV = os.environ.get("LOOM_W4A16_INT_GEMV", "1") != "0"
 # The 16-bit float BASE twice, by BASE (see _int_tile_t_x2): bf16 128.0, fp16 1024.0
 _MAGIC2 = {128: 0x43004300, 1024: 0x64006400}
 # The transposed GEMM dequantizes 4-bit integer codes two to a 32-bit operation in the
@@ -715,18 +717,12 @@ _MAGIC2 = {128: 0x43004300, 1024: 0x64006400}
 PACKED = os.environ.get("LOOM_W4A16_PACKED", "1") != "0"
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def _packed_base(layout: W4A16Layout, dtype: torch.dtype) -> int:
     """The packed tile's BASE for this layout and activation dtype, 0 where it does not apply:
     switched off, codes of other than 4 bits, or the interpreter (inline PTX)."""
-    if not PACKED or layout.bits != 4 or _interpreting():
+    if not PACKED or layout.bits != 4 or interpreting():
         return 0
     return {torch.bfloat16: 128, torch.float16: 1024}.get(dtype, 0)
-# LOOM_W4A16_INT_GEMV=0 keeps integer codes on the general GEMV (for side-by-side benchmarks)
-INT_GEMV = os.environ.get("LOOM_W4A16_INT_GEMV", "1") != "0"
 
 
 def uses_table(layout: W4A16Layout) -> bool:
@@ -777,7 +773,7 @@ def _fused(x2: torch.Tensor, layout: W4A16Layout, seg: Segment, bias: torch.Tens
         _gemm_t_kernel[(triton.cdiv(n, p.block_n), triton.cdiv(m, p.block_m), p.split)](
             x2, perm, qw, s, z, lut, b, target, m, n, k, p.k_split, x2.stride(0), qw.stride(0), s.stride(0), stride_om,
             stride_os, _MAGIC2[base] if base else _MAGIC, INT_CODES=int_codes, BLOCK_M=p.block_m, PACKED_BASE=base,
-            EVEN_K=PACKED and k % p.block_k == 0 and not _interpreting(), **flags)
+            EVEN_K=PACKED and k % p.block_k == 0 and not interpreting(), **flags)
     else:
         _gemm_kernel[(triton.cdiv(n, p.block_n), triton.cdiv(m, p.block_m), p.split)](x2, perm, qw, s, z, lut, b, target, m, n, k, p.k_split, x2.stride(0), qw.stride(0),
                            s.stride(0), stride_om, stride_os, IEEE=x2.dtype == torch.float32,

@@ -37,10 +37,16 @@ def jit(fn: Callable[..., Any]) -> Any:
     return triton.jit(fn) if HAS_TRITON else fn
 
 
+def interpreting() -> bool:
+    """Whether kernels run in Triton's interpreter (``TRITON_INTERPRET`` set and not 0), which
+    has no inline PTX and no grid-dependency intrinsics."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def triton_has_pdl() -> bool:
     """Whether this Triton has the grid-dependency intrinsics and the ``launch_pdl`` option
     (3.4 and later); the interpreter (``TRITON_INTERPRET=1``) never uses them."""
-    if not HAS_TRITON or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if not HAS_TRITON or interpreting():
         return False
     try:
         import dataclasses
