@@ -88,15 +88,25 @@ def available() -> bool:
 
 
 @_jit
+def _word_tile(qw_ptr, k0, offs_n, n_mask, K, stride_qk, F: tl.constexpr, WORDS: tl.constexpr,
+               EVEN_K: tl.constexpr = False):
+    """The packed words of ``W^T[k0 : k0 + WORDS * F, offs_n]``: ``[WORDS, BLOCK_N]`` int32, 0
+    past N (and past K unless ``EVEN_K``: K is whole tiles)."""
+    rows = k0 // F + tl.arange(0, WORDS)
+    if EVEN_K:
+        return tl.load(qw_ptr + rows[:, None] * stride_qk + offs_n[None, :], mask=n_mask[None, :], other=0)
+    return tl.load(qw_ptr + rows[:, None] * stride_qk + offs_n[None, :],
+                   mask=(rows < K // F)[:, None] & n_mask[None, :], other=0)
+
+
+@_jit
 def _weight_tile(qw_ptr, s_ptr, z_ptr, lut_ptr, k0, offs_n, n_mask, K, stride_qk, stride_sk,
                  GROUP: tl.constexpr, BITS: tl.constexpr, F: tl.constexpr, LUT: tl.constexpr,
                  ONE_GROUP: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr, BLOCK_N: tl.constexpr):
     """``W^T[k0 : k0 + BLOCK_K, offs_n]`` as float32 (0 past K or N). k0 is a multiple of BLOCK_K;
     ``F = 32 / BITS`` codes a word, ``WORDS = BLOCK_K / F`` word rows a tile, ``ONE_GROUP``:
     ``GROUP % BLOCK_K == 0`` (constants the launcher derives: Triton's interpreter cannot)."""
-    rows = k0 // F + tl.arange(0, WORDS)  # word rows of the tile
-    words = tl.load(qw_ptr + rows[:, None] * stride_qk + offs_n[None, :],
-                    mask=(rows < K // F)[:, None] & n_mask[None, :], other=0)  # [BLOCK_K / F, BLOCK_N]
+    words = _word_tile(qw_ptr, k0, offs_n, n_mask, K, stride_qk, F, WORDS)  # [BLOCK_K / F, BLOCK_N]
     shifts = tl.arange(0, F) * BITS
     # input r*F + j of a column sits in bits j*BITS of word r (an arithmetic shift, then the mask)
     q = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)  # [BLOCK_K / F, F, BLOCK_N]
@@ -307,9 +317,7 @@ def _int_tile_t(qw_ptr, s_ptr, z_ptr, k0, offs_n, n_mask, K, stride_qk, stride_s
     LOP3) *is* the float ``2^23 + q``; one FADD takes ``2^23 + zero`` off exactly (integer zeros),
     and one FMUL scales: the same float32 as :func:`_weight_tile`'s ``(q - zero) * scale``, so
     the tile rounded to the activations' dtype has the same bits."""
-    rows = k0 // F + tl.arange(0, WORDS)
-    words = tl.load(qw_ptr + rows[:, None] * stride_qk + offs_n[None, :],
-                    mask=(rows < K // F)[:, None] & n_mask[None, :], other=0)  # [BLOCK_K / F, BLOCK_N]
+    words = _word_tile(qw_ptr, k0, offs_n, n_mask, K, stride_qk, F, WORDS)  # [BLOCK_K / F, BLOCK_N]
     g = k0 // GROUP
     s = tl.load(s_ptr + g * stride_sk + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + g * stride_sk + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -335,12 +343,7 @@ def _int_tile_t_x2(qw_ptr, s_ptr, z_ptr, k0, offs_n, n_mask, K, stride_qk, strid
     one two-wide instruction (inline PTX: Triton's vectorizer pairs the halves of different words
     instead, with a PRMT for each; bf16 as FMAs, which sm_80 has too); the float32 path spends a
     FADD, a FMUL and half a conversion on each weight."""
-    rows = k0 // F + tl.arange(0, WORDS)
-    if EVEN_K:
-        words = tl.load(qw_ptr + rows[:, None] * stride_qk + offs_n[None, :], mask=n_mask[None, :], other=0)
-    else:
-        words = tl.load(qw_ptr + rows[:, None] * stride_qk + offs_n[None, :],
-                        mask=(rows < K // F)[:, None] & n_mask[None, :], other=0)  # [WORDS, BLOCK_N]
+    words = _word_tile(qw_ptr, k0, offs_n, n_mask, K, stride_qk, F, WORDS, EVEN_K)  # [WORDS, BLOCK_N]
     g = k0 // GROUP
     s = tl.load(s_ptr + g * stride_sk + offs_n, mask=n_mask, other=0.0)  # [BLOCK_N], 16-bit
     zb = (tl.load(z_ptr + g * stride_sk + offs_n, mask=n_mask, other=0.0).to(tl.float32) + BASE).to(s.dtype)
@@ -717,10 +720,14 @@ _MAGIC2 = {128: 0x43004300, 1024: 0x64006400}
 PACKED = os.environ.get("LOOM_W4A16_PACKED", "1") != "0"
 
 
-def _packed_base(layout: W4A16Layout, dtype: torch.dtype) -> int:
-    """The packed tile's BASE for this layout and activation dtype, 0 where it does not apply:
-    switched off, codes of other than 4 bits, or the interpreter (inline PTX)."""
-    if not PACKED or layout.bits != 4 or interpreting():
+# The kernels were defined for the interpreter (chosen at import; it has no inline PTX)
+_INTERPRETED = interpreting()
+
+
+def _packed_base(layout: W4A16Layout, seg: Segment, block_k: int, dtype: torch.dtype) -> int:
+    """The packed tile's BASE for a segment's transposed GEMM, 0 where it does not apply:
+    switched off, the interpreter, codes other than 4-bit integers in one group a tile."""
+    if not PACKED or _INTERPRETED or layout.bits != 4 or not _int_codes(layout, seg, block_k):
         return 0
     return {torch.bfloat16: 128, torch.float16: 1024}.get(dtype, 0)
 
@@ -768,12 +775,11 @@ def _fused(x2: torch.Tensor, layout: W4A16Layout, seg: Segment, bias: torch.Tens
         _gemv_kernel[(triton.cdiv(n, p.block_n), p.split)](x2, perm, qw, s, z, lut, b, target, n, k, p.k_split, qw.stride(0), s.stride(0),
                            stride_os, **flags)
     elif p.kind == "gemm_t":
-        int_codes = _int_codes(layout, seg, p.block_k)
-        base = _packed_base(layout, x2.dtype) if int_codes else 0
+        base = _packed_base(layout, seg, p.block_k, x2.dtype)
         _gemm_t_kernel[(triton.cdiv(n, p.block_n), triton.cdiv(m, p.block_m), p.split)](
             x2, perm, qw, s, z, lut, b, target, m, n, k, p.k_split, x2.stride(0), qw.stride(0), s.stride(0), stride_om,
-            stride_os, _MAGIC2[base] if base else _MAGIC, INT_CODES=int_codes, BLOCK_M=p.block_m, PACKED_BASE=base,
-            EVEN_K=PACKED and k % p.block_k == 0 and not interpreting(), **flags)
+            stride_os, _MAGIC2[base] if base else _MAGIC, INT_CODES=_int_codes(layout, seg, p.block_k),
+            BLOCK_M=p.block_m, PACKED_BASE=base, EVEN_K=PACKED and not _INTERPRETED and k % p.block_k == 0, **flags)
     else:
         _gemm_kernel[(triton.cdiv(n, p.block_n), triton.cdiv(m, p.block_m), p.split)](x2, perm, qw, s, z, lut, b, target, m, n, k, p.k_split, x2.stride(0), qw.stride(0),
                            s.stride(0), stride_om, stride_os, IEEE=x2.dtype == torch.float32,
