@@ -22,6 +22,7 @@
 #   bash scripts/gpu_round.sh s1-arg FLAG A B [PAIRS] [ROUNDS] # S1 with a bench flag at A and B alternating (2 rounds)
 #   bash scripts/gpu_round.sh w4a16-packed     # LOOM_W4A16_PACKED's GPU tests (same bits), then the transposed GEMM's plans both ways
 #   bash scripts/gpu_round.sh w2-packed        # W2 int4 with the packed tile (DENSE_FROM=257) and without, alternating, bf16 beside
+#   bash scripts/gpu_round.sh w2-dense-from [A B] # W2 int4, packed tile, dense path from A and from B tokens (129 / 257), bf16 beside
 #   bash scripts/gpu_round.sh gpu-test FILE... # GPU-marked tests of the files named -> $OUT/gpu-tests-<first file>.txt
 #
 # What is owed: docs/benchmarks.md's list at its end ("What is owed to the next round").
@@ -171,6 +172,17 @@ w2-packed)  # #15: W2 int4 (--quantize gptq) with the packed tile and without, a
     LOOM_W4A16_PACKED=0 BENCH_MAX_S=90 bash "$0" bench w2-gptq-float-tile-$r --workloads W2 \
       --model-id random:llama-8b --quantize gptq | grep "^W2"
     [ $r = a ] && BENCH_MAX_S=70 bash "$0" bench w2-bf16-beside-packed --workloads W2 --model-id random:llama-8b | grep "^W2"
+  done
+  rm -f "$OUT"/w2-*.log
+  ;;
+w2-dense-from)  # #15: W2 int4 with the packed tile at two crossovers (LOOM_W4A16_DENSE_FROM A and B), alternating, bf16 beside
+  a=${1:-129}; b=${2:-257}
+  for r in 1 2; do
+    for d in $a $b; do
+      LOOM_W4A16_PACKED=1 LOOM_W4A16_DENSE_FROM=$d BENCH_MAX_S=85 bash "$0" bench w2-gptq-packed-dense$d-$r \
+        --workloads W2 --model-id random:llama-8b --quantize gptq | grep "^W2"
+    done
+    [ $r = 1 ] && BENCH_MAX_S=70 bash "$0" bench w2-bf16-beside-dense-from --workloads W2 --model-id random:llama-8b | grep "^W2"
   done
   rm -f "$OUT"/w2-*.log
   ;;
