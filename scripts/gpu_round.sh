@@ -23,6 +23,7 @@
 #   bash scripts/gpu_round.sh w4a16-packed     # LOOM_W4A16_PACKED's GPU tests (same bits), then the transposed GEMM's plans both ways
 #   bash scripts/gpu_round.sh w2-packed        # W2 int4 with the packed tile (DENSE_FROM=257) and without, alternating, bf16 beside
 #   bash scripts/gpu_round.sh w2-dense-from [A B] # W2 int4, packed tile, dense path from A and from B tokens (129 / 257), bf16 beside
+#   bash scripts/gpu_round.sh split-cap [DENSE_FROM] # the packed tile's K-split cap: plans at 128 / 256 tokens, W2 int4 with and without
 #   bash scripts/gpu_round.sh gpu-test FILE... # GPU-marked tests of the files named -> $OUT/gpu-tests-<first file>.txt
 #
 # What is owed: docs/benchmarks.md's list at its end ("What is owed to the next round").
@@ -183,6 +184,21 @@ w2-dense-from)  # #15: W2 int4 with the packed tile at two crossovers (LOOM_W4A1
         --workloads W2 --model-id random:llama-8b --quantize gptq | grep "^W2"
     done
     [ $r = 1 ] && BENCH_MAX_S=70 bash "$0" bench w2-bf16-beside-dense-from --workloads W2 --model-id random:llama-8b | grep "^W2"
+  done
+  rm -f "$OUT"/w2-*.log
+  ;;
+split-cap)  # #15: the packed tile's K-split cap from 128 tokens (session 45): the plans it gives, then W2 int4 with and without
+  d=${1:-257}
+  python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/loomsite . || exit 1
+  timeout 90 python3 scripts/bench_w4a16_plans.py --schemes gptq --tokens 128,256 --quick --transposed-only \
+    --budget-s 60 --out "$OUT/w4a16-plans-split-cap.json" > "$OUT/w4a16-split-cap.log" 2>&1
+  grep -E "M=" "$OUT/w4a16-split-cap.log" | sed 's/; plain GEMM.*//' | cut -c1-200
+  for r in a b; do
+    for cap in 1 0; do
+      LOOM_W4A16_PACKED_SPLIT_CAP=$cap LOOM_W4A16_DENSE_FROM=$d BENCH_MAX_S=85 bash "$0" bench \
+        w2-gptq-dense$d-split-cap$cap-$r --workloads W2 --model-id random:llama-8b --quantize gptq | grep "^W2"
+    done
+    [ $r = a ] && BENCH_MAX_S=70 bash "$0" bench w2-bf16-beside-split-cap --workloads W2 --model-id random:llama-8b | grep "^W2"
   done
   rm -f "$OUT"/w2-*.log
   ;;

@@ -74,6 +74,9 @@ DENSE_FROM_TOKENS = int(os.environ.get("LOOM_W4A16_DENSE_FROM", "129"))
 # LOOM_W4A16_GEMM_T=0 keeps 2+ token calls on the plain tiled GEMM (_gemm_kernel) instead of the
 # transposed one (_gemm_t_kernel), for side-by-side benchmarks; read once at import
 GEMM_T = os.environ.get("LOOM_W4A16_GEMM_T", "1") != "0"
+# LOOM_W4A16_PACKED_SPLIT_CAP=0 drops the packed tile's cap on the transposed GEMM's K splits
+# from 128 tokens (see _gemm_t_plan), for side-by-side benchmarks; read once at import
+PACKED_SPLIT_CAP = os.environ.get("LOOM_W4A16_PACKED_SPLIT_CAP", "1") != "0"
 _PROGRAMS_PER_SM = {"gemv": 5, "gemm": 4}
 _MAX_SPLIT = {"gemv": 32, "gemm": 16}
 
@@ -482,7 +485,7 @@ def plan(m: int, n: int, k: int, group: int, sms: int, dense_from: int, table: b
     if m == 1 and not table and group % min(bk, 128) == 0:
         return _int_gemv_plan(n, k, min(bk, 128), sms)
     if m > 1 and act16 and GEMM_T:
-        return _gemm_t_plan(m, n, k, bk, sms)
+        return _gemm_t_plan(m, n, k, bk, sms, packed=PACKED and PACKED_SPLIT_CAP and not table)
     if m == 1:  # a [128, 64] float32 accumulator: 64 registers a thread, several programs an SM
         kind, bm, bn, warps, stages = "gemv", 1, 128, 4, 2
         bk = min(bk, 64)  # still inside one group: group sizes are multiples of 64 or of bk
@@ -528,7 +531,7 @@ def _wide_gemm_plan(m: int, n: int, k: int, bk: int, sms: int) -> Plan:
 _GEMM_T_PARTIAL_BYTES = 36 << 20
 
 
-def _gemm_t_plan(m: int, n: int, k: int, bk: int, sms: int) -> Plan:
+def _gemm_t_plan(m: int, n: int, k: int, bk: int, sms: int, packed: bool = False) -> Plan:
     """2 to ``DENSE_FROM_TOKENS - 1`` tokens, 16-bit activations: :func:`_gemm_t_kernel` with
     tiles of 64 weight rows (one warpgroup's wgmma) by the smallest power of two from 16 that
     holds the tokens, 64 deep, 4 warps, 4 stages up to 64 tokens (3 above). K is split into
@@ -546,7 +549,20 @@ def _gemm_t_plan(m: int, n: int, k: int, bk: int, sms: int) -> Plan:
     360.0 / 132.5 for the plain GEMM's rule (timed as the rule in a later call:
     bench/results/gpu-w4a16-plans-gemm-t-rule2-h100-s31.json, 155.0 / 241.1 / 120.8). Splitting for a number of programs an SM instead
     (four: 218.8 / 312.4 / 116.6 us, with 128-deep tiles) made too many partial sums at 64-128
-    tokens; 128-deep tiles won on gate_up at 128 tokens and lost on qkv and at 64 tokens."""
+    tokens; 128-deep tiles won on gate_up at 128 tokens and lost on qkv and at 64 tokens.
+
+    ``packed`` (integer codes, where the packed 4-bit tile runs): from 128 tokens the split is
+    also halved while the grid would hold more than 4 programs an SM counted in 128-row tiles
+    (``split * N/64 * block_m/128 > 4 * sms``). The packed tile's programs dequantize faster, so
+    the partial sums' round trip weighs more: two H100 sweeps of it (sessions 42 and 45,
+    bench/results/gpu-w4a16-plans-packed-h100-s42.json and -s45.json) found at 128 tokens
+    gate_up_proj fastest with 1 split (85.6 / 86.6 us against 99.9 / 100.4 with 2) and
+    down_proj with 8 (43.9 / 44.1 against 55.2 / 55.3 with 16), and at 256 tokens qkv_proj with
+    2 (50.4 / 50.2 against 54.9 / 55.2 with 4) and down_proj with 4 (78.8 / 80.7 against 89.4 /
+    90.0 with 8): the splits this cap gives, and it leaves the other four shapes' fastest
+    splits (qkv and o_proj at 128 tokens, o_proj and gate_up at 256) and every split up to 64
+    tokens as they were. Over the four layers 1.15x at 128 tokens (173 against 199 us) and 1.05x
+    at 256."""
     bm = min(256, max(16, 1 << (m - 1).bit_length()))
     bn, bk = 64, min(bk, 64)
     k_blocks = -(-k // bk)
@@ -560,6 +576,9 @@ def _gemm_t_plan(m: int, n: int, k: int, bk: int, sms: int) -> Plan:
             split *= 2
     while split > 1 and split * m * n * 4 > _GEMM_T_PARTIAL_BYTES:
         split //= 2
+    if packed and bm >= 128:
+        while split > 1 and split * -(-n // bn) * (bm // 128) > 4 * sms:
+            split //= 2
     k_split = -(-k_blocks // split) * bk
     return Plan("gemm_t", bm, bn, bk, -(-k // k_split), k_split, 4, 4 if bm <= 64 else 3)
 

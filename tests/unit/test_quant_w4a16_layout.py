@@ -129,8 +129,9 @@ def test_transposed_gemm_plans_of_16_bit_activations(n: int, k: int, group: int)
     integer codes alike: 64 weight rows by the smallest power of two from 16 tokens that holds
     the batch, 64 deep, K in pieces of about 1,024 inputs (a power of two of them, at most 16;
     down to ~512 at 16 tokens or fewer while the grid is under 3 programs an SM), fewer where the
-    float32 partial sums would pass 36 MB; from 129 tokens (DENSE_FROM_TOKENS' default) the dense
-    path."""
+    float32 partial sums would pass 36 MB, and for integer codes (the packed tile) from 128 tokens
+    fewer where the grid would pass 4 programs an SM counted in 128-row tiles; from 129 tokens
+    (DENSE_FROM_TOKENS' default) the dense path."""
     gs = k if group == -1 else group
     sms = 132
     for m in (2, 7, 16, 17, 64, 65, 128, 129, 256, 300, 1023):
@@ -142,6 +143,8 @@ def test_transposed_gemm_plans_of_16_bit_activations(n: int, k: int, group: int)
             assert p.block_k == min(64, block_k_for(gs)) and p.k_split % p.block_k == 0
             assert (p.split - 1) * p.k_split < k <= p.split * p.k_split
             assert p.split == 1 or p.split * m * n * 4 <= 36 << 20  # the partial sums stay in L2
+            if not table and p.block_m >= 128:  # the packed tile: at most ~4 programs an SM of 128 rows
+                assert p.split == 1 or p.split * -(-n // 64) * (p.block_m // 128) <= 4 * sms
             assert p.split == 1 or k / p.split >= (384 / 2 if m <= 16 else 768 / 2)  # pieces ~1,024 (~512)
             if m <= 16 and p.split > 1 and k / p.split < 768:  # shorter pieces only for a small grid
                 assert -(-n // 64) * p.split // 2 < 3 * sms
@@ -151,12 +154,15 @@ def test_transposed_gemm_plans_of_16_bit_activations(n: int, k: int, group: int)
 
 def test_the_transposed_gemm_plans_on_llama_8b() -> None:
     """The K splits the rule gives llama-8b's four layer shapes (qkv, o, gate_up, down; group 128)
-    from 2 to 128 tokens: those of the fastest 64-deep plans of the session-31 sweep at 16, 64 and
-    128 tokens (bench/results/gpu-w4a16-plans-gemm-t-h100-s31.json)."""
+    from 2 to 256 tokens: those of the fastest 64-deep plans of the session-31 sweep at 16 and 64
+    tokens (bench/results/gpu-w4a16-plans-gemm-t-h100-s31.json) and, with the packed tile, of the
+    sweeps of sessions 42 and 45 at 128 and 256 (bench/results/gpu-w4a16-plans-packed-h100-s4{2,5}.json).
+    NF4's codes (a table: the float32 tile) keep the splits the session-31 sweep chose at 128."""
     shapes = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
-    expected = {2: [8, 8, 4, 16], 16: [8, 8, 4, 16], 64: [4, 4, 4, 16], 128: [4, 4, 2, 16]}
+    expected = {2: [8, 8, 4, 16], 16: [8, 8, 4, 16], 64: [4, 4, 4, 16], 128: [4, 4, 1, 8], 256: [2, 4, 1, 4]}
     for m, splits in expected.items():
-        assert [plan(m, n, k, 128, 132, 129).split for n, k in shapes] == splits, m
+        assert [plan(m, n, k, 128, 132, 1024).split for n, k in shapes] == splits, m
+    assert [plan(128, n, k, 128, 132, 1024, table=True).split for n, k in shapes] == [4, 4, 2, 16]
 
 
 @pytest.mark.parametrize(("n", "k", "split"), [(6144, 4096, 4), (4096, 4096, 4), (28672, 4096, 1), (4096, 14336, 4)])
