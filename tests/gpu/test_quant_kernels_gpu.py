@@ -247,7 +247,7 @@ def test_packed_4bit_tile_gives_the_float32_tiles_bits(name: str, dtype: torch.d
         for packed in (False, True):
             monkeypatch.setattr(w4a16_triton, "PACKED", packed)
             outs.append(w4a16_triton.w4a16_linear(x, layer.w4a16, layer.bias, dense_from=1024))
-            plans.append(w4a16_triton.plan(m, sum(parts), k, layer.w4a16.group_size, 132, 1024))
+            plans.append(w4a16_triton.plan(m, sum(parts), k, layer.w4a16.group_size, w4a16_triton.sm_count(CUDA), 1024))
         # the same K splits both ways (the packed tile's split cap does not reach N = 1,224), so
         # the float32 partial sums add in the same order and the bits can be compared
         assert plans[0] == plans[1], plans
