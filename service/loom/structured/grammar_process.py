@@ -320,7 +320,8 @@ class GrammarProcess:
 
     @property
     def num_held(self) -> int:
-        return len(self._held) + len(self._refused) + len(self._ready)
+        # a ready request stays in _held until take_ready takes it (its id in _ready too): once
+        return len(self._held) + len(self._refused)
 
     @property
     def load(self) -> int:
