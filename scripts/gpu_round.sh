@@ -39,6 +39,10 @@ budget_end=${BUDGET_END:-$(( $(date +%s) + 540 ))}
 export BUDGET_END=$budget_end  # phases that call this script again share it
 
 left() { echo $(( budget_end - $(date +%s) )); }
+# w2 NAME MAX_S [BENCH ARGS]: W2 on random llama-8b as the bench phase runs it, its W2 line shown
+# (environment assignments before the call reach the bench: LOOM_X=0 w2 ...)
+w2() { local name=$1 max=$2; shift 2
+  BENCH_MAX_S=$max bash "$0" bench "$name" --workloads W2 --model-id random:llama-8b "$@" | grep "^W2"; }
 
 case $phase in
 setup)
@@ -148,11 +152,9 @@ fused-input)  # #15 / #20: FP8 layers' inputs quantized by the RMSNorm and SiLU 
 fused-input-rule)  # the SiLU-and-quantize launch rule of session 35 (two passes of 2,048 columns): kernels, W2 FP8 both ways, bf16
   timeout 60 python3 scripts/bench_fused_input.py --out "$OUT/fused-input-kernels-rule.json" 2>&1 | cut -c1-900
   for r in a b; do
-    BENCH_MAX_S=70 bash "$0" bench w2-fp8-fused-input-rule-$r --workloads W2 --model-id random:llama-8b --quantize fp8 | grep "^W2"
-    LOOM_FUSED_INPUT_QUANT=0 BENCH_MAX_S=70 bash "$0" bench w2-fp8-own-input-rule-$r --workloads W2 \
-      --model-id random:llama-8b --quantize fp8 | grep "^W2"
-    [ $r = a ] && BENCH_MAX_S=70 bash "$0" bench w2-bf16-beside-fused-input-rule --workloads W2 \
-      --model-id random:llama-8b | grep "^W2"
+    w2 w2-fp8-fused-input-rule-$r 70 --quantize fp8
+    LOOM_FUSED_INPUT_QUANT=0 w2 w2-fp8-own-input-rule-$r 70 --quantize fp8
+    [ $r = a ] && w2 w2-bf16-beside-fused-input-rule 70
   done
   rm -f "$OUT"/w2-*.log
   ;;
@@ -168,11 +170,9 @@ w4a16-packed)  # #15: LOOM_W4A16_PACKED (the 4-bit tile two weights to an operat
 w2-packed)  # #15: W2 int4 (--quantize gptq) with the packed tile and without, alternating, bf16 beside
   # DENSE_FROM: where dequantize + cuBLAS takes over (129 today; 257 gives 129-256 tokens the packed GEMM)
   for r in a b; do
-    LOOM_W4A16_PACKED=1 LOOM_W4A16_DENSE_FROM=${DENSE_FROM:-257} BENCH_MAX_S=90 bash "$0" bench w2-gptq-packed-$r \
-      --workloads W2 --model-id random:llama-8b --quantize gptq | grep "^W2"
-    LOOM_W4A16_PACKED=0 BENCH_MAX_S=90 bash "$0" bench w2-gptq-float-tile-$r --workloads W2 \
-      --model-id random:llama-8b --quantize gptq | grep "^W2"
-    [ $r = a ] && BENCH_MAX_S=70 bash "$0" bench w2-bf16-beside-packed --workloads W2 --model-id random:llama-8b | grep "^W2"
+    LOOM_W4A16_PACKED=1 LOOM_W4A16_DENSE_FROM=${DENSE_FROM:-257} w2 w2-gptq-packed-$r 90 --quantize gptq
+    LOOM_W4A16_PACKED=0 w2 w2-gptq-float-tile-$r 90 --quantize gptq
+    [ $r = a ] && w2 w2-bf16-beside-packed 70
   done
   rm -f "$OUT"/w2-*.log
   ;;
@@ -180,10 +180,9 @@ w2-dense-from)  # #15: W2 int4 with the packed tile at two crossovers (LOOM_W4A1
   a=${1:-129}; b=${2:-257}
   for r in 1 2; do
     for d in $a $b; do
-      LOOM_W4A16_PACKED=1 LOOM_W4A16_DENSE_FROM=$d BENCH_MAX_S=85 bash "$0" bench w2-gptq-packed-dense$d-$r \
-        --workloads W2 --model-id random:llama-8b --quantize gptq | grep "^W2"
+      LOOM_W4A16_PACKED=1 LOOM_W4A16_DENSE_FROM=$d w2 w2-gptq-packed-dense$d-$r 85 --quantize gptq
     done
-    [ $r = 1 ] && BENCH_MAX_S=70 bash "$0" bench w2-bf16-beside-dense-from --workloads W2 --model-id random:llama-8b | grep "^W2"
+    [ $r = 1 ] && w2 w2-bf16-beside-dense-from 70
   done
   rm -f "$OUT"/w2-*.log
   ;;
@@ -195,10 +194,9 @@ split-cap)  # #15: the packed tile's K-split cap from 128 tokens (session 45): t
   grep -E "M=" "$OUT/w4a16-split-cap.log" | sed 's/; plain GEMM.*//' | cut -c1-200
   for r in a b; do
     for cap in 1 0; do
-      LOOM_W4A16_PACKED_SPLIT_CAP=$cap LOOM_W4A16_DENSE_FROM=$d BENCH_MAX_S=85 bash "$0" bench \
-        w2-gptq-dense$d-split-cap$cap-$r --workloads W2 --model-id random:llama-8b --quantize gptq | grep "^W2"
+      LOOM_W4A16_PACKED_SPLIT_CAP=$cap LOOM_W4A16_DENSE_FROM=$d w2 w2-gptq-dense$d-split-cap$cap-$r 85 --quantize gptq
     done
-    [ $r = a ] && BENCH_MAX_S=70 bash "$0" bench w2-bf16-beside-split-cap --workloads W2 --model-id random:llama-8b | grep "^W2"
+    [ $r = a ] && w2 w2-bf16-beside-split-cap 70
   done
   rm -f "$OUT"/w2-*.log
   ;;
