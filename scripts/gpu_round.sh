@@ -24,6 +24,7 @@
 #   bash scripts/gpu_round.sh w2-packed        # W2 int4 with the packed tile (DENSE_FROM=257) and without, alternating, bf16 beside
 #   bash scripts/gpu_round.sh w2-dense-from [A B] # W2 int4, packed tile, dense path from A and from B tokens (129 / 257), bf16 beside
 #   bash scripts/gpu_round.sh split-cap [DENSE_FROM] # the packed tile's K-split cap: plans at 128 / 256 tokens, W2 int4 with and without
+#   bash scripts/gpu_round.sh w2-int4-arms [DENSE:CAP ...] # W2 int4 once per arm (LOOM_W4A16_DENSE_FROM, _PACKED_SPLIT_CAP), bf16 beside
 #   bash scripts/gpu_round.sh gpu-test FILE... # GPU-marked tests of the files named -> $OUT/gpu-tests-<first file>.txt
 #
 # What is owed: docs/benchmarks.md's list at its end ("What is owed to the next round").
@@ -198,6 +199,15 @@ split-cap)  # #15: the packed tile's K-split cap from 128 tokens (session 45): t
     done
     [ $r = a ] && w2 w2-bf16-beside-split-cap 70
   done
+  rm -f "$OUT"/w2-*.log
+  ;;
+w2-int4-arms)  # #15: the crossover and the split cap in one pass (default arms 129:1 257:1 257:0), then bf16 beside
+  arms=("$@"); [ $# -eq 0 ] && arms=(129:1 257:1 257:0)
+  for arm in "${arms[@]}"; do
+    IFS=: read -r d cap <<< "$arm"
+    LOOM_W4A16_PACKED_SPLIT_CAP=$cap LOOM_W4A16_DENSE_FROM=$d w2 w2-gptq-dense$d-cap$cap 85 --quantize gptq
+  done
+  w2 w2-bf16-beside-arms 70
   rm -f "$OUT"/w2-*.log
   ;;
 s1-diag)  # #17: what S1's constrained steps wait for, pair by pair, with the grammar process and without
