@@ -3,6 +3,7 @@
 # its calls (each call: at most 10 minutes; the machine stays warm 30 s between calls, so later
 # phases reuse what earlier ones installed). Results go to $OUT; the figures in docs cite them.
 #
+#   bash scripts/gpu_round.sh require H200     # exit 3 unless the GPU's name has H200 (chain with &&: an H100 lent for an H200's figure runs nothing)
 #   bash scripts/gpu_round.sh setup            # carry .whl (and .gg1/ for the SmolLM2 GGUF's first half)
 #   bash scripts/gpu_round.sh tests            # the GPU-marked tests -> $OUT/gpu-tests-h200.txt
 #   bash scripts/gpu_round.sh bench NAME [ARGS] # loom bench --device cuda --dtype bfloat16 ARGS (BENCH_MAX_S: its limit, 240)
@@ -46,6 +47,11 @@ w2() { local name=$1 max=$2; shift 2
   BENCH_MAX_S=$max bash "$0" bench "$name" --workloads W2 --model-id random:llama-8b "$@" | grep "^W2"; }
 
 case $phase in
+require)  # the measurement is the named GPU's (the goals are the H200's): stop early on another
+  name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+  echo "GPU: $name"
+  case "$name" in *"${1:?GPU name}"*) ;; *) echo "require: not an $1, nothing run"; exit 3;; esac
+  ;;
 setup)
   [ -d /tmp/loomsite/loom ] && { echo "setup: already done"; exit 0; }
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
