@@ -23,9 +23,8 @@
 #   bash scripts/gpu_round.sh s1-arg FLAG A B [PAIRS] [ROUNDS] # S1 with a bench flag at A and B alternating (2 rounds)
 #   bash scripts/gpu_round.sh w4a16-packed     # LOOM_W4A16_PACKED's GPU tests (same bits), then the transposed GEMM's plans both ways
 #   bash scripts/gpu_round.sh w2-packed        # W2 int4 with the packed tile (DENSE_FROM=257) and without, alternating, bf16 beside
-#   bash scripts/gpu_round.sh w2-dense-from [A B] # W2 int4, packed tile, dense path from A and from B tokens (129 / 257), bf16 beside
 #   bash scripts/gpu_round.sh split-cap [DENSE_FROM] # the packed tile's K-split cap: plans at 128 / 256 tokens, W2 int4 with and without
-#   bash scripts/gpu_round.sh w2-int4-arms [DENSE:CAP ...] # W2 int4 once per arm (LOOM_W4A16_DENSE_FROM, _PACKED_SPLIT_CAP), bf16 beside
+#   bash scripts/gpu_round.sh w2-int4-arms [DENSE:CAP ...] # W2 int4 per arm (LOOM_W4A16_DENSE_FROM, _PACKED_SPLIT_CAP), ROUNDS times alternating, bf16 beside
 #   bash scripts/gpu_round.sh gpu-test FILE... # GPU-marked tests of the files named -> $OUT/gpu-tests-<first file>.txt
 #
 # What is owed: docs/benchmarks.md's list at its end ("What is owed to the next round").
@@ -183,37 +182,23 @@ w2-packed)  # #15: W2 int4 (--quantize gptq) with the packed tile and without, a
   done
   rm -f "$OUT"/w2-*.log
   ;;
-w2-dense-from)  # #15: W2 int4 with the packed tile at two crossovers (LOOM_W4A16_DENSE_FROM A and B), alternating, bf16 beside
-  a=${1:-129}; b=${2:-257}
-  for r in 1 2; do
-    for d in $a $b; do
-      LOOM_W4A16_PACKED=1 LOOM_W4A16_DENSE_FROM=$d w2 w2-gptq-packed-dense$d-$r 85 --quantize gptq
-    done
-    [ $r = 1 ] && w2 w2-bf16-beside-dense-from 70
-  done
-  rm -f "$OUT"/w2-*.log
-  ;;
 split-cap)  # #15: the packed tile's K-split cap from 128 tokens (session 45): the plans it gives, then W2 int4 with and without
   d=${1:-257}
   python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/loomsite . || exit 1
   timeout 90 python3 scripts/bench_w4a16_plans.py --schemes gptq --tokens 128,256 --quick --transposed-only \
     --budget-s 60 --out "$OUT/w4a16-plans-split-cap.json" > "$OUT/w4a16-split-cap.log" 2>&1
   grep -E "M=" "$OUT/w4a16-split-cap.log" | sed 's/; plain GEMM.*//' | cut -c1-200
-  for r in a b; do
-    for cap in 1 0; do
-      LOOM_W4A16_PACKED_SPLIT_CAP=$cap LOOM_W4A16_DENSE_FROM=$d w2 w2-gptq-dense$d-split-cap$cap-$r 85 --quantize gptq
-    done
-    [ $r = a ] && w2 w2-bf16-beside-split-cap 70
-  done
-  rm -f "$OUT"/w2-*.log
+  ROUNDS=2 bash "$0" w2-int4-arms "$d:1" "$d:0"
   ;;
 w2-int4-arms)  # #15: the crossover and the split cap in one pass (default arms 129:1 257:1 257:0), then bf16 beside
   arms=("$@"); [ $# -eq 0 ] && arms=(129:1 257:1 257:0)
-  for arm in "${arms[@]}"; do
-    IFS=: read -r d cap <<< "$arm"
-    LOOM_W4A16_PACKED_SPLIT_CAP=$cap LOOM_W4A16_DENSE_FROM=$d w2 w2-gptq-dense$d-cap$cap 85 --quantize gptq
+  for r in $(seq "${ROUNDS:-1}"); do  # (ROUNDS=2: every arm twice, alternating)
+    for arm in "${arms[@]}"; do
+      IFS=: read -r d cap <<< "$arm"
+      LOOM_W4A16_PACKED_SPLIT_CAP=$cap LOOM_W4A16_DENSE_FROM=$d w2 "w2-gptq-dense$d-cap$cap-r$r" 85 --quantize gptq
+    done
+    [ "$r" = 1 ] && w2 w2-bf16-beside-arms 70
   done
-  w2 w2-bf16-beside-arms 70
   rm -f "$OUT"/w2-*.log
   ;;
 s1-diag)  # #17: what S1's constrained steps wait for, pair by pair, with the grammar process and without
