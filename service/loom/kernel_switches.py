@@ -67,6 +67,13 @@ Two narrower switches, read the same way:
   (its pending rows take those tokens). S1 on an H100, four alternating runs of 16 pairs each way:
   0.887x on against 0.832x off, higher in every adjacent pair (docs/structured-output.md).
   Single-device engines only.
+- ``LOOM_GRAMMAR_DEVICE_WAIT=1`` (:data:`grammar_device_wait`, off by default until a GPU run
+  measures it): with one grammar process and page-locked rows on CUDA, the engine queues a
+  step's sampling without waiting for the child's rows; the stream waits for them instead, on a
+  word the child writes after them (``cuStreamWaitValue32``, :mod:`loom.worker.stream_wait`),
+  and the engine reads the child's reply only before it waits for the step's tokens. Where the
+  rows are not page-locked (the CPU), the engine waits for the reply where it takes the rows, as
+  without the switch, but through the same protocol (docs/structured-output.md).
 """
 
 from __future__ import annotations
@@ -103,6 +110,7 @@ grammar_fast_rows: bool = os.environ.get("LOOM_GRAMMAR_FAST_ROWS", "1") != "0"
 pdl: bool = os.environ.get("LOOM_PDL", "1") not in ("0", "off", "false", "no")
 grammar_rows_registered: bool = os.environ.get("LOOM_GRAMMAR_ROWS_REGISTERED", "1") not in ("0", "off", "false", "no")
 stage_before_rows: bool = os.environ.get("LOOM_STAGE_BEFORE_ROWS", "1") not in ("0", "off", "false", "no")
+grammar_device_wait: bool = os.environ.get("LOOM_GRAMMAR_DEVICE_WAIT", "0") not in ("0", "off", "false", "no")
 
 
 @contextlib.contextmanager

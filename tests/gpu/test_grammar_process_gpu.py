@@ -4,7 +4,10 @@ them: the constrained tokens equal those of the driver in the engine's process (
 scheduling, rows staged through a host copy), with the rows registered and not
 (``LOOM_GRAMMAR_ROWS_REGISTERED=0``), and with the next step's inputs staged before the engine
 waits for the rows (``LOOM_STAGE_BEFORE_ROWS=1``: pinned staging buffers and CUDA graphs), and with
-two grammar processes writing their rows into one registered mapping (``grammar_processes=2``).
+two grammar processes writing their rows into one registered mapping (``grammar_processes=2``),
+and with the stream waiting for the rows instead of the engine (``LOOM_GRAMMAR_DEVICE_WAIT=1``:
+``cuStreamWaitValue32`` on the shared fill flag; the sampling is queued before the child has
+written the rows).
 
 A tiny Llama in float32 with SmolLM2's vocabulary: no near-ties, so equality is exact.
 """
@@ -90,6 +93,59 @@ def test_rows_copied_from_the_shared_memory_give_the_drivers_tokens(
         if registered:
             assert process._rows.views[0].is_pinned() and process._rows.views[1].is_pinned()
         assert process.waits.fills > 20 and engine.num_async_steps > 20
+    finally:
+        engine.close()
+    assert got == want
+
+
+def test_the_stream_waits_for_a_host_word() -> None:
+    """loom.worker.stream_wait: the probe passes on this GPU, and a stream queued behind a wait runs
+    only once the registered word reaches the value (a later value releases it too)."""
+    import time
+
+    from loom.worker import stream_wait
+    from loom.worker.staging import HostRegistration
+
+    assert stream_wait.available(torch.cuda.current_device())
+    word = torch.zeros(1024, dtype=torch.int32)
+    reg = HostRegistration.of(word)
+    assert reg is not None
+    try:
+        stream = torch.cuda.Stream()
+        out = torch.zeros(1, device="cuda")
+        stream_wait.wait_value(stream, stream_wait.device_pointer(word.data_ptr()), 7)
+        with torch.cuda.stream(stream):
+            out.fill_(1.0)
+        done = torch.cuda.Event()
+        done.record(stream)
+        time.sleep(0.05)
+        assert not done.query() and float(out.cpu()) == 0.0  # (the default stream: not held)
+        word[0] = 8
+        done.synchronize()
+        assert float(out.cpu()) == 1.0
+    finally:
+        word[0] = 1 << 20
+        reg.release()
+
+
+def test_the_stream_waiting_for_the_rows_gives_the_drivers_tokens(
+        tiny_llama_dir: Path, want: dict[tuple[str, int], list[int]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """LOOM_GRAMMAR_DEVICE_WAIT: every constrained step's rows went to the sampling unwaited (the
+    stream waited for the child's flag), and the tokens are the driver's."""
+    from helpers.call_counter import CallCounter
+    from helpers.structured_engine import ids, run
+
+    from loom import kernel_switches
+    from loom.structured.grammar_process import GrammarProcess
+
+    monkeypatch.setattr(kernel_switches, "grammar_device_wait", True)
+    unwaited = CallCounter(monkeypatch, GrammarProcess, "_unwaited_rows")
+    engine = _engine(tiny_llama_dir, async_scheduling="on", grammar_process="on")
+    try:
+        got = {k: ids(v) for k, v in run(engine, _requests()).items()}
+        process = engine._structured
+        assert isinstance(process, GrammarProcess) and process.device_wait and process._rows.registered
+        assert unwaited.calls > 20 and engine.num_async_steps > 20
     finally:
         engine.close()
     assert got == want

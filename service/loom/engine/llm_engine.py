@@ -98,6 +98,9 @@ class _Launched:
     guesses: list[list[int]] | None = None  # each sampled sequence's drafts, for its grammar rows
     # requests failed when its sampling was queued at the next step's launch (returned with its outputs)
     early: list[EngineOutput] = field(default_factory=list)
+    # its sampling was queued before its grammar rows were written (the device waits for them):
+    # the grammar process's reply is read before its tokens are (LOOM_GRAMMAR_DEVICE_WAIT)
+    awaiting_rows: bool = False
 
 
 class LLMEngine:
@@ -529,7 +532,9 @@ class LLMEngine:
                     str(model_dir), vocab, tuple(eos), self.config.grammar_compile_timeout, cache_bytes,
                     compiler_threads=max(1, threads // processes), fault_injection=self.config.fault_injection)
                 register = self.device.type == "cuda" and kernel_switches.grammar_rows_registered
-                self._structured = (GrammarProcess(process_config, register_rows=register) if processes == 1 else
+                self._structured = (GrammarProcess(process_config, register_rows=register,
+                                                   device_wait=self._grammar_device_wait(register))
+                                    if processes == 1 else
                                     GrammarProcessGroup(process_config, processes, register_rows=register))
             else:
                 from loom.structured.compiler_pool import GrammarCompilerPool
@@ -541,6 +546,21 @@ class LLMEngine:
                 self._structured = StructuredOutput(pool, vocab, eos, self.config.grammar_compile_timeout)
             self.outputs.grammars = self._structured
         return self._structured
+
+    def _grammar_device_wait(self, registered: bool) -> bool:
+        """``LOOM_GRAMMAR_DEVICE_WAIT``: the grammar process signals its fills, and on CUDA the
+        stream waits for the rows instead of this thread, where stream memory operations work on
+        page-locked rows (loom.worker.stream_wait; else the rows are waited for here, as without
+        the switch). Single-device engines only: a tensor-parallel engine sends the rows to its
+        ranks after it has them."""
+        if not kernel_switches.grammar_device_wait or isinstance(self.worker, ShardedWorker):
+            return False
+        if self.device.type != "cuda":
+            return True  # (the rows are not page-locked: waited for where they are taken)
+        from loom.worker import stream_wait
+
+        return registered and stream_wait.available(self.device.index if self.device.index is not None
+                                                    else torch.cuda.current_device())
 
     def _grammar_process_wanted(self) -> bool:
         """``grammar_process`` on, or auto where it pays: the rows are filled in the other process
@@ -751,12 +771,36 @@ class LLMEngine:
         except Exception as exc:
             bitmask = None
             outputs = self._fail_constrained(launched.planned.sample_seqs, exc)
-        for r in self._structured.take_refusals():  # (a grammar process: tokens refused after their use)
+        outputs += self._late_refusals()
+        launched.awaiting_rows = bitmask is not None and bitmask.ready is not None
+        if launched.awaiting_rows and self.device.type != "cuda":  # a host sampler reads them at once
+            outputs += self._await_rows(launched)
+        launched.step = self.worker.sample(step, bitmask)
+        return outputs
+
+    def _late_refusals(self) -> list[EngineOutput]:
+        """Fail the requests whose token a grammar process refused after it was used."""
+        assert self._structured is not None
+        outputs: list[EngineOutput] = []
+        for r in self._structured.take_refusals():
             log.error("a constrained request's token was refused by its grammar after it was used",
                       request_id=r.request_id, error=r.message)
             outputs += self.fail_request(r.request_id, r.message, r.rejection)
-        launched.step = self.worker.sample(step, bitmask)
         return outputs
+
+    def _await_rows(self, launched: _Launched) -> list[EngineOutput]:
+        """A step whose sampling waits on the device for its grammar rows: the grammar process's
+        reply, before its tokens are read. Should the rows have failed (the process ended, or its
+        fill raised; the rows were then opened so the device went on), the step's constrained
+        requests fail and the others go on, as when the rows fail in :meth:`_sample`."""
+        assert self._structured is not None
+        launched.awaiting_rows = False
+        outputs: list[EngineOutput] = []
+        try:
+            self._structured.await_rows()
+        except Exception as exc:
+            outputs = self._fail_constrained(launched.planned.sample_seqs, exc)
+        return outputs + self._late_refusals()
 
     def _fail_constrained(self, seqs: Seq[Sequence], exc: Exception) -> list[EngineOutput]:
         """Fail the requests of ``seqs`` that follow a grammar, after filling their rows raised."""
@@ -774,6 +818,8 @@ class LLMEngine:
         """Wait for a launched step and apply its tokens (the output processor)."""
         outputs, launched.early = launched.early, []
         outputs += self._sample(launched)  # (nothing when its sampling is queued already)
+        if launched.awaiting_rows:
+            outputs += self._await_rows(launched)
         assert isinstance(launched.step, LaunchedStep)
         result = self.worker.finish(launched.step)
         outputs += self.outputs.process(launched.planned, launched.positions, result, launched.sched.seqs,

@@ -62,6 +62,9 @@ class TokenBitmaskRows:
     # ``data`` lies in page-locked host memory (the grammar process's shared rows, registered with
     # the GPU): it is copied to the device straight from there, not through the stager's buffers
     registered: bool = False
+    # (a [1] int32 host word, a value): ``data`` is complete only once the word reaches the value;
+    # the copy waits for it (on the device's stream; a CPU stager waits on the host). None: complete
+    ready: tuple[torch.Tensor, int] | None = None
 
     def tensor(self) -> torch.Tensor:
         """The rows as a [G, words] int32 host tensor."""
@@ -78,6 +81,7 @@ class TokenBitmaskRows:
     def __setstate__(self, state: tuple[list[int], int, bytes]) -> None:
         self.rows, self.words, self.data = state
         self.registered = False
+        self.ready = None
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, TokenBitmaskRows):
@@ -173,6 +177,8 @@ def token_bitmask(masks: TokenBitmaskRows, stage: Stager, num_rows: int | None =
     not staged: the processor masks all rows in order without reading them."""
     every = num_rows is not None and len(masks.rows) == num_rows  # rows ascending and distinct: 0..N-1
     rows = None if every else stage.to_device(masks.rows, torch.int64)
+    if masks.ready is not None:
+        stage.after_host_word(*masks.ready)
     host = masks.tensor()
     bitmask = stage.from_registered(host) if masks.registered else stage.to_device(host, torch.int32)
     return TokenBitmask(bitmask, rows, masks.rows)

@@ -149,6 +149,10 @@ class StructuredOutput:
     def will_sample(self, seqs: Seq[Sequence], drafts: Seq[Seq[int]] | None = None) -> None:
         """The next :meth:`bitmask_rows` call's rows (the step just launched): nothing to do here."""
 
+    def await_rows(self) -> None:
+        """Nothing to read: the rows :meth:`bitmask_rows` returns are complete (only a single grammar
+        process returns them before they are, ``LOOM_GRAMMAR_DEVICE_WAIT``)."""
+
     def take_refusals(self) -> list[Refusal]:
         """Refusals found after their token was used: never here (every accept answers at once)."""
         return []

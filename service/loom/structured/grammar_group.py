@@ -242,6 +242,10 @@ class GrammarProcessGroup:
                   requests=sorted(refused), error=repr(exc))
         self._late.extend(refused.values())
 
+    def await_rows(self) -> None:
+        """Nothing to read: the rows :meth:`bitmask_rows` returns are complete (only a single grammar
+        process returns them before they are, ``LOOM_GRAMMAR_DEVICE_WAIT``)."""
+
     def take_refusals(self) -> list[Refusal]:
         out, self._late = self._late, []
         seen = {r.request_id for r in out}

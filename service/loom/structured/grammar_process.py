@@ -20,7 +20,10 @@ grammar texts, sequence ids, tokens and, through shared memory, the rows. A cons
 3. ``bitmask_rows`` when step N+2 is about to be queued: the engine takes the rows (there by then,
    unless the child is slower than the engine's step), queues step N+1's sampling with them, then
    N+2's forward. The engine defers a constrained step's sampling to the next launch for this
-   (``fills_ahead``).
+   (``fills_ahead``). With ``LOOM_GRAMMAR_DEVICE_WAIT`` on page-locked rows it does not wait
+   here: the rows are numbered by the engine, the child signals its fill in a shared flag after
+   writing them, the device's stream waits for the flag before copying them, and the engine
+   reads the child's reply (:meth:`GrammarProcess.await_rows`) only before step N+1's tokens.
 
 What the engine would have to wait for, it predicts: a token its mask allowed is accepted, and an
 EOS its mask allowed ends the grammar (:meth:`GrammarProcess.terminated`). The child checks; a token
@@ -61,7 +64,7 @@ from loom.sample.batch import TokenBitmaskRows
 
 from .compiler_pool import CompileStats
 from .driver import Refusal
-from .shared_rows import SharedRows
+from .shared_rows import SharedRows, mapping_bytes
 from .spec import GrammarSpec
 
 log = structlog.get_logger(__name__)
@@ -79,8 +82,10 @@ _KNOWN_COMPILED = 4096  # grammar texts remembered as compiled in the child (mos
 
 # A step's rows as the engine describes them to the child: the step's sequence ids and their drafts
 # (None: no drafts), then, for a group's child (given only its own sequences), the slot in the
-# shared rows of each sampling row and the half to fill (None, None: the child's own rows).
-Layout = tuple[list[int], list[list[int]] | None, list[int] | None, int | None]
+# shared rows of each sampling row and the half to fill (None, None: the child's own rows), and
+# whether to signal the fill: every slot written (open where the child has no matcher), then the
+# fill id stored in the shared fill flag (LOOM_GRAMMAR_DEVICE_WAIT: the device waits for it).
+Layout = tuple[list[int], list[list[int]] | None, list[int] | None, int | None, bool]
 
 
 @dataclass(frozen=True)
@@ -143,7 +148,7 @@ class GrammarProcess:
     fills_ahead = True  # rows are filled between a step's launch and the next one's: defer sampling
 
     def __init__(self, config: ProcessConfig, start_timeout_s: float = 120.0, register_rows: bool = False,
-                 rows: SharedRows | None = None) -> None:
+                 rows: SharedRows | None = None, device_wait: bool = False) -> None:
         self.config = config
         self.vocab_size = config.vocab_size
         self.words = -(-config.vocab_size // 32)  # int32 words per bitmask row
@@ -175,6 +180,15 @@ class GrammarProcess:
         self._fill_sent = False  # a fill is in flight: its reply is the next rows reply
         self._rows_reply: tuple[Any, ...] | None = None  # the layout's rows, read early (while draining)
         self._expect_accept = False  # rows were taken: their tokens will be accepted before the next fill
+        # LOOM_GRAMMAR_DEVICE_WAIT (one process, no group): the engine numbers the rows, the child
+        # signals its fill in the shared flag, and bitmask_rows on page-locked rows returns without
+        # waiting: the device waits for the flag, the engine for the reply only in await_rows
+        self.device_wait = device_wait and rows is None
+        self._signalled: tuple[list[int], int] | None = None  # the signalled layout's rows and half
+        self._step_ids: list[int] = []  # the sequence ids of the step will_sample was told of
+        self._dw_half = 1  # the half of the last signalled fill: the next one fills the other
+        self._awaiting: tuple[int, int, int] | None = None  # a fill returned unwaited: (fill id, half, rows)
+        self._awaited_reply: tuple[Any, ...] | None = None  # its reply, read early (while draining)
         self._broken: str | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
@@ -267,6 +281,7 @@ class GrammarProcess:
         except subprocess.TimeoutExpired:
             self._proc.kill()
         self._proc = None
+        self._release_awaited()  # (a step in flight: the device must not wait for the flag past this)
         if self._owns_rows:
             self._rows.release()
 
@@ -310,6 +325,7 @@ class GrammarProcess:
 
     def _restart(self) -> None:
         log.info("starting a new grammar process", previous=self._broken)
+        self._release_awaited()  # (its requests have all finished: nobody reads those rows)
         if self._conn is not None:
             self._conn.close()
         self._matched.clear()
@@ -414,6 +430,8 @@ class GrammarProcess:
                 self._stats = msg[-1]
             if msg[1] == self._fill_id and self._layout is not None:  # else a step that failed asked for it
                 self._rows_reply = msg
+            elif self._awaiting is not None and msg[1] == self._awaiting[0]:
+                self._awaited_reply = msg
         else:
             raise GrammarProcessError(f"unexpected message from the grammar process: {kind!r}")
 
@@ -450,14 +468,24 @@ class GrammarProcess:
         the child writes its rows instead of from the first row of a half of its choosing."""
         ids = [s.seq_id for s in seqs]
         guesses = [list(d) for d in drafts] if drafts is not None and any(drafts) else None
-        if placement is None:
-            rows = sum(1 + (len(guesses[i]) if guesses is not None else 0)
-                       for i, sid in enumerate(ids) if sid in self._matched)
-            self._reserve(rows)
-            self._layout = (ids, guesses, None, None)
+        self._step_ids, self._signalled = ids, None
+        if placement is None and self.device_wait and guesses is None:
+            # the engine numbers the rows (its matched sequences, in order, at slots 0..G-1 of the
+            # half not filled last) so that it can hand them to the sampling before the child replies
+            matched = self._matched
+            rows = [i for i, sid in enumerate(ids) if sid in matched]
+            half = self._dw_half ^ 1
+            self._reserve(len(rows))
+            self._layout = ([ids[i] for i in rows], None, list(range(len(rows))), half, True)
+            self._signalled = (rows, half)
+        elif placement is None:
+            n = sum(1 + (len(guesses[i]) if guesses is not None else 0)
+                    for i, sid in enumerate(ids) if sid in self._matched)
+            self._reserve(n)
+            self._layout = (ids, guesses, None, None, False)
         else:
             self._reserve(0)  # (the group reserved them: mapped here if the child has not yet)
-            self._layout = (ids, guesses, *placement)
+            self._layout = (ids, guesses, *placement, False)
         self._fill_id += 1
         self._fill_sent, self._rows_reply = False, None
         if not self._expect_accept:
@@ -482,6 +510,8 @@ class GrammarProcess:
     def accept_step(self, items: Seq[tuple[Sequence, Seq[int]]]) -> dict[int, Refusal]:
         """Step N's tokens to the child (with step N+1's rows to fill, when known). Returns the
         refusals known now: sequences whose rows were left open last step (their token is not used)."""
+        if self._awaiting is not None:  # (the engine reads a signalled fill's reply before its tokens)
+            self.await_rows()
         refusals: dict[int, Refusal] = {}
         sent: list[tuple[int, list[int]]] = []
         early, matched = self._early, self._matched
@@ -503,8 +533,16 @@ class GrammarProcess:
 
     def bitmask_rows(self, seqs: Seq[Sequence], drafts: Seq[Seq[int]] | None = None) -> TokenBitmaskRows | None:
         """The rows of the step :meth:`will_sample` was told of (``seqs`` must be its sequences),
-        waiting for the child if it has not finished them."""
+        waiting for the child if it has not finished them. A signalled fill on page-locked rows is
+        returned at once (``ready``: the device waits for the flag; :meth:`await_rows` reads the
+        reply)."""
+        signalled = self._signalled
+        if signalled is not None and signalled[0] and self._rows.registered and self._broken is None:
+            return self._unwaited_rows(seqs, *signalled)
         taken = self.take_rows(seqs)
+        if taken is not None and signalled is not None:  # the child wrote every slot: the engine's rows
+            taken = signalled
+            self._dw_half = signalled[1]
         if taken is None:
             return None
         rows, half = taken
@@ -512,11 +550,63 @@ class GrammarProcess:
         # reads after this step's sampling ran: the copy to the device, queued before it, has too)
         return TokenBitmaskRows(rows, self.words, self._rows.views[half][: len(rows)], registered=self._rows.registered)
 
+    def _unwaited_rows(self, seqs: Seq[Sequence], rows: list[int], half: int) -> TokenBitmaskRows:
+        if self._step_ids != [s.seq_id for s in seqs]:
+            raise GrammarProcessError("the grammar rows asked for are not those of the step launched last")
+        if not self._fill_sent:
+            self._send(("step", None, self._layout, self._fill_id))
+        assert self._rows.flag is not None
+        self._awaiting, self._awaited_reply = (self._fill_id, half, len(rows)), None
+        self._layout, self._fill_sent, self._signalled = None, False, None
+        self._expect_accept = True
+        self._dw_half = half
+        return TokenBitmaskRows(rows, self.words, self._rows.views[half][: len(rows)], registered=True,
+                                ready=(self._rows.flag, self._fill_id))
+
+    def await_rows(self) -> None:
+        """The child's reply to the fill :meth:`bitmask_rows` returned unwaited (the device waits for
+        its flag): the refusals of next accepts it brings are noted. Nothing when none is due.
+        Should the child have ended first, its rows are opened and the flag set here, so that the
+        device goes on, and this raises :class:`GrammarProcessError` (the step's constrained
+        requests fail, as when a wait in :meth:`take_rows` fails)."""
+        if self._awaiting is None:
+            return
+        started = time.perf_counter()
+        while self._awaited_reply is None:
+            msg = self._recv(None)
+            if msg is None:
+                break
+            self._handle(msg)
+        self.waits.add(time.perf_counter() - started)
+        msg, self._awaited_reply = self._awaited_reply, None
+        if msg is None:
+            self._release_awaited()  # open: the step's constrained requests fail below
+            raise GrammarProcessError(f"the grammar process ended ({self._broken})")
+        self._awaiting = None
+        if msg[0] == "rows_failed":  # (the child opened its rows and set the flag itself)
+            raise GrammarProcessError(f"filling the rows failed in the grammar process: {msg[2]}")
+        for sid, refusal in msg[4]:
+            if sid in self._matched:
+                self._early[sid] = refusal
+
+    def _release_awaited(self) -> None:
+        """The fill returned unwaited will not come (the child ended, or is replaced): its rows are
+        opened and its id set in the flag here, so that the device, waiting for it, goes on."""
+        if self._awaiting is None:
+            return
+        fill_id, half, n = self._awaiting
+        self._awaiting, self._awaited_reply = None, None
+        flag = self._rows.flag
+        if flag is None:
+            return
+        self._rows.views[half][:n] = -1
+        flag[0] = fill_id  # (after the rows, as the child does)
+
     def take_rows(self, seqs: Seq[Sequence]) -> tuple[list[int], int] | None:
         """:meth:`bitmask_rows`'s wait: the sampling rows the child filled (ascending) and the
         shared half that holds them (placed as :meth:`will_sample` said, for a group's child; else
         from the half's first row), or None when it filled none."""
-        if self._layout is None or self._layout[0] != [s.seq_id for s in seqs]:
+        if self._layout is None or self._step_ids != [s.seq_id for s in seqs]:
             raise GrammarProcessError("the grammar rows asked for are not those of the step launched last")
         if self._broken is not None:
             if not any(s.seq_id in self._matched and not s.is_finished for s in seqs):
@@ -629,6 +719,7 @@ class _Server:
         self.late: list[tuple[int, Refusal]] = []
         self.halves: list[torch.Tensor] = []
         self.buffer: mmap.mmap | None = None
+        self.flag: torch.Tensor | None = None  # [1] int32: the shared fill flag (signalled fills)
         self.last_half = 1
         self.stats = ChildStats()
         self._sent_stats: CompileStats | None = None  # the compile statistics the engine has
@@ -670,6 +761,8 @@ class _Server:
                 except Exception as exc:  # a message the driver failed on: logged, the loop goes on
                     log.error("grammar process: handling a message failed", kind=kind, error=repr(exc), exc_info=exc)
                     if kind == "step" and msg[2] is not None:
+                        if msg[2][4]:  # a signalled fill: the device goes on, with the rows open
+                            self._signal(msg[2], msg[3], ())
                         self._reply(("rows_failed", msg[3], repr(exc), self._take_late(), None))
                 if kind == "step":
                     took = time.perf_counter() - started
@@ -741,10 +834,11 @@ class _Server:
     def _on_buffers(self, capacity: int) -> None:
         fd = reduction.recv_handle(self.conn)
         try:
-            self.buffer = mmap.mmap(fd, 2 * capacity * self.words * 4)
+            self.buffer = mmap.mmap(fd, mapping_bytes(capacity, self.words))
         finally:
             os.close(fd)
         n = capacity * self.words
+        self.flag = torch.frombuffer(self.buffer, dtype=torch.int32, count=1, offset=2 * n * 4)
         self.halves = [torch.frombuffer(self.buffer, dtype=torch.int32, count=n, offset=i * n * 4).view(capacity,
                                                                                                        self.words)
                        for i in range(2)]
@@ -766,7 +860,7 @@ class _Server:
             self.late.extend(refusals.items())
         if layout is None:
             return
-        ids, drafts, slots, half = layout
+        ids, drafts, slots, half, signal = layout
         seqs = [mirrors.get(sid) or _Mirror(sid, "") for sid in ids]  # unknown ids: rows without a grammar
         if self.config.fault_injection:
             for m in seqs:
@@ -777,6 +871,8 @@ class _Server:
             rows = driver.bitmask_rows(seqs, drafts)  # type: ignore[arg-type]
         else:  # a group's child: its rows go where the engine placed them, in the half it named
             rows = driver.bitmask_rows(seqs, drafts, into=(self.halves[half], slots))  # type: ignore[arg-type]
+        if signal:  # first: the device may be waiting for these rows
+            self._signal(layout, fill_id, rows.rows if rows is not None else ())
         if rows is None:
             self._reply(("rows", fill_id, [], 0, [], self._take_late(), self._stats_if_changed()))
             return
@@ -787,6 +883,18 @@ class _Server:
         # ("rows", fill id, row indices, shared half, refused next accepts, refused tokens, compile stats
         # or None when unchanged)
         self._reply(("rows", fill_id, rows.rows, half, early, self._take_late(), self._stats_if_changed()))
+
+    def _signal(self, layout: Layout, fill_id: int, filled: Seq[int]) -> None:
+        """A signalled fill's end: the slots of the sequences it did not fill (no matcher here, or the
+        fill failed) are opened, then the fill id goes into the flag, after the rows (the device
+        copies them once it sees it)."""
+        _, _, slots, half, _ = layout
+        assert slots is not None and half is not None and self.flag is not None
+        done = set(filled)
+        unfilled = [slot for g, slot in enumerate(slots) if g not in done]
+        if unfilled:
+            self.halves[half][unfilled] = -1
+        self.flag[0] = fill_id
 
     def _stats_if_changed(self) -> CompileStats | None:
         """The compile statistics when they changed since last sent (a step's reply is otherwise

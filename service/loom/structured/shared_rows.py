@@ -7,6 +7,10 @@ queued DMA, not a memcpy through the stager's buffers on the host thread), and h
 descriptor to each grammar process, which maps the same pages. Several grammar processes share one
 mapping (:class:`~loom.structured.grammar_group.GrammarProcessGroup`), each writing its own rows at
 the places the engine assigns, so a step's rows are one block whoever filled them.
+
+A page after the rows holds a word, the *fill flag*: a grammar process told to signal its fill
+(``LOOM_GRAMMAR_DEVICE_WAIT``) writes the step's fill id there after its rows, and the device's
+stream waits for it before copying them (:mod:`loom.worker.stream_wait`).
 """
 
 from __future__ import annotations
@@ -22,6 +26,14 @@ from loom.worker.staging import HostRegistration
 log = structlog.get_logger(__name__)
 
 
+FLAG_PAGE_BYTES = 4096  # after the two halves: the fill flag (int32 word 0) on a page of its own
+
+
+def mapping_bytes(capacity: int, words: int) -> int:
+    """The mapping's size: two halves of ``capacity`` rows of ``words`` int32, then the flag page."""
+    return 2 * capacity * words * 4 + FLAG_PAGE_BYTES
+
+
 class SharedRows:
     """The mapping, grown (replaced) when a step needs more rows than it has.
 
@@ -35,6 +47,7 @@ class SharedRows:
         self.generation = 0
         self.fd: int | None = None  # the memfd, kept open to hand to a process started later
         self.views: list[torch.Tensor] = []  # the two halves, [capacity, words] int32 each
+        self.flag: torch.Tensor | None = None  # [1] int32: the fill flag (the last signalled fill id)
         self._buffer: mmap.mmap | None = None
         self._registration: HostRegistration | None = None
 
@@ -48,7 +61,7 @@ class SharedRows:
         if rows <= self.capacity:
             return False
         capacity = max(rows, 2 * self.capacity, 64)
-        size = 2 * capacity * self.words * 4
+        size = mapping_bytes(capacity, self.words)
         fd = os.memfd_create("loom-grammar-rows")
         try:
             os.ftruncate(fd, size)
@@ -61,8 +74,10 @@ class SharedRows:
         n = capacity * self.words
         self.views = [torch.frombuffer(buffer, dtype=torch.int32, count=n, offset=i * n * 4).view(capacity, self.words)
                       for i in range(2)]
+        self.flag = torch.frombuffer(buffer, dtype=torch.int32, count=1, offset=2 * n * 4)
         if self.register:
-            self._registration = HostRegistration.of(torch.frombuffer(buffer, dtype=torch.int32, count=2 * n))
+            self._registration = HostRegistration.of(
+                torch.frombuffer(buffer, dtype=torch.int32, count=size // 4))
             if self._registration is None:
                 log.warning("the grammar rows could not be page-locked: they are staged through a copy a step")
         self.generation += 1
