@@ -65,6 +65,28 @@ def run(engine: LLMEngine, requests: list[EngineRequest]) -> dict[tuple[str, int
     return outs
 
 
+def start(engine: LLMEngine, requests: list[EngineRequest], steps: int) -> dict[tuple[str, int], list[EngineOutput]]:
+    """Add ``requests`` and take ``steps`` steps: the outputs so far, by completion (carry on with
+    :func:`run` and extend them)."""
+    outs: dict[tuple[str, int], list[EngineOutput]] = {}
+    for r in requests:
+        engine.add_request(r)
+    for _ in range(steps):
+        for out in engine.step():
+            outs.setdefault((out.request_id, out.index), []).append(out)
+    return outs
+
+
+def kill_child_and_finish(engine: LLMEngine, outs: dict[tuple[str, int], list[EngineOutput]]) -> None:
+    """Kill the engine's grammar process, then step to the end, adding the outputs to ``outs``."""
+    proc = getattr(engine._structured, "_proc", None)
+    assert proc is not None, "the engine has no grammar process running"
+    proc.kill()
+    proc.wait()
+    for key, more in run(engine, []).items():
+        outs.setdefault(key, []).extend(more)
+
+
 def ids(outs: list[EngineOutput]) -> list[int]:
     return [t for o in outs for t in o.token_ids]
 

@@ -19,7 +19,18 @@ from typing import Any
 
 import pytest
 from helpers.call_counter import CallCounter
-from helpers.structured_engine import JSON_SPEC, LONG, assert_faulted, ids, make_engine, mixed, request, run
+from helpers.structured_engine import (
+    JSON_SPEC,
+    LONG,
+    assert_faulted,
+    ids,
+    kill_child_and_finish,
+    make_engine,
+    mixed,
+    request,
+    run,
+    start,
+)
 
 from loom import kernel_switches
 from loom.engine.llm_engine import LLMEngine
@@ -38,15 +49,50 @@ def reference(tiny_llama_dir: Path) -> LLMEngine:
 
 def _subject(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, mode: str, **overrides: Any) -> LLMEngine:
     monkeypatch.setattr(kernel_switches, "grammar_device_wait", True)
-    if mode == "deferred":
+    if mode.startswith("deferred"):
         monkeypatch.setattr(SharedRows, "registered", property(lambda self: self.flag is not None))
     return make_engine(tiny_llama_dir, async_scheduling="on", grammar_process="on", **overrides)
 
 
-@pytest.mark.parametrize("mode", ["host", "deferred"])
+class _EarlyReplies:
+    """Each step's fill reply read at the start of the step, before the engine takes the rows (as
+    reading the ready requests does when some are held, and a fast child has replied): the
+    unwaited rows must carry it over, and :meth:`GrammarProcess.await_rows` then finds it instead
+    of waiting for one that came already (which would wait forever). Counts the early replies."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        self.lost = 0
+        admit, await_rows = LLMEngine._admit_constrained, GrammarProcess.await_rows
+        early: dict[int, int] = {}  # id(process) -> the fill id whose reply was read early
+
+        def admit_after_the_reply(engine: LLMEngine) -> list[EngineOutput]:
+            process = engine._structured
+            if isinstance(process, GrammarProcess) and process._layout is not None and process._fill_sent:
+                deadline = time.monotonic() + 2.0
+                while process._rows_reply is None and process._broken is None and time.monotonic() < deadline:
+                    process._drain()
+                if process._rows_reply is not None:
+                    early[id(process)] = process._fill_id
+                    self.count += 1
+            return admit(engine)
+
+        def checked_await(process: GrammarProcess) -> None:
+            awaiting = process._awaiting
+            if awaiting is not None and early.get(id(process)) == awaiting[0] and process._awaited_reply is None:
+                self.lost += 1
+                raise AssertionError("a fill's reply read before its rows were taken was lost")
+            await_rows(process)
+
+        monkeypatch.setattr(LLMEngine, "_admit_constrained", admit_after_the_reply)
+        monkeypatch.setattr(GrammarProcess, "await_rows", checked_await)
+
+
+@pytest.mark.parametrize("mode", ["host", "deferred", "deferred-early-replies"])
 def test_signalled_fills_give_the_same_tokens(tiny_llama_dir: Path, reference: LLMEngine,
                                               monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
     want = run(reference, mixed())
+    early = _EarlyReplies(monkeypatch) if mode == "deferred-early-replies" else None
     subject = _subject(tiny_llama_dir, monkeypatch, mode)
     unwaited = CallCounter(monkeypatch, GrammarProcess, "_unwaited_rows")
     try:
@@ -61,7 +107,9 @@ def test_signalled_fills_give_the_same_tokens(tiny_llama_dir: Path, reference: L
     assert {k: ids(v) for k, v in got.items()} == {k: ids(v) for k, v in want.items()}
     assert {k: v[-1].finish_reason for k, v in got.items()} == {k: v[-1].finish_reason for k, v in want.items()}
     # deferred: the rows went to the sampler before the child's reply was read
-    assert unwaited.calls > 5 if mode == "deferred" else unwaited.calls == 0
+    assert unwaited.calls > 5 if mode.startswith("deferred") else unwaited.calls == 0
+    if early is not None:
+        assert early.count > 5 and early.lost == 0
 
 
 @pytest.mark.parametrize("mode", ["host", "deferred"])
@@ -82,18 +130,9 @@ def test_a_fill_fault_and_the_process_dying_fail_only_their_requests(tiny_llama_
 
         grammars = subject._structured
         assert isinstance(grammars, GrammarProcess) and grammars._proc is not None
-        for r in (request("long", LONG, n=2), request("plain", None, new=24)):
-            subject.add_request(r)
-        seen: dict[tuple[str, int], list[EngineOutput]] = {}
-        for _ in range(6):
-            for out in subject.step():
-                seen.setdefault((out.request_id, out.index), []).append(out)
+        seen = start(subject, [request("long", LONG, n=2), request("plain", None, new=24)], 6)
         assert grammars.num_matched == 2
-        os.kill(grammars._proc.pid, signal.SIGSTOP)  # it takes the next layout but never fills it
-        grammars._proc.kill()
-        grammars._proc.wait()
-        for key, more in run(subject, []).items():
-            seen.setdefault(key, []).extend(more)
+        kill_child_and_finish(subject, seen)
     finally:
         subject.close()
     for index in (0, 1):

@@ -22,16 +22,18 @@ from helpers.structured_engine import (
     assert_faulted,
     drafted,
     ids,
+    kill_child_and_finish,
     make_engine,
     mixed,
     request,
     run,
+    start,
     text,
 )
 
 from loom.config import ConfigError, EngineConfig
 from loom.engine.llm_engine import LLMEngine
-from loom.engine.types import EngineOutput, FinishReason
+from loom.engine.types import FinishReason
 from loom.frontend.tokenizer import Tokenizer
 from loom.structured.driver import StructuredOutput
 from loom.structured.grammar_process import GrammarProcess
@@ -127,17 +129,9 @@ def test_the_process_dying_fails_its_requests_and_a_new_one_serves_the_next(engi
     want = run(reference, [request("plain", None, new=24), request("json", JSON_SPEC, do_sample=True, seed=5)])
     grammars = engine._structured
     assert isinstance(grammars, GrammarProcess) and grammars._proc is not None
-    for r in (request("long", LONG, n=2), request("plain", None, new=24)):
-        engine.add_request(r)
-    outs: dict[tuple[str, int], list[EngineOutput]] = {}
-    for _ in range(6):
-        for out in engine.step():
-            outs.setdefault((out.request_id, out.index), []).append(out)
+    outs = start(engine, [request("long", LONG, n=2), request("plain", None, new=24)], 6)
     assert grammars.num_matched == 2
-    grammars._proc.kill()
-    grammars._proc.wait()
-    for key, more in run(engine, []).items():
-        outs.setdefault(key, []).extend(more)
+    kill_child_and_finish(engine, outs)
     for index in (0, 1):
         assert_faulted(outs[("long", index)], LONG.field, "the grammar process ended")
     assert ids(outs[("plain", 0)]) == ids(want[("plain", 0)])  # untouched

@@ -556,8 +556,9 @@ class GrammarProcess:
         if not self._fill_sent:
             self._send(("step", None, self._layout, self._fill_id))
         assert self._rows.flag is not None
-        self._awaiting, self._awaited_reply = (self._fill_id, half, len(rows)), None
-        self._layout, self._fill_sent, self._signalled = None, False, None
+        # (its reply may have come already, read while the engine took the ready requests)
+        self._awaiting, self._awaited_reply = (self._fill_id, half, len(rows)), self._rows_reply
+        self._layout, self._fill_sent, self._signalled, self._rows_reply = None, False, None, None
         self._expect_accept = True
         self._dw_half = half
         return TokenBitmaskRows(rows, self.words, self._rows.views[half][: len(rows)], registered=True,
