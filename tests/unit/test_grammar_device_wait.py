@@ -1,13 +1,14 @@
 """LOOM_GRAMMAR_DEVICE_WAIT: the grammar process numbers its rows as the engine does, writes every
 slot of a step (open where it has no matcher) and then the step's fill id into the shared fill
 flag; on page-locked rows the engine queues the sampling without waiting, the copy waits for the
-flag (a CUDA stream; the CPU stager on the host) and the engine reads the child's reply before the
-step's tokens (loom.structured.grammar_process, loom.worker.stream_wait).
+flag (a CUDA stream; on the CPU the engine waits before its sampler reads them) and the engine
+reads the child's reply before the step's tokens (loom.structured.grammar_process,
+loom.worker.stream_wait).
 
 On the CPU the rows are not page-locked, so the engine waits where it takes them ("host"); the
 "deferred" cases make the shared rows count as page-locked, so that the rows are returned before
-the child has written them and the wait for the flag and for the reply are the ones a GPU takes
-(the host waits for the reply before its sampler reads them)."""
+the child has written them and the reply is read by ``await_rows``, as on a GPU (the host then
+waits for it before its sampler reads them)."""
 
 from __future__ import annotations
 

@@ -63,7 +63,7 @@ class TokenBitmaskRows:
     # the GPU): it is copied to the device straight from there, not through the stager's buffers
     registered: bool = False
     # (a [1] int32 host word, a value): ``data`` is complete only once the word reaches the value;
-    # the copy waits for it (on the device's stream; a CPU stager waits on the host). None: complete
+    # the copy waits for it on the device's stream (a CPU stager checks it was reached). None: complete
     ready: tuple[torch.Tensor, int] | None = None
 
     def tensor(self) -> torch.Tensor:
