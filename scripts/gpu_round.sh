@@ -12,6 +12,7 @@
 #   bash scripts/gpu_round.sh pending-smollm2  # ... and on SmolLM2 (after gguf and xgrammar)
 #   bash scripts/gpu_round.sh w6int            # the integer-code GEMV: M=1 sweep beside the general one, W1 int4 / bf16
 #   bash scripts/gpu_round.sh quantize8b       # loom quantize --method gptq random:llama-8b on the GPU, then W1 and W2 served from it
+#   bash scripts/gpu_round.sh w1-int4-head     # W1 int4 with the head quantized (rtn --lm-head checkpoint; run again if the quantize took the call), head dense and bf16 beside
 #   bash scripts/gpu_round.sh moeprof          # where a Qwen3-30B-A3B-shaped decode step goes (#22: 3.4 of 4.8 ms outside the experts)
 #   bash scripts/gpu_round.sh sweep-fill       # the batch-1 fusions, decode plans and dense GEMV swept; tables filled; Loom reinstalled
 #   bash scripts/gpu_round.sh fp8-plans        # the FP8 attention kernel's decode launches swept (#20); its table filled; Loom reinstalled
@@ -106,6 +107,18 @@ quantize8b)
       --device cuda random:llama-8b /tmp/llama-8b-gptq --force ) > "$OUT/quantize8b.log" 2>&1
   grep -E "wrote|Maximum resident|Elapsed|Error|error" "$OUT/quantize8b.log" | tail -6
   [ -f /tmp/llama-8b-gptq/config.json ] && BENCH_MAX_S=140 bash "$0" bench w6ckpt --workloads W1,W2 --model-id /tmp/llama-8b-gptq
+  ;;
+w1-int4-head)  # #15: W1 int4 with the head quantized too (loom quantize --method rtn --lm-head), the head dense and bf16 beside
+  if [ ! -f /tmp/llama-8b-rtn-head/config.json ]; then
+    t=$(left); [ "$t" -gt 330 ] || { echo "w1-int4-head: skipped, ${t}s left"; exit 0; }
+    ( cd /tmp && /usr/bin/time -v timeout $(( t - 150 )) python3 -m loom.cli quantize --method rtn --lm-head \
+        --group-size 128 --device cuda random:llama-8b /tmp/llama-8b-rtn-head --force ) > "$OUT/quantize-head.log" 2>&1
+    grep -E "wrote|Maximum resident|Elapsed|Error|error" "$OUT/quantize-head.log" | tail -6
+  fi
+  [ -f /tmp/llama-8b-rtn-head/config.json ] || exit 1
+  BENCH_MAX_S=120 bash "$0" bench w1-int4-head --workloads W1 --model-id /tmp/llama-8b-rtn-head
+  BENCH_MAX_S=120 bash "$0" bench w1-int4-dense-head --workloads W1 --model-id random:llama-8b --quantize gptq
+  BENCH_MAX_S=120 bash "$0" bench w1-bf16-beside-head --workloads W1 --model-id random:llama-8b
   ;;
 moeprof)
   t=$(left); [ "$t" -gt 150 ] && timeout $(( t - 30 )) python3 scripts/profile_decode.py random:qwen3-30b-a3b 1 "$OUT" \

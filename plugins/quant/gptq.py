@@ -22,6 +22,8 @@ usual case (parts of many groups) keeps the dequantizing path, on the GPU too.
 Group size -1 is one group over the whole input (per output channel). A group size must divide
 every quantized layer's input size (no ragged last group: other readers would refuse it too).
 A fused layer (qkv, gate/up) loads its parts' columns side by side; each part keeps its own g_idx.
+The head is quantized when the checkpoint holds ``lm_head.qweight`` (GPTQModel's ``lm_head=True``,
+which also writes ``quantization_config.lm_head: true``), tied in the config or not.
 
 On a CUDA device with Triton, GPTQ and AWQ layers are repacked at load into the layout of
 ``w4a16_layout`` (act-order inputs sorted by group once) and served by ``w4a16_triton``'s
@@ -60,6 +62,7 @@ from .w4a16_layout import NotRepackable, W4A16Layout, from_int_codes
 log = structlog.get_logger(__name__)
 
 FORMATS = ("gptq", "gptq_v2")
+HEAD = "lm_head"  # the logits head's checkpoint module: quantized when the checkpoint holds its qweight
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,7 @@ class GPTQSettings:
     desc_act: bool
     sym: bool
     checkpoint_format: str  # "gptq" (zeros stored minus one) or "gptq_v2"
+    lm_head: bool = False  # the config says the head is quantized too (GPTQModel's lm_head=True)
 
     @classmethod
     def parse(cls, qconfig: dict[str, Any]) -> GPTQSettings:
@@ -85,7 +89,8 @@ class GPTQSettings:
             raise QuantizationError(f"GPTQ quantization_config.checkpoint_format is {fmt!r}; supported: "
                                     f"{', '.join(FORMATS)} (repack others, e.g. marlin, with their tools)")
         return cls(bits=bits, group_size=group, desc_act=bool_field(qconfig, "desc_act", False, "GPTQ"),
-                   sym=bool_field(qconfig, "sym", True, "GPTQ"), checkpoint_format=str(fmt))
+                   sym=bool_field(qconfig, "sym", True, "GPTQ"), checkpoint_format=str(fmt),
+                   lm_head=bool_field(qconfig, "lm_head", False, "GPTQ"))
 
     def groups(self, input_size: int, prefix: str) -> int:
         if self.group_size == -1:
@@ -295,6 +300,9 @@ class GPTQConfig(QuantizationConfig):
             raise QuantizationError(f"{model_dir}/config.json has no GPTQ quantization_config")
         self.quant = GPTQSettings.parse(qconfig)
         self.names = checkpoint_tensor_names(model_dir)
+        if self.quant.lm_head and f"{HEAD}.qweight" not in self.names:
+            raise QuantizationError(f"GPTQ quantization_config.lm_head is true but the checkpoint has no {HEAD}.qweight "
+                                    f"(a quantized head needs {HEAD}.qweight, .qzeros and .scales)")
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
         if self.random:
@@ -319,4 +327,5 @@ class GPTQConfig(QuantizationConfig):
     def settings(self) -> dict[str, str]:
         q = self.quant
         return {"format": "rtn while loading" if self.random else q.checkpoint_format, "bits": str(q.bits), "group_size": str(q.group_size),
-                "sym": str(q.sym).lower(), "desc_act": str(q.desc_act).lower()}
+                "sym": str(q.sym).lower(), "desc_act": str(q.desc_act).lower(),
+                "lm_head": str(f"{HEAD}.qweight" in self.names).lower()}

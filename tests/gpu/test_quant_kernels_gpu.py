@@ -275,6 +275,37 @@ def test_random_model_through_the_kernels_matches_the_torch_path(quantize: str,
     assert float((fast.argmax(-1) == slow.argmax(-1)).float().mean()) >= 0.9
 
 
+def test_gptq_head_of_llama_8b_through_the_kernels_matches_the_cpu_reference() -> None:
+    """A quantized head (GPTQ's ``lm_head: true``) is one more GPTQ layer, 128,256 x 4096 for
+    llama-8b: the GEMV at one token, the transposed GEMM and both paths beyond, under the same
+    bound as the body's layers."""
+    _, gpu, w_ref = _layers(SCHEMES["gptq-g128"], 4096, [128256], seed=11)
+    g = torch.Generator(device=CUDA).manual_seed(1)
+    for m in (1, 4, 64, 300):
+        x = torch.randn(m, 4096, device=CUDA, generator=g).to(DTYPE)
+        check_close(gpu, w_ref, x, _kernel(gpu, x), f"lm_head M={m}")
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen3"])
+def test_gptq_checkpoint_with_a_quantized_head_on_the_gpu_matches_the_cpu(
+        model: str, tiny_model_dir: Any, quant_registry: PluginRegistry, tmp_path: Any) -> None:
+    """The head is a :class:`ParallelLMHead` (qwen3's was tied): repacked at load like the body's
+    layers and served by the kernels, in a CUDA graph-free prefill against the CPU's float32."""
+    from helpers.quant_checkpoints import gptq_checkpoint
+
+    path, _ = gptq_checkpoint(tiny_model_dir(model), tmp_path / "gptq", group=32, lm_head=True)
+    gpu = load_model(path, DTYPE, CUDA, quant_registry)
+    assert "w4a16" in gpu.model.lm_head.__dict__  # served by the kernels
+    cpu = load_model(path, torch.float32, "cpu", quant_registry)
+    prompt = [1, 17, 42, 99, 3, 250, 7, 7, 128, 64, 5, 300]
+    with torch.no_grad():
+        fast = ModelHarness(gpu.model, gpu.hf_config, dtype=DTYPE, device="cuda").prefill(prompt).float().cpu()
+        ref = ModelHarness(cpu.model, cpu.hf_config).prefill(prompt)
+    rel = float((fast - ref).norm() / ref.norm())
+    assert rel < 3e-2, rel  # bf16 against float32 through two layers and the head (0.011 on the CPU)
+    assert float((fast.argmax(-1) == ref.argmax(-1)).float().mean()) >= 0.9
+
+
 def test_fp8_inputs_quantized_by_the_norms_and_silu_give_the_same_logits(quant_registry: PluginRegistry) -> None:
     """``loom.layers.quantized_input`` on CUDA: at W8A8 sizes the RMSNorms and SiLU-and-mul hand
     their FP8 layers e4m3 rows from their own kernels (only o_proj quantizes its input), at 1-4

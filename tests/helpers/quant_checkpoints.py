@@ -101,7 +101,8 @@ def ref_dequant(q: np.ndarray, zeros: np.ndarray, scales: np.ndarray, g_idx: np.
 # ---- checkpoints ------------------------------------------------------------------------------
 
 
-def _write(dense_dir: Path, out: Path, tensors: dict[str, torch.Tensor], qconfig: dict[str, Any]) -> Path:
+def _write(dense_dir: Path, out: Path, tensors: dict[str, torch.Tensor], qconfig: dict[str, Any],
+           **config_changes: Any) -> Path:
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
@@ -110,18 +111,26 @@ def _write(dense_dir: Path, out: Path, tensors: dict[str, torch.Tensor], qconfig
             shutil.copy(name, out / name.name)
     config = json.loads((dense_dir / "config.json").read_text())
     config["quantization_config"] = qconfig
+    config.update(config_changes)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
     return out
 
 
 def gptq_checkpoint(dense_dir: Path, out: Path, *, bits: int = 4, group: int = 32, sym: bool = True,
-                    desc_act: bool = False, v2: bool = False, seed: int = 0) -> tuple[Path, dict[str, torch.Tensor]]:
-    """The dense model's linears as GPTQ; returns the dir and each linear's reference dequantized weight."""
+                    desc_act: bool = False, v2: bool = False, seed: int = 0,
+                    lm_head: bool = False) -> tuple[Path, dict[str, torch.Tensor]]:
+    """The dense model's linears as GPTQ; returns the dir and each linear's reference dequantized weight.
+    ``lm_head``: the head too, as GPTQModel writes it with ``lm_head=True`` (a tied head gets
+    ``lm_head.*`` tensors of its own from the embedding's matrix, and the config is untied)."""
     rng = np.random.default_rng(seed)
     tensors, expected = {}, {}
-    for name, w in dense_tensors(dense_dir).items():
-        if not is_linear(name):
+    dense = dense_tensors(dense_dir)
+    config = json.loads((dense_dir / "config.json").read_text())
+    if lm_head and "lm_head.weight" not in dense:  # tied: the head's matrix is the embedding's
+        dense["lm_head.weight"] = dense["model.embed_tokens.weight"]
+    for name, w in dense.items():
+        if not is_linear(name) and not (lm_head and name == "lm_head.weight"):
             tensors[name] = w
             continue
         stem = name.removesuffix(".weight")
@@ -133,8 +142,9 @@ def gptq_checkpoint(dense_dir: Path, out: Path, *, bits: int = 4, group: int = 3
         tensors[f"{stem}.g_idx"] = torch.from_numpy(g_idx)
         expected[stem] = ref_dequant(q, z, s, g_idx)
     qconfig = {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": sym, "desc_act": desc_act,
-               "checkpoint_format": "gptq_v2" if v2 else "gptq"}
-    return _write(dense_dir, out, tensors, qconfig), expected
+               "checkpoint_format": "gptq_v2" if v2 else "gptq", "lm_head": lm_head}
+    untie = {"tie_word_embeddings": False} if lm_head and config.get("tie_word_embeddings") else {}
+    return _write(dense_dir, out, tensors, qconfig, **untie), expected
 
 
 def awq_checkpoint(dense_dir: Path, out: Path, *, group: int = 32, seed: int = 0) -> tuple[Path, dict[str, torch.Tensor]]:
@@ -215,6 +225,10 @@ def dense_with(dense_dir: Path, out: Path, weights: dict[str, torch.Tensor]) -> 
     shutil.copytree(dense_dir, out)
     tensors = dense_tensors(dense_dir)
     for stem, w in weights.items():
-        tensors[f"{stem}.weight"] = w.float()
+        tensors[f"{stem}.weight"] = w.float().contiguous()
+    config = json.loads((out / "config.json").read_text())
+    if "lm_head" in weights and config.get("tie_word_embeddings"):  # a head of its own: untied
+        config["tie_word_embeddings"] = False
+        (out / "config.json").write_text(json.dumps(config))
     save_file(tensors, str(out / "model.safetensors"))
     return out

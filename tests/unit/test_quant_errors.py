@@ -56,6 +56,7 @@ def _with_attention(registry: PluginRegistry) -> PluginRegistry:
     ({"group_size": 0}, "GPTQ quantization_config.group_size is 0; expected a positive number"),
     ({"checkpoint_format": "marlin"}, "GPTQ quantization_config.checkpoint_format is 'marlin'"),
     ({"desc_act": "yes"}, "GPTQ quantization_config.desc_act must be true or false, got 'yes'"),
+    ({"lm_head": 1}, "GPTQ quantization_config.lm_head must be true or false, got 1"),
 ])
 def test_unsupported_quantization_config_fails_preflight(changes: dict[str, Any], message: str, gptq_dir: Path,
                                                          quant_registry: PluginRegistry, tmp_path: Path) -> None:
@@ -83,6 +84,14 @@ def test_group_size_that_does_not_tile_a_layer_names_it(gptq_dir: Path, quant_re
     path = _with_config(gptq_dir, tmp_path / "m", group_size=48)
     with pytest.raises(ModelLoadError, match=r"model\.layers\.0\.self_attn\.qkv_proj: its input size 64 is not a "
                                              r"multiple of quantization_config\.group_size 48"):
+        load_model(path, torch.float32, "cpu", quant_registry)
+
+
+def test_a_quantized_head_the_checkpoint_lacks_is_named(gptq_dir: Path, quant_registry: PluginRegistry,
+                                                        tmp_path: Path) -> None:
+    path = _with_config(gptq_dir, tmp_path / "m", lm_head=True)
+    with pytest.raises(ModelLoadError, match=r"GPTQ quantization_config\.lm_head is true but the checkpoint has no "
+                                             r"lm_head\.qweight"):
         load_model(path, torch.float32, "cpu", quant_registry)
 
 

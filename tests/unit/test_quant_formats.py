@@ -79,6 +79,33 @@ def test_gptq_checkpoint_dequantizes_exactly_and_matches_transformers(
     check_greedy_against_transformers(loaded, expected, dense, tmp_path)
 
 
+@pytest.mark.parametrize(("model", "desc_act", "config_tied"), [
+    ("llama", False, False), ("qwen3", True, False), ("qwen3", False, True)])
+def test_gptq_checkpoint_with_a_quantized_head_matches_transformers(
+    model: str, desc_act: bool, config_tied: bool, tiny_model_dir: TinyDir, quant_registry: PluginRegistry,
+    tmp_path: Path,
+) -> None:
+    """``lm_head: true`` (GPTQModel's ``lm_head=True``): the head is a GPTQ layer like the others, bit
+    for bit against the independent reader. A tied model's head (qwen3 here) has tensors of its
+    own, and the embedding stays dense, whether the config was untied (as ``loom quantize``
+    writes it) or still says tied (the head's own tensors win)."""
+    import json
+
+    dense = tiny_model_dir(model)
+    path, expected = gptq_checkpoint(dense, tmp_path / "gptq", group=32, desc_act=desc_act, lm_head=True)
+    if config_tied:
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    loaded = load_model(path, torch.float32, "cpu", quant_registry)
+    head: Any = loaded.model.lm_head
+    assert torch.equal(head.quant_method.dequantize(head, torch.float32), expected.pop("lm_head"))
+    ours = loom_weights(loaded.model)
+    assert ours.keys() == expected.keys() and all(torch.equal(ours[k], w) for k, w in expected.items())
+    assert loaded.quantization_settings["lm_head"] == "true"
+    expected["lm_head"] = head.quant_method.dequantize(head, torch.float32)
+    check_greedy_against_transformers(loaded, expected, dense, tmp_path)
+
+
 def test_gptq_v2_read_as_v1_would_be_wrong(tiny_model_dir: TinyDir, quant_registry: PluginRegistry,
                                           tmp_path: Path) -> None:
     """The format field matters: the same v2 tensors labelled v1 dequantize one step off."""

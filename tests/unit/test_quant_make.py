@@ -193,3 +193,89 @@ def test_sink_weight_counts_the_first_token_of_each_window_more() -> None:
     assert torch.allclose(weighted.h, flat.t() @ flat + 8 * first.t() @ first)  # 9 times in all
     with pytest.raises(QuantizeError, match=r"--sink-weight 0\.5: expected at least 1"):
         QuantizeRequest(method="gptq", sink_weight=0.5).check()
+
+
+def _head_reference(tensors: dict[str, torch.Tensor], bits: int, group: int) -> torch.Tensor:
+    """The written head read back by the tests' own unpacker (GPTQ v1, no act-order)."""
+    q = np_unpack_words(tensors["lm_head.qweight"].numpy(), bits, axis=0)
+    z = np_unpack_words(tensors["lm_head.qzeros"].numpy(), bits, axis=1) + 1
+    g = np.arange(q.shape[0]) // group
+    s = tensors["lm_head.scales"].numpy().astype(np.float32)
+    return torch.from_numpy(np.ascontiguousarray(((q - z[g]).astype(np.float32) * s[g]).T))
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_lm_head_quantizes_the_head_as_gptqmodel_marks_it(method: str, tiny_with_tokenizer: Path, tmp_path: Path,
+                                                         quant_registry: PluginRegistry,
+                                                         logit_errors: dict[str, float]) -> None:
+    out = quantize_model(tiny_with_tokenizer, tmp_path / method,
+                         QuantizeRequest(method=method, bits=4, group_size=32, lm_head=True, **FAST), progress=False)
+    qconfig = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qconfig["lm_head"] is True
+    tensors = load_file(str(out / "model.safetensors"))
+    assert "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors
+    loaded, ours = _logits(out, quant_registry)
+    head: Any = loaded.model.lm_head
+    assert torch.equal(head.quant_method.dequantize(head, torch.float32), _head_reference(tensors, 4, 32))
+    assert loaded.quantization_settings["lm_head"] == "true"
+    _, dense = _logits(tiny_with_tokenizer, quant_registry, "none")
+    rel = float((ours - dense).norm() / dense.norm())
+    # more moved than the body alone (the same rounding, one layer more), and still not garbage
+    assert logit_errors["rtn-g32"] < rel < 0.8 if method == "rtn" else 0 < rel < 0.8, rel
+
+
+def test_lm_head_of_a_tied_model_gets_tensors_of_its_own(tiny_model_dir: TinyDir, tmp_path: Path,
+                                                         quant_registry: PluginRegistry) -> None:
+    import shutil
+
+    from loom.model_loader.random_model import _write_tokenizer
+
+    source = tmp_path / "qwen3"
+    shutil.copytree(tiny_model_dir("qwen3"), source)  # tie_word_embeddings: true
+    _write_tokenizer(320, source)
+    out = quantize_model(source, tmp_path / "out", QuantizeRequest(method="rtn", group_size=32, lm_head=True),
+                         progress=False)
+    config = json.loads((out / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False and config["quantization_config"]["lm_head"] is True
+    tensors = load_file(str(out / "model.safetensors"))
+    embedding = load_file(str(source / "model.safetensors"))["model.embed_tokens.weight"]
+    assert torch.equal(tensors["model.embed_tokens.weight"], embedding)  # the embedding stays dense
+    loaded = load_model(out, torch.float32, "cpu", quant_registry)
+    head: Any = loaded.model.lm_head
+    assert head.tied_to is None
+    assert torch.equal(head.quant_method.dequantize(head, torch.float32), _head_reference(tensors, 4, 32))
+    assert float((_head_reference(tensors, 4, 32) - embedding).abs().max()) < float(embedding.abs().max()) / 7
+
+
+def test_gptq_head_beats_round_to_nearest_on_its_calibration_inputs(tiny_with_tokenizer: Path) -> None:
+    """The head's GPTQ Hessian is the final norm's outputs: on those, its error is below RTN's."""
+    from transformers import AutoTokenizer
+
+    from loom_plugins.quant.make.calibration import calibration_windows
+    from loom_plugins.quant.make.pipeline import gptq_head, load_source
+
+    model = load_source(tiny_with_tokenizer)
+    ids = calibration_windows(AutoTokenizer.from_pretrained(str(tiny_with_tokenizer)), 2, 64, 320)
+    captured: list[torch.Tensor] = []
+    handle = model.model.norm.register_forward_pre_hook(lambda _m, args: captured.append(args[0]))
+    with torch.no_grad():
+        model(ids, use_cache=False)
+    handle.remove()
+    request = QuantizeRequest(method="gptq", group_size=32, lm_head=True)
+    w = model.lm_head.weight.data.clone()
+    ours = gptq_head(model, captured[0], request).dequantize()
+    assert torch.equal(model.lm_head.weight.data, w)  # (not changed: tied, it would be the embedding)
+    with torch.no_grad():
+        x = model.model.norm(captured[0]).reshape(-1, w.shape[1])
+    err, err_rtn = ((x @ (ours - w).t()) ** 2).mean(), ((x @ (rtn(w, 4, 32, sym=True).dequantize() - w).t()) ** 2).mean()
+    assert err < 0.5 * err_rtn, (float(err), float(err_rtn))  # (measured: 0.06x)
+
+
+def test_lm_head_with_a_format_that_keeps_the_head_dense_is_refused_with_exit_2(
+        tiny_with_tokenizer: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = loom_main(["quantize", "--method", "awq", "--group-size", "32", "--lm-head", str(tiny_with_tokenizer),
+                      str(tmp_path / "out")])
+    assert code == 2
+    assert ("--lm-head applies to --method gptq and rtn (GPTQ checkpoints say lm_head: true); awq checkpoints keep "
+            "the head dense") in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

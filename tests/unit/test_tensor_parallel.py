@@ -320,6 +320,21 @@ def test_gptq_act_order_two_shards_give_one_shards_outputs(group: int, tiny_mode
     assert single.worker.info.quantization is not None
 
 
+@pytest.mark.parametrize("model", ["llama", "qwen3"])
+def test_gptq_quantized_head_two_shards_give_one_shards_outputs(model: str, tiny_model_dir: TinyDir,
+                                                                tmp_path: Path) -> None:
+    """A GPTQ head (``lm_head: true``; qwen3's was tied): each rank keeps its vocabulary columns of
+    ``qweight [H / 8, V]`` and ``scales``, and its packed columns of ``qzeros [G, V / 8]``."""
+    from helpers.quant_checkpoints import gptq_checkpoint
+
+    path, _ = gptq_checkpoint(tiny_model_dir(model), tmp_path / "gptq", bits=4, group=32, lm_head=True)
+    single, sharded, _, _ = _compare(path, 2, 320)
+    assert single.worker.info.quantization == sharded.worker.info.quantization == "gptq"
+    with pytest.raises(ConfigError, match=r"--num-shard 3 cannot split this model: .*the quantized head's vocabulary "
+                                          r"per rank \(ceil\(320 / 3\) = 107\) is not a multiple of the 8 columns"):
+        _engine(path, num_shard=3)
+
+
 @pytest.mark.parametrize("double_quant", [False, True])
 def test_nf4_two_shards_give_one_shards_outputs(double_quant: bool, tiny_model_dir: TinyDir,
                                                 tmp_path: Path) -> None:

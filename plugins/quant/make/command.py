@@ -25,6 +25,9 @@ def add_quantize_command(sub: Any) -> None:
                    help="inputs per scale (gptq, rtn, awq); -1: one per output channel (gptq, rtn). Must divide "
                         "every layer's input size: SmolLM2's 576 takes 64 or 32 (default: 128)")
     p.add_argument("--act-order", action="store_true", help="gptq: quantize inputs by decreasing activation")
+    p.add_argument("--lm-head", action="store_true",
+                   help="gptq / rtn: quantize the output head too (quantization_config.lm_head: true, as GPTQModel "
+                        "writes it; a tied head gets tensors of its own). Fewer bytes a decode step, more error")
     p.add_argument("--samples", type=int, default=8, help="calibration windows (default: 8)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window (default: 512)")
     p.add_argument("--damp", type=float, default=0.01,
@@ -51,7 +54,7 @@ def run_quantize(args: argparse.Namespace) -> int:
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     request = QuantizeRequest(method=args.method, bits=args.bits, group_size=args.group_size,
                               act_order=args.act_order, samples=args.samples, seq_len=args.seq_len,
-                              damp=args.damp, sink_weight=args.sink_weight, device=device)
+                              damp=args.damp, sink_weight=args.sink_weight, device=device, lm_head=args.lm_head)
     out_dir: Path = args.out_dir
     try:
         request.check()

@@ -9,8 +9,11 @@ and only one layer, its activations and its Hessians are ever on the GPU: llama-
 layer is 0.9 GB in float32, its down_proj Hessian 1.6 GB in float64. RTN rounds each linear on
 the device the same way. GPTQ quantizes a layer's linears in the order they compute (q/k/v, o,
 gate/up, down), each group's Hessian taken after the groups before it were quantized
-("true sequential"). The head
-and the embedding stay dense.
+("true sequential"). The embedding stays dense; the head too, unless ``--lm-head`` (gptq and rtn)
+quantizes it as GPTQModel's ``lm_head=True`` does: GPTQ then calibrates it last, on the final
+norm's outputs of the quantized layers. A tied head gets tensors of its own (``lm_head.qweight``...)
+and the written config unties it (``tie_word_embeddings: false``); the embedding keeps the dense
+matrix.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from .writers import (
 METHODS = ("gptq", "awq", "rtn", "fp8", "nf4")
 GPTQ_ORDER = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 AWQ_SEARCH_TOKENS = 2048  # calibration tokens the AWQ grid search evaluates on (evenly spaced)
+HEAD = "lm_head"  # the head's checkpoint module (transformers' name in every architecture Loom serves)
 
 
 class QuantizeError(ValueError):
@@ -60,6 +64,7 @@ class QuantizeRequest:
     # weight 1 GPTQ may move error into its direction (docs/quantization.md, Q1).
     sink_weight: float = 1.0
     device: str = "cpu"  # where each layer is quantized ("cpu", "cuda", "cuda:1"...)
+    lm_head: bool = False  # gptq / rtn: the head too (GPTQ's quantization_config.lm_head)
 
     def check(self) -> None:
         if self.method not in METHODS:
@@ -72,6 +77,9 @@ class QuantizeRequest:
             raise QuantizeError(f"--group-size {self.group_size}: expected a positive number of inputs, or -1")
         if self.method == "awq" and self.group_size == -1:
             raise QuantizeError("--group-size -1: AWQ checkpoints quantize in groups (64, 128...)")
+        if self.lm_head and self.method not in ("gptq", "rtn"):
+            raise QuantizeError(f"--lm-head applies to --method gptq and rtn (GPTQ checkpoints say lm_head: true); "
+                                f"{self.method} checkpoints keep the head dense")
         if self.act_order and self.method != "gptq":
             raise QuantizeError("--act-order applies to --method gptq only")
         if self.samples < 1 or self.seq_len < 16:
@@ -95,6 +103,17 @@ class QuantizeRequest:
 def decoder_linears(model: nn.Module) -> dict[str, nn.Linear]:
     """The quantized linears: every nn.Linear inside the decoder layers (the head stays dense)."""
     return {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear) and ".layers." in name}
+
+
+def quantized_linears(model: Any, request: QuantizeRequest) -> dict[str, nn.Linear]:
+    """What ``request`` quantizes: the decoder layers' linears, and with ``lm_head`` the head."""
+    linears = decoder_linears(model)
+    if request.lm_head:
+        head = model.get_output_embeddings()
+        if not isinstance(head, nn.Linear):
+            raise QuantizeError(f"--lm-head: the model's head is a {type(head).__name__}, not a linear layer")
+        linears[HEAD] = head
+    return linears
 
 
 def check_shapes(request: QuantizeRequest, linears: dict[str, nn.Linear]) -> None:
@@ -285,7 +304,7 @@ def quantize_model(model_dir: Path, out_dir: Path, request: QuantizeRequest, pro
     request.check()
     device = torch.device(request.device)
     model = load_source(model_dir)
-    linears = decoder_linears(model)
+    linears = quantized_linears(model, request)
     check_shapes(request, linears)
     dtype = source_dtype(model_dir)
     # each quantized linear's checkpoint tensors, packed where it was quantized and then kept on
@@ -308,6 +327,8 @@ def quantize_model(model_dir: Path, out_dir: Path, request: QuantizeRequest, pro
             hidden = run_layer(layer, hidden, kwargs)  # the quantized layer's outputs feed the next
             layers[i] = layer.to("cpu")
             packed.update({name: _packed(request.method, name, ql) for name, ql in found.items()})
+        if request.lm_head:  # (gptq) last, on the final norm's outputs of the quantized layers
+            packed[HEAD] = _packed("gptq", HEAD, gptq_head(model, hidden, request))
     elif request.method == "rtn":
         for name, linear in tqdm(linears.items(), desc=f"rtn ({device})", unit="linear", disable=not progress):
             packed[name] = _packed("rtn", name, rtn(linear.weight.data.to(device), request.bits, request.group_size,
@@ -315,8 +336,8 @@ def quantize_model(model_dir: Path, out_dir: Path, request: QuantizeRequest, pro
     tensors: dict[str, torch.Tensor] = {}
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     for name, tensor in model.state_dict().items():
-        if tied and name == "lm_head.weight":
-            continue
+        if tied and name == f"{HEAD}.weight" and not request.lm_head:
+            continue  # (the embedding's matrix: written once, under its own name)
         stem = name.removesuffix(".weight")
         if stem not in linears or not name.endswith(".weight"):
             tensors[name] = tensor.to(dtype)
@@ -326,6 +347,23 @@ def quantize_model(model_dir: Path, out_dir: Path, request: QuantizeRequest, pro
             tensors.update(fp8_tensors(stem, tensor.to(dtype)))
         else:
             tensors.update(nf4_tensors(stem, tensor.to(dtype), dtype))
-    qconfig = quantization_config(request.method, request.bits, request.group_size, request.act_order, dtype)
-    write_checkpoint(model_dir, out_dir, tensors, qconfig, dtype)
+    qconfig = quantization_config(request.method, request.bits, request.group_size, request.act_order, dtype,
+                                  request.lm_head)
+    # a tied head quantized has tensors of its own: the config must not tie it to the embedding
+    write_checkpoint(model_dir, out_dir, tensors, qconfig, dtype, untie=request.lm_head and tied)
     return out_dir
+
+
+@torch.no_grad()
+def gptq_head(model: Any, hidden: torch.Tensor, request: QuantizeRequest) -> QuantizedLinear:
+    """GPTQ on the head, its Hessian from the final norm's outputs of the last (quantized) layer's
+    ``hidden [windows, T, H]``. The head's own weight is not changed (tied, it is the embedding)."""
+    device = hidden.device
+    norm = model.model.norm.to(device)
+    x = norm(hidden)
+    model.model.norm = norm.to("cpu")
+    head = model.get_output_embeddings()
+    acc = HessianAccumulator(head.in_features)
+    _adder(acc, request.sink_weight)(HEAD, x)
+    return gptq_quantize(head.weight.data.to(device), acc.hessian(), request.bits, request.group_size, sym=True,
+                         act_order=request.act_order, damp=request.damp)

@@ -58,11 +58,13 @@ def nf4_tensors(stem: str, weight: torch.Tensor, dtype: torch.dtype) -> dict[str
     }
 
 
-def quantization_config(method: str, bits: int, group_size: int, act_order: bool, dtype: torch.dtype) -> dict[str, Any]:
+def quantization_config(method: str, bits: int, group_size: int, act_order: bool, dtype: torch.dtype,
+                        lm_head: bool = False) -> dict[str, Any]:
     if method in ("gptq", "rtn"):
-        # RTN is GPTQ's format with plain rounding: any GPTQ reader serves it.
+        # RTN is GPTQ's format with plain rounding: any GPTQ reader serves it. lm_head: whether
+        # the head is quantized too (GPTQModel's field; vLLM reads it as well).
         return {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": act_order, "sym": True,
-                "checkpoint_format": "gptq", "lm_head": False, "quantizer": f"loom quantize --method {method}"}
+                "checkpoint_format": "gptq", "lm_head": lm_head, "quantizer": f"loom quantize --method {method}"}
     if method == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm",
                 "modules_to_not_convert": None}
@@ -83,7 +85,7 @@ def quantization_config(method: str, bits: int, group_size: int, act_order: bool
 
 
 def write_checkpoint(source_dir: Path, out_dir: Path, tensors: dict[str, torch.Tensor], qconfig: dict[str, Any],
-                     dtype: torch.dtype) -> None:
+                     dtype: torch.dtype, untie: bool = False) -> None:
     from safetensors.torch import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -93,6 +95,8 @@ def write_checkpoint(source_dir: Path, out_dir: Path, tensors: dict[str, torch.T
     config = json.loads((source_dir / "config.json").read_text())
     config.pop("loom_random_weights", None)  # the weights are written now
     config["quantization_config"] = qconfig
+    if untie:  # the head has tensors of its own now (quantized), not the embedding's
+        config["tie_word_embeddings"] = False
     config["torch_dtype" if "torch_dtype" in config else "dtype"] = str(dtype).removeprefix("torch.")
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file({name: t.contiguous() for name, t in tensors.items()}, str(out_dir / "model.safetensors"),

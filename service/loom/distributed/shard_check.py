@@ -48,6 +48,15 @@ def shard_problems(hf_config: Any, num_shard: int) -> list[str]:
             if size % num_shard == 0 and (size // num_shard) % group:
                 problems.append(f"{name} per rank ({size} / {num_shard} = {size // num_shard}) is not a whole "
                                 f"number of quantization groups of {group}")
+    # A quantized head (GPTQ's lm_head: true) packs 32 / bits vocabulary columns a word of its zero
+    # points: each rank's share of the vocabulary, ceil(V / N), must fill whole words.
+    if isinstance(qconfig, dict) and str(qconfig.get("quant_method", "")).lower() == "gptq" \
+            and qconfig.get("lm_head") is True and isinstance(qconfig.get("bits"), int) and qconfig["bits"] > 0:
+        per_word, vocab = 32 // qconfig["bits"], int(hf_config.vocab_size)
+        rows = -(-vocab // num_shard)
+        if rows % per_word:
+            problems.append(f"the quantized head's vocabulary per rank (ceil({vocab} / {num_shard}) = {rows}) is not "
+                            f"a multiple of the {per_word} columns a packed word of its zero points holds")
     return problems
 
 

@@ -16,6 +16,7 @@ from loom.distributed.parallel_state import all_gather_last_dim, all_reduce, get
 from loom.plugin_api.quantization import (
     LinearMethod,
     QuantizationConfig,
+    QuantizationError,
     UnquantizedLinearMethod,
     set_weight_attrs,
 )
@@ -32,13 +33,20 @@ class VocabShard:
         self.start = min(rank * self.rows, vocab_size)
         self.end = min(self.start + self.rows, vocab_size)  # rows start:end are real tokens
 
-    def load(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
-        """The whole checkpoint matrix ``[V, ...]`` -> this rank's rows, zero padding after them."""
-        if loaded.shape[0] != self.vocab_size or loaded.shape[1:] != param.shape[1:]:
-            raise WeightShapeError(tuple(loaded.shape), (self.vocab_size, *param.shape[1:]))
-        real = self.end - self.start
-        param.data[:real].copy_(loaded[self.start:self.end])
-        param.data[real:].zero_()
+    def load(self, param: torch.Tensor, loaded: torch.Tensor, dim: int = 0, packed: int = 1) -> None:
+        """The whole checkpoint tensor -> this rank's rows, zero padding after them. The vocabulary
+        runs along ``dim`` (0 for a dense ``[V, H]``; a quantized head's packed tensors may hold it
+        along another, e.g. GPTQ's ``qweight [H / 8, V]``), ``packed`` vocabulary rows to an element
+        (GPTQ's ``qzeros [G, V / 8]``)."""
+        if self.rows % packed or self.vocab_size % packed:
+            raise QuantizationError(f"the head's vocabulary of {self.vocab_size} rows, {self.rows} a rank, does not "
+                                    f"split into whole packed elements of {packed} rows")
+        expected = (*param.shape[:dim], self.vocab_size // packed, *param.shape[dim + 1:])
+        if tuple(loaded.shape) != expected:
+            raise WeightShapeError(tuple(loaded.shape), expected)
+        start, end = self.start // packed, self.end // packed
+        param.data.narrow(dim, 0, end - start).copy_(loaded.narrow(dim, start, end - start))
+        param.data.narrow(dim, end - start, param.shape[dim] - (end - start)).zero_()
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -97,10 +105,14 @@ class ParallelLMHead(nn.Module):
                                              params_dtype or torch.get_default_dtype(), self.weight_loader)
 
     def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
-        if getattr(param, "output_dim", None) != 0:  # a per-tensor value: the same on every rank
+        dim = getattr(param, "output_dim", None)
+        if dim == 0:
+            self.shard.load(param, loaded_weight)
+        elif dim is not None and self.tp_size > 1:  # a quantized head's tensor with the vocabulary elsewhere
+            packed = int(getattr(param, "packed_factor", 1)) if getattr(param, "packed_dim", None) == dim else 1
+            self.shard.load(param, loaded_weight, dim, packed)
+        else:  # a per-tensor value (the same on every rank), or one rank's whole tensor
             default_weight_loader(param, loaded_weight)
-            return
-        self.shard.load(param, loaded_weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
         logits = self.quant_method.apply(self, hidden, None)  # [N, V / ranks]
