@@ -242,7 +242,7 @@ class ProcessLoop:
     sequence that ends at step k still has a (left open, unchecked) row in step k+1, whose layout
     was set before k's tokens were accepted; its replacement joins at step k+2."""
 
-    def __init__(self, rows: int, duplicates: bool, processes: int = 1) -> None:
+    def __init__(self, rows: int, duplicates: bool, processes: int = 1, spin_us: int = 0) -> None:
         from loom.model_loader import resolve_model_dir
         from loom.structured.grammar_group import GrammarProcessGroup
         from loom.structured.grammar_process import GrammarProcess, ProcessConfig
@@ -251,7 +251,8 @@ class ProcessLoop:
         ref = GrammarLoop.__new__(GrammarLoop)  # the documents and specs only
         GrammarLoop.__init__(ref, 0, True, duplicates)
         self.ref = ref
-        config = ProcessConfig(str(resolve_model_dir(None)), ref.vocab, tuple(ref.eos), 600.0, 256 << 20, workers=1)
+        config = ProcessConfig(str(resolve_model_dir(None)), ref.vocab, tuple(ref.eos), 600.0, 256 << 20, workers=1,
+                               spin_us=spin_us)
         self.driver: GrammarProcess | GrammarProcessGroup = (
             GrammarProcess(config) if processes == 1 else GrammarProcessGroup(config, processes))
         self.stager = Stager(torch.device("cpu"))
@@ -339,8 +340,8 @@ class ProcessLoop:
 
 
 def bench_process(steps: int, rows: int, warmup: int, duplicates: bool, other_us: float,
-                  processes: int = 1) -> dict[str, Any]:
-    loop = ProcessLoop(rows, duplicates, processes)
+                  processes: int = 1, spin_us: int = 0) -> dict[str, Any]:
+    loop = ProcessLoop(rows, duplicates, processes, spin_us)
     try:
         for _ in range(warmup):
             loop.step(None, other_us / 1e6)
@@ -360,6 +361,7 @@ def bench_process(steps: int, rows: int, warmup: int, duplicates: bool, other_us
     engine_waits = {"fills": fills, "waited": waits.waits - waits_before.waits,
                     "mean_wait_us": (waits.wait_s - waits_before.wait_s) / max(1, fills) * 1e6}
     return {"num_rows": rows, "steps": steps, "duplicates": duplicates, "other_us": other_us, "processes": processes,
+            "spin_us": spin_us,
             "requests_replaced": loop.replaced, "child_step": child, "engine_waits": engine_waits,
             **{k: _summary_us(v) for k, v in timings.items()}}
 
@@ -398,14 +400,28 @@ def main() -> None:
     ap.add_argument("--other-us", type=float, default=600.0,
                     help="--process: the engine's other host work a step, in microseconds (busy-waited)")
     ap.add_argument("--processes", type=int, default=1, help="--process: this many grammar processes (a group)")
+    ap.add_argument("--spin-us", default=None,
+                    help="--process: how long each side polls before it blocks (LOOM_GRAMMAR_SPIN_US; default: "
+                         "the host's default). A list (0,2000) runs the process loop once per value, in turn, "
+                         "--rounds times: the results are a list under process_by_spin")
+    ap.add_argument("--rounds", type=int, default=1, help="--spin-us with several values: rounds of them")
+    ap.add_argument("--process-only", action="store_true", help="skip the in-process loop")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    result: dict[str, Any] = {"grammar": bench_grammar(args.steps, args.rows, args.warmup, args.profile,
-                                                         args.compare, args.duplicates)}
-    if args.process:
+    from loom import kernel_switches
+
+    spins = [int(v) for v in args.spin_us.split(",")] if args.spin_us else [kernel_switches.grammar_spin_us]
+    result: dict[str, Any] = {} if args.process_only else {
+        "grammar": bench_grammar(args.steps, args.rows, args.warmup, args.profile, args.compare, args.duplicates)}
+    if args.process and len(spins) == 1:
         result["process"] = bench_process(args.steps, args.rows, args.warmup, args.duplicates, args.other_us,
-                                          args.processes)
+                                          args.processes, spins[0])
+    elif args.process:
+        result["process_by_spin"] = [
+            {"spin_us": spin, **bench_process(args.steps, args.rows, args.warmup, args.duplicates, args.other_us,
+                                              args.processes, spin)}
+            for _ in range(args.rounds) for spin in spins]
     if args.engine_step:
         result["engine_step_without_grammar"] = bench_engine_step(args.rows, args.steps)
     text = json.dumps(result, indent=2)

@@ -315,3 +315,45 @@ def test_staging_the_next_step_before_the_rows_gives_the_same_tokens(tiny_llama_
     assert {k: v[-1].finish_reason for k, v in got.items()} == {k: v[-1].finish_reason for k, v in want.items()}
     # constrained steps were staged before their predecessor's rows (or never, switched off)
     assert staged.calls > 5 if stage_before_rows else staged.calls == 0
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_polling_for_the_next_step_gives_the_same_tokens(tiny_llama_dir: Path, reference: LLMEngine,
+                                                        monkeypatch: pytest.MonkeyPatch, processes: int) -> None:
+    """LOOM_GRAMMAR_SPIN_US (2,000 on hosts of 8 cores or more; 0 on this project's 2-core VM): the
+    engine's thread polls for the rows, the child for the next step's message, before blocking.
+    The same tokens as the driver in the engine's process, with one grammar process or a group."""
+    from loom import kernel_switches
+    from loom.structured.grammar_group import GrammarProcessGroup
+
+    monkeypatch.setattr(kernel_switches, "grammar_spin_us", 2000)
+    want = run(reference, mixed())
+    subject = make_engine(tiny_llama_dir, async_scheduling="on", grammar_process="on", grammar_processes=processes)
+    try:
+        got = run(subject, mixed())
+        structured: Any = subject._structured
+        children = structured.children if isinstance(structured, GrammarProcessGroup) else [structured]
+        assert all(child.config.spin_us == 2000 for child in children)
+        assert sum(child.waits.fills for child in children) > 5
+    finally:
+        subject.close()
+    assert {k: ids(v) for k, v in got.items()} == {k: ids(v) for k, v in want.items()}
+    assert {k: v[-1].finish_reason for k, v in got.items()} == {k: v[-1].finish_reason for k, v in want.items()}
+
+
+def test_spin_until_readable_returns_on_a_message_or_after_its_time() -> None:
+    import socket
+    import time
+    from multiprocessing.connection import Connection
+
+    from loom.structured.grammar_process import spin_until_readable
+
+    a, b = socket.socketpair()
+    ours, theirs = Connection(a.detach()), Connection(b.detach())
+    started = time.perf_counter()
+    assert not spin_until_readable(ours, 0.005)
+    assert time.perf_counter() - started >= 0.005
+    theirs.send_bytes(b"step")
+    assert spin_until_readable(ours, 10.0) and ours.recv_bytes() == b"step"
+    ours.close()
+    theirs.close()

@@ -530,7 +530,8 @@ class LLMEngine:
                 processes = self.config.grammar_processes
                 process_config = ProcessConfig(
                     str(model_dir), vocab, tuple(eos), self.config.grammar_compile_timeout, cache_bytes,
-                    compiler_threads=max(1, threads // processes), fault_injection=self.config.fault_injection)
+                    compiler_threads=max(1, threads // processes), fault_injection=self.config.fault_injection,
+                    spin_us=kernel_switches.grammar_spin_us)
                 register = self.device.type == "cuda" and kernel_switches.grammar_rows_registered
                 self._structured = (GrammarProcess(process_config, register_rows=register,
                                                    device_wait=self._grammar_device_wait(register))

@@ -80,6 +80,19 @@ _POLL_S = 0.002  # the child's wait for a message while grammars compile: then i
 _CACHED_READY_WAIT_S = 0.010
 _KNOWN_COMPILED = 4096  # grammar texts remembered as compiled in the child (most recent)
 
+
+def spin_until_readable(conn: Connection, seconds: float) -> bool:
+    """Poll ``conn`` without sleeping for up to ``seconds``; whether a message came. A process
+    blocked in a read is woken by the kernel when a message arrives, which costs tens of
+    microseconds each way (a ping-pong of two processes on the project's VM: ~100 us a round
+    trip blocked, ~28 us polled); while the other side's reply is due within a step, polling
+    on a core of its own costs nothing else (``LOOM_GRAMMAR_SPIN_US``)."""
+    end = time.perf_counter() + seconds
+    while not conn.poll(0):
+        if time.perf_counter() >= end:
+            return False
+    return True
+
 # A step's rows as the engine describes them to the child: the step's sequence ids and their drafts
 # (None: no drafts), then, for a group's child (given only its own sequences), the slot in the
 # shared rows of each sampling row and the half to fill (None, None: the child's own rows), and
@@ -104,6 +117,10 @@ class ProcessConfig:
     parent_pid: int = 0
     log_json: bool = False
     log_level: str = "INFO"
+    # How long each side polls, without sleeping, for the other's next step message before it
+    # blocks (0: it blocks at once): the engine for the rows it waits on, the child (while it
+    # has live constrained sequences) for the next step's tokens (kernel_switches.grammar_spin_us)
+    spin_us: int = 0
 
 
 @dataclass
@@ -224,12 +241,15 @@ class GrammarProcess:
         except (OSError, EOFError) as exc:
             self._break(f"sending to it failed: {exc!r}")
 
-    def _recv(self, timeout: float | None) -> tuple[Any, ...] | None:
-        """The child's next message, or None when none came within ``timeout`` (0: none waiting)."""
+    def _recv(self, timeout: float | None, spin: bool = False) -> tuple[Any, ...] | None:
+        """The child's next message, or None when none came within ``timeout`` (0: none waiting).
+        ``spin``: polled without sleeping for up to ``config.spin_us`` first (a step's rows)."""
         if self._broken is not None:
             return None
         assert self._conn is not None and self._proc is not None
         try:
+            if spin and self.config.spin_us:
+                spin_until_readable(self._conn, self.config.spin_us / 1e6)
             deadline = None if timeout is None else time.monotonic() + timeout
             while not self._conn.poll(0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic()))):
                 if self._proc.poll() is not None:
@@ -574,7 +594,7 @@ class GrammarProcess:
             return
         started = time.perf_counter()
         while self._awaited_reply is None:
-            msg = self._recv(None)
+            msg = self._recv(None, spin=True)
             if msg is None:
                 break
             self._handle(msg)
@@ -620,7 +640,7 @@ class GrammarProcess:
         if self._rows_reply is None:
             started = time.perf_counter()
             while self._rows_reply is None:
-                msg = self._recv(None)
+                msg = self._recv(None, spin=True)
                 if msg is None:
                     raise GrammarProcessError(f"the grammar process ended ({self._broken})")
                 self._handle(msg)
@@ -746,8 +766,13 @@ class _Server:
 
     def run(self) -> None:
         conn, driver = self.conn, self.driver
+        spin_s = self.config.spin_us / 1e6
         while True:
             try:
+                # constrained sequences are live, none compiling (whose readiness the timed poll
+                # below looks for): the next step's tokens are near
+                if spin_s and self.mirrors and not driver.num_held:
+                    spin_until_readable(conn, spin_s)
                 raw = conn.recv_bytes() if conn.poll(_POLL_S if driver.num_held else None) else None
             except (EOFError, OSError):  # the engine closed its end (it exited without a close)
                 return
