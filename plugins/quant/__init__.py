@@ -6,11 +6,12 @@
   the input, act-order), or ``--quantize gptq`` on a random-weight model (benchmarks);
 - ``awq``: AWQ GEMM checkpoints (4-bit with zero points);
 - ``fp8``: FP8 e4m3 checkpoints (vLLM / compressed-tensors), or ``--quantize fp8`` while loading;
+- ``wna16``: compressed-tensors ``pack-quantized`` integer weights (LLM Compressor's W4A16 / W8A16);
 - ``nf4``: bitsandbytes NF4 checkpoints (with or without double quantization), or ``--quantize
   nf4`` while loading.
 
 Each is a config class that picks a linear method per layer (``loom.plugin_api.quantization``).
-On CUDA, GPTQ, AWQ and NF4 share one packed layout and Triton kernels (``w4a16_layout``,
+On CUDA, GPTQ, AWQ, wna16 and NF4 share one packed layout and Triton kernels (``w4a16_layout``,
 ``w4a16_triton``); FP8 runs ``torch._scaled_mm`` with a Triton activation quantizer
 (``fp8_triton``). Elsewhere the layers dequantize per call (``dequant_linear``).
 ``loom quantize`` (``make/``) writes GPTQ, AWQ, RTN (GPTQ format), FP8 and NF4 checkpoints.
@@ -48,6 +49,13 @@ QUANTIZERS: list[QuantizerSpec] = [
                 "capability 8.9+), W8A8 emulated on the CPU",
         load=lazy_import(__name__, ".fp8", "FP8Config"),
         check=lazy_call(__name__, ".fp8", "unsupported_reason"),
+    ),
+    QuantizerSpec(
+        name="wna16",
+        summary="compressed-tensors pack-quantized integer weights (W4A16 / W8A16, groups or per channel, "
+                "symmetric or not, act-order), as LLM Compressor writes them; the Triton W4A16 kernels on CUDA, "
+                "dequantized per layer on the CPU",
+        load=lazy_import(__name__, ".compressed_int", "WNA16Config"),
     ),
     QuantizerSpec(
         name="nf4",

@@ -157,8 +157,9 @@ class FP8Scheme:
     def _from_compressed_tensors(cls, qconfig: dict[str, Any]) -> FP8Scheme:
         fmt = qconfig.get("format")
         if fmt not in ("float-quantized", "naive-quantized"):
-            raise QuantizationError(f"compressed-tensors quantization_config.format is {fmt!r}; only FP8 "
-                                    "(float-quantized) checkpoints are supported")
+            raise QuantizationError(f"compressed-tensors quantization_config.format is {fmt!r}; supported: "
+                                    "float-quantized (FP8, the fp8 quantizer) and pack-quantized (integer weights, "
+                                    "the wna16 quantizer)")
         groups = qconfig.get("config_groups")
         if not isinstance(groups, dict) or len(groups) != 1:
             raise QuantizationError("compressed-tensors quantization_config.config_groups must hold exactly one "
@@ -294,6 +295,12 @@ class FP8Config(QuantizationConfig):
 
     quant_methods = ("fp8", "compressed-tensors")
     quantizes_while_loading = True
+
+    @classmethod
+    def serves_checkpoint_config(cls, quantization_config: dict[str, Any]) -> bool:
+        # compressed-tensors: FP8 weights only (pack-quantized integers are the wna16 quantizer's)
+        return str(quantization_config.get("quant_method", "")).lower() == "fp8" or \
+            quantization_config.get("format") in ("float-quantized", "naive-quantized")
 
     @classmethod
     def check_checkpoint_config(cls, quantization_config: dict[str, Any]) -> None:

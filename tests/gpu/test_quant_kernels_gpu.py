@@ -55,6 +55,8 @@ SCHEMES: dict[str, ql.Scheme] = {
     "gptq-g128-act-order": ql.gptq_scheme(128, act_order=True),
     "gptq-8bit-g128": ql.gptq_scheme(128, bits=8),
     "awq-g128": ql.awq_scheme(128),
+    "wna16-g128": ql.wna16_scheme(128),
+    "wna16-g128-asym-act-order": ql.wna16_scheme(128, sym=False, act_order=True),
     "nf4": ql.nf4_scheme(),
     "gptq-random-while-loading": ql.while_loading_scheme("gptq"),
     "nf4-while-loading": ql.while_loading_scheme("nf4"),

@@ -232,3 +232,59 @@ def dense_with(dense_dir: Path, out: Path, weights: dict[str, torch.Tensor]) -> 
         (out / "config.json").write_text(json.dumps(config))
     save_file(tensors, str(out / "model.safetensors"))
     return out
+
+
+def wna16_checkpoint(dense_dir: Path, out: Path, *, bits: int = 4, group: int = 32, sym: bool = True,
+                     actorder: str | None = None, seed: int = 0) -> tuple[Path, dict[str, torch.Tensor]]:
+    """compressed-tensors ``pack-quantized`` (LLM Compressor's W4A16 / W8A16), packed by
+    compressed-tensors' own code, bf16 scales as it saves a bf16 model's; the expected weights are
+    its own decompression (with the scales in float32: exact). ``actorder="group"`` (the layout
+    compressed-tensors wrote before 0.20): a ``weight_g_idx`` of random order, packed with its
+    pack_to_int32 and dequantized by its elementwise helper (its newer compressor has no g_idx)."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.lifecycle.forward_helpers import _dequantize
+
+    rng = np.random.default_rng(seed)
+    strategy = "channel" if group == -1 else "group"
+    args = QuantizationArgs(num_bits=bits, type="int", symmetric=sym, strategy=strategy,
+                            group_size=None if group == -1 else group)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    half = 1 << (bits - 1)
+    tensors, expected = {}, {}
+    for name, w in dense_tensors(dense_dir).items():
+        if not is_linear(name):
+            tensors[name] = w
+            continue
+        stem = name.removesuffix(".weight")
+        q, z, s, g_idx = rtn_groups(w.float().numpy(), bits, group, sym, rng, actorder == "group")
+        scale = torch.from_numpy(s.astype(np.float32)).t().contiguous().to(torch.bfloat16)  # [out, G]
+        codes = torch.from_numpy(q.T - half).to(torch.int8).contiguous()  # [out, in], signed
+        zp = torch.from_numpy(z.T - half).to(torch.int8).contiguous()  # [out, G], signed
+        if actorder == "group":
+            g = torch.from_numpy(g_idx).long()
+            packed = {"weight_packed": pack_to_int32(codes, bits), "weight_scale": scale,
+                      "weight_g_idx": torch.from_numpy(g_idx)}
+            if not sym:
+                packed["weight_zero_point"] = pack_to_int32(zp, bits, packed_dim=0)
+            expected[stem] = _dequantize(codes, scale.float()[:, g], None if sym else zp[:, g])
+        else:
+            # the dense weight these codes round to, then compressed-tensors' own compression
+            dense = _dequantize(codes, scale.float().repeat_interleave(w.shape[1] // scale.shape[1], 1),
+                                None if sym else zp.repeat_interleave(w.shape[1] // zp.shape[1], 1))
+            state = {"weight": dense, "weight_scale": scale.float(), "weight_zero_point": zp}
+            packed = dict(PackedQuantizationCompressor.compress(state, scheme))
+            # (its codes are the ones rounded here: the tests' own unpacker reads them back)
+            assert np.array_equal(np_unpack_words(packed["weight_packed"].numpy(), bits, axis=1), q.T)
+            expected[stem] = PackedQuantizationCompressor.decompress(
+                {**packed, "weight_scale": scale.float()}, scheme)["weight"].float()
+            packed["weight_scale"] = scale
+        tensors.update({f"{stem}.{k}": v for k, v in packed.items() if k != "weight"})
+    qconfig = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+               "ignore": ["lm_head"], "config_groups": {"group_0": {
+                   "targets": ["Linear"], "input_activations": None, "output_activations": None,
+                   "weights": {"num_bits": bits, "type": "int", "symmetric": sym, "strategy": strategy,
+                               "group_size": None if group == -1 else group, "dynamic": False,
+                               "actorder": actorder, "observer": "minmax"}}}}
+    return _write(dense_dir, out, tensors, qconfig), expected

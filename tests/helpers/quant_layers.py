@@ -84,6 +84,38 @@ def awq_scheme(group: int) -> Scheme:
                   lambda w: _strip(awq_tensors("x", rtn(w, 4, group, sym=False))))
 
 
+def wna16_scheme(group: int, sym: bool = True, act_order: bool = False, bits: int = 4, seed: int = 0) -> Scheme:
+    """compressed-tensors pack-quantized, packed by compressed-tensors' own ``pack_to_int32`` (bf16
+    scales, as LLM Compressor saves a bf16 model's); ``act_order``: a ``weight_g_idx`` of a random
+    input order (compressed-tensors' ``actorder: group``)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    from loom_plugins.quant.compressed_int import WNA16LinearMethod, WNA16Settings
+    from loom_plugins.quant.make.group_quant import rtn
+
+    settings = WNA16Settings(bits=bits, group_size=group, sym=sym, actorder="group" if act_order else None)
+    half = 1 << (bits - 1)
+
+    def tensors(w: torch.Tensor) -> dict[str, torch.Tensor]:
+        perm = torch.arange(w.shape[1])
+        if act_order:
+            perm = torch.randperm(w.shape[1], generator=torch.Generator().manual_seed(seed + w.shape[0]))
+        ql = rtn(w[:, perm], bits, group, sym=sym, min_zero=1)
+        inverse = torch.argsort(perm)
+        out = {"weight_packed": pack_to_int32((ql.codes[:, inverse] - half).to(torch.int8), bits),
+               "weight_scale": ql.scales.to(torch.bfloat16)}
+        if not sym:
+            out["weight_zero_point"] = pack_to_int32((ql.zeros - half).to(torch.int8), bits, packed_dim=0)
+        if act_order:
+            g_idx = torch.empty(w.shape[1], dtype=torch.int32)
+            g_idx[perm] = ql.g_idx.to(torch.int32)
+            out["g_idx"] = g_idx
+        return out
+
+    name = f"wna16-{bits}b-g{group}{'-act' if act_order else ''}{'' if sym else '-asym'}"
+    return Scheme(name, lambda: WNA16LinearMethod(settings), tensors)
+
+
 def nf4_scheme() -> Scheme:
     from loom_plugins.quant.make.writers import nf4_tensors
     from loom_plugins.quant.nf4 import NF4CheckpointMethod, NF4Config

@@ -64,6 +64,74 @@ def test_unsupported_quantization_config_fails_preflight(changes: dict[str, Any]
     assert message in _preflight(path, "auto", quant_registry)
 
 
+@pytest.fixture(scope="module")
+def wna16_dir(tiny_model_dir: TinyDir, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from helpers.quant_checkpoints import wna16_checkpoint
+
+    return wna16_checkpoint(tiny_model_dir("llama"), tmp_path_factory.mktemp("wna16") / "m", sym=False)[0]
+
+
+def _with_weights(src: Path, dst: Path, top: dict[str, Any] | None = None, **weights: Any) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"].update(top or {})
+    config["quantization_config"]["config_groups"]["group_0"]["weights"].update(weights)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.mark.parametrize(("top", "weights", "message"), [
+    ({"format": "int-quantized"}, {}, "compressed-tensors quantization_config.format is 'int-quantized'; supported: "
+     "float-quantized (FP8, the fp8 quantizer) and pack-quantized (integer weights, the wna16 quantizer)"),
+    ({"config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32},
+                                    "input_activations": {"num_bits": 8, "type": "int"}}}}, {},
+     "config_groups.group_0.input_activations is 8-bit 'int': quantized activations (W8A8, W4A8) are not supported"),
+    ({}, {"num_bits": 3}, "config_groups.group_0.weights.num_bits is 3; supported: 4, 8"),
+    ({}, {"strategy": "tensor"}, "config_groups.group_0.weights.strategy is 'tensor'; supported: group, channel"),
+    ({}, {"group_size": 0}, "config_groups.group_0.weights.group_size is 0; expected a positive number"),
+    ({}, {"actorder": "sideways"}, "config_groups.group_0.weights.actorder is 'sideways'; supported: null, weight"),
+    ({"sparsity_config": {"format": "sparse-24-bitmask"}}, {},
+     "quantization_config.sparsity_config is set: 2:4 sparse compressed-tensors checkpoints are not supported"),
+])
+def test_unsupported_compressed_tensors_config_fails_preflight(top: dict[str, Any], weights: dict[str, Any],
+                                                               message: str, wna16_dir: Path,
+                                                               quant_registry: PluginRegistry, tmp_path: Path) -> None:
+    path = _with_weights(wna16_dir, tmp_path / "m", top, **weights)
+    assert message in _preflight(path, "auto", quant_registry)
+
+
+def test_compressed_tensors_checkpoints_go_to_their_quantizer_by_format(wna16_dir: Path, tiny_model_dir: TinyDir,
+                                                                        quant_registry: PluginRegistry,
+                                                                        tmp_path: Path) -> None:
+    """Two quantizers serve quant_method compressed-tensors: pack-quantized integers are wna16's,
+    float-quantized FP8 fp8's; --quantize naming the other is a conflict naming the right one."""
+    from helpers.quant_checkpoints import fp8_checkpoint
+
+    assert ("--quantize fp8 conflicts with the checkpoint's quantization_config.quant_method 'compressed-tensors', "
+            "which the wna16 quantizer serves" in _preflight(wna16_dir, "fp8", quant_registry))
+    fp8_dir, _ = fp8_checkpoint(tiny_model_dir("llama"), tmp_path / "fp8", per_channel=True, static=False)
+    assert "which the fp8 quantizer serves" in _preflight(fp8_dir, "wna16", quant_registry)
+    for path, quantize in ((wna16_dir, "wna16"), (wna16_dir, "auto"), (fp8_dir, "fp8")):
+        check_engine_config(EngineConfig(model_id=str(path), device="cpu", quantize=quantize),
+                            _with_attention(quant_registry))
+
+
+def test_missing_zero_point_tensor_names_it(wna16_dir: Path, quant_registry: PluginRegistry, tmp_path: Path) -> None:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(wna16_dir, tmp_path / "m")
+    tensors = load_file(str(tmp_path / "m" / "model.safetensors"))
+    del tensors["model.layers.0.mlp.down_proj.weight_zero_point"]
+    save_file(tensors, str(tmp_path / "m" / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"compressed-tensors checkpoint tensor model\.layers\.0\.mlp\.down_proj\."
+                                             r"weight_zero_point is missing"):
+        load_model(tmp_path / "m", torch.float32, "cpu", quant_registry)
+
+
 def test_conflicting_quantize_flags_fail_preflight(gptq_dir: Path, tiny_model_dir: TinyDir,
                                                    quant_registry: PluginRegistry) -> None:
     assert ("--quantize fp8 conflicts with the checkpoint's quantization_config.quant_method 'gptq'"

@@ -203,3 +203,25 @@ def test_quantize_while_loading_holds_no_dense_linear_weight(
                                 code=layer.nf4_table_0, blocksize=64, quant_type="nf4", dtype=torch.float32)
         theirs = bnbf.dequantize_4bit(layer.nf4_codes_0.reshape(-1, 1), state)
         assert torch.equal(theirs, layer.quant_method.dequantize(layer, torch.float32))
+
+
+@pytest.mark.parametrize(("bits", "group", "sym", "actorder"), [
+    (4, 32, True, None), (4, 64, False, None), (4, -1, True, None), (8, 32, True, "weight"),
+    (4, 32, False, "group"), (8, 64, True, "group"),
+])
+def test_compressed_tensors_pack_quantized_dequantizes_like_compressed_tensors(
+    bits: int, group: int, sym: bool, actorder: str | None, tiny_model_dir: TinyDir,
+    quant_registry: PluginRegistry, tmp_path: Path,
+) -> None:
+    """LLM Compressor's W4A16 / W8A16 (compressed-tensors pack-quantized), packed by
+    compressed-tensors itself: bit for bit against its own decompression, greedy against
+    transformers on those weights; the head (``ignore``) stays dense."""
+    from helpers.quant_checkpoints import wna16_checkpoint
+
+    dense = tiny_model_dir("llama")
+    path, expected = wna16_checkpoint(dense, tmp_path / "ct", bits=bits, group=group, sym=sym, actorder=actorder)
+    loaded = check_against_reference(path, expected, quant_registry, "wna16")
+    assert loaded.quantization_settings == {"format": "pack-quantized", "bits": str(bits), "group_size": str(group),
+                                            "sym": str(sym).lower(), "actorder": str(actorder).lower()}
+    assert type(loaded.model.lm_head.quant_method).__name__ == "UnquantizedLinearMethod"
+    check_greedy_against_transformers(loaded, expected, dense, tmp_path)

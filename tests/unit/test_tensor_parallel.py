@@ -320,6 +320,25 @@ def test_gptq_act_order_two_shards_give_one_shards_outputs(group: int, tiny_mode
     assert single.worker.info.quantization is not None
 
 
+@pytest.mark.parametrize(("group", "sym", "actorder"), [(32, True, None), (32, False, None), (64, False, "group")])
+def test_compressed_tensors_pack_quantized_two_shards_give_one_shards_outputs(
+        group: int, sym: bool, actorder: str | None, tiny_model_dir: TinyDir, tmp_path: Path) -> None:
+    """compressed-tensors pack-quantized (the wna16 quantizer): ``weight_packed [out, in / 8]``
+    splits like a dense weight; asymmetric zero points ``[out / 8, G]`` by packed rows; with a
+    g_idx (``actorder: group``, group 64: o_proj's ranks hold parts of groups) every rank keeps
+    every group's scales and zeros, as GPTQ act-order does."""
+    from helpers.quant_checkpoints import wna16_checkpoint
+
+    path, _ = wna16_checkpoint(tiny_model_dir("llama"), tmp_path / "ct", group=group, sym=sym, actorder=actorder)
+    single, sharded, _, _ = _compare(path, 2, 320)
+    assert single.worker.info.quantization == sharded.worker.info.quantization == "wna16"
+    if actorder is None:  # groups of 64 without a g_idx: o_proj's 32 inputs a rank are refused at start
+        grouped, _ = wna16_checkpoint(tiny_model_dir("llama"), tmp_path / "ct64", group=64, sym=sym)
+        with pytest.raises(ConfigError, match=r"o_proj's input per rank \(64 / 2 = 32\) is not a whole number "
+                                              r"of quantization groups of 64"):
+            _engine(grouped, num_shard=2)
+
+
 @pytest.mark.parametrize("model", ["llama", "qwen3"])
 def test_gptq_quantized_head_two_shards_give_one_shards_outputs(model: str, tiny_model_dir: TinyDir,
                                                                 tmp_path: Path) -> None:

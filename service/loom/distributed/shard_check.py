@@ -36,10 +36,7 @@ def shard_problems(hf_config: Any, num_shard: int) -> list[str]:
     # groups, or a group's scale would be split between ranks. GPTQ act-order (desc_act) is the
     # exception: its groups are scattered over the input anyway, so every rank keeps every group.
     qconfig = getattr(hf_config, "quantization_config", None)
-    group = qconfig.get("group_size") if isinstance(qconfig, dict) else None
-    if isinstance(qconfig, dict) and str(qconfig.get("quant_method", "")).lower() == "gptq" \
-            and qconfig.get("desc_act") is True:
-        group = None
+    group = _row_group_size(qconfig) if isinstance(qconfig, dict) else None
     if isinstance(group, int) and group > 0:
         inputs = {"o_proj's input": heads * head_dim_of(hf_config)}
         if isinstance(sizes["intermediate_size"], int):
@@ -58,6 +55,23 @@ def shard_problems(hf_config: Any, num_shard: int) -> list[str]:
             problems.append(f"the quantized head's vocabulary per rank (ceil({vocab} / {num_shard}) = {rows}) is not "
                             f"a multiple of the {per_word} columns a packed word of its zero points holds")
     return problems
+
+
+def _row_group_size(qconfig: dict[str, Any]) -> Any:
+    """The inputs a quantization group spans, where a row-parallel rank must hold whole groups
+    (None: no such constraint): GPTQ / AWQ's ``group_size``, or the weights' ``group_size`` of a
+    compressed-tensors pack-quantized scheme; not with act-order's g_idx (GPTQ ``desc_act``,
+    compressed-tensors ``actorder: group``)."""
+    method = str(qconfig.get("quant_method", "")).lower()
+    if method == "gptq" and qconfig.get("desc_act") is True:
+        return None
+    if method == "compressed-tensors":
+        groups = qconfig.get("config_groups")
+        weights = [g.get("weights") for g in groups.values() if isinstance(g, dict)] if isinstance(groups, dict) else []
+        sizes = [w.get("group_size") for w in weights
+                 if isinstance(w, dict) and w.get("strategy") == "group" and w.get("actorder") not in ("group", "dynamic")]
+        return sizes[0] if sizes else None
+    return qconfig.get("group_size")
 
 
 def check_shardable(hf_config: Any, num_shard: int) -> None:

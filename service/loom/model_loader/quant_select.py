@@ -36,16 +36,20 @@ def checkpoint_quantizer(model_dir: Path, quantize: str, registry: PluginRegistr
         raise ModelLoadError(f"{model_dir}: {exc}") from None
     if method is None or qconfig is None:
         return None
-    served: dict[str, tuple[str, Any, str | None]] = {}  # quant_method -> (plugin, class, why not)
+    # quant_method -> its claimants in registration order: (plugin, class, why it cannot run here)
+    served: dict[str, list[tuple[str, Any, str | None]]] = {}
     for info in registry.infos("quantizer"):
         cls = info.spec.load()
         for name in getattr(cls, "quant_methods", ()):
-            served.setdefault(name, (info.spec.name, cls, info.unavailable_reason))
+            served.setdefault(name, []).append((info.spec.name, cls, info.unavailable_reason))
     if method not in served:
         known = ", ".join(sorted(served)) or "none"
         raise ModelLoadError(f"config.json quantization_config.quant_method is {method!r}, which no installed "
                              f"quantizer serves (served: {known})")
-    name, cls, reason = served[method]
+    # the claimant that takes this config (compressed-tensors: by its format), else the first,
+    # whose check below says what is wrong with it
+    claimants = served[method]
+    name, cls, reason = next((c for c in claimants if c[1].serves_checkpoint_config(qconfig)), claimants[0])
     if reason is not None:
         raise ModelLoadError(f"the checkpoint is {method}-quantized but the {name} quantizer cannot run here: {reason}")
     if quantize == "none":

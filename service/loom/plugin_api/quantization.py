@@ -208,9 +208,20 @@ class QuantizationConfig(ABC):
     def for_checkpoint(cls, model_dir: Path) -> bool:
         """True when the checkpoint carries weights in this quantizer's own format. By default:
         config.json's ``quantization_config.quant_method`` is one of :attr:`quant_methods`
-        (case-insensitive); a format told otherwise (a GGUF file) overrides it."""
+        (case-insensitive) and :meth:`serves_checkpoint_config` takes it; a format told otherwise
+        (a GGUF file) overrides it."""
         qconfig = checkpoint_quantization_config(model_dir)
-        return qconfig is not None and str(qconfig.get("quant_method", "")).lower() in cls.quant_methods
+        return qconfig is not None and str(qconfig.get("quant_method", "")).lower() in cls.quant_methods \
+            and cls.serves_checkpoint_config(qconfig)
+
+    @classmethod
+    def serves_checkpoint_config(cls, quantization_config: dict[str, Any]) -> bool:
+        """Whether this config is the one for a ``quantization_config`` of one of its
+        :attr:`quant_methods`, where several quantizers share a method and split it by another
+        field (compressed-tensors: ``format`` float-quantized is FP8's, pack-quantized integer
+        weights another's). True by default; where no claimant takes a config, the first one's
+        :meth:`check_checkpoint_config` says why."""
+        return True
 
     @classmethod
     def check_checkpoint_config(cls, quantization_config: dict[str, Any]) -> None:
