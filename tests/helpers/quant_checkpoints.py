@@ -235,7 +235,8 @@ def dense_with(dense_dir: Path, out: Path, weights: dict[str, torch.Tensor]) -> 
 
 
 def wna16_checkpoint(dense_dir: Path, out: Path, *, bits: int = 4, group: int = 32, sym: bool = True,
-                     actorder: str | None = None, seed: int = 0) -> tuple[Path, dict[str, torch.Tensor]]:
+                     actorder: str | None = None, seed: int = 0,
+                     lm_head: bool = False) -> tuple[Path, dict[str, torch.Tensor]]:
     """compressed-tensors ``pack-quantized`` (LLM Compressor's W4A16 / W8A16), packed by
     compressed-tensors' own code, bf16 scales as it saves a bf16 model's; the expected weights are
     its own decompression (with the scales in float32: exact). ``actorder="group"`` (the layout
@@ -254,7 +255,7 @@ def wna16_checkpoint(dense_dir: Path, out: Path, *, bits: int = 4, group: int = 
     half = 1 << (bits - 1)
     tensors, expected = {}, {}
     for name, w in dense_tensors(dense_dir).items():
-        if not is_linear(name):
+        if not is_linear(name) and not (lm_head and name == "lm_head.weight"):  # (lm_head: not in ignore)
             tensors[name] = w
             continue
         stem = name.removesuffix(".weight")
@@ -282,7 +283,7 @@ def wna16_checkpoint(dense_dir: Path, out: Path, *, bits: int = 4, group: int = 
             packed["weight_scale"] = scale
         tensors.update({f"{stem}.{k}": v for k, v in packed.items() if k != "weight"})
     qconfig = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
-               "ignore": ["lm_head"], "config_groups": {"group_0": {
+               "ignore": [] if lm_head else ["lm_head"], "config_groups": {"group_0": {
                    "targets": ["Linear"], "input_activations": None, "output_activations": None,
                    "weights": {"num_bits": bits, "type": "int", "symmetric": sym, "strategy": strategy,
                                "group_size": None if group == -1 else group, "dynamic": False,

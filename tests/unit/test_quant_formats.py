@@ -225,3 +225,20 @@ def test_compressed_tensors_pack_quantized_dequantizes_like_compressed_tensors(
                                             "sym": str(sym).lower(), "actorder": str(actorder).lower()}
     assert type(loaded.model.lm_head.quant_method).__name__ == "UnquantizedLinearMethod"
     check_greedy_against_transformers(loaded, expected, dense, tmp_path)
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_compressed_tensors_head_quantized_too_loads_by_vocabulary_rows(sym: bool, tiny_model_dir: TinyDir,
+                                                                       quant_registry: PluginRegistry,
+                                                                       tmp_path: Path) -> None:
+    """A pack-quantized head (``lm_head`` not in ``ignore``): its tensors hold the vocabulary along
+    their rows, the zero points 8 rows a word."""
+    from helpers.quant_checkpoints import wna16_checkpoint
+
+    dense = tiny_model_dir("llama")
+    path, expected = wna16_checkpoint(dense, tmp_path / "ct", sym=sym, lm_head=True)
+    loaded = load_model(path, torch.float32, "cpu", quant_registry)
+    head: Any = loaded.model.lm_head
+    assert torch.equal(head.quant_method.dequantize(head, torch.float32), expected.pop("lm_head"))
+    ours = loom_weights(loaded.model)
+    assert all(torch.equal(ours[k], w) for k, w in expected.items())

@@ -106,10 +106,10 @@ class ParallelLMHead(nn.Module):
 
     def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         dim = getattr(param, "output_dim", None)
-        if dim == 0:
-            self.shard.load(param, loaded_weight)
-        elif dim is not None and self.tp_size > 1:  # a quantized head's tensor with the vocabulary elsewhere
-            packed = int(getattr(param, "packed_factor", 1)) if getattr(param, "packed_dim", None) == dim else 1
+        # a quantized head's tensors may hold the vocabulary along another dimension (GPTQ's
+        # qweight [H / 8, V]) or packed (zero points of 8 vocabulary rows a word)
+        packed = int(getattr(param, "packed_factor", 1)) if getattr(param, "packed_dim", None) == dim else 1
+        if dim == 0 or (dim is not None and self.tp_size > 1):
             self.shard.load(param, loaded_weight, dim, packed)
         else:  # a per-tensor value (the same on every rank), or one rank's whole tensor
             default_weight_loader(param, loaded_weight)
