@@ -49,7 +49,7 @@ from loom.plugin_api.quantization import (
 )
 
 from .checkpoint_layers import checkpoint_tensor_names, quantized_parts
-from .dequant_linear import part_index, rows_per_part
+from .dequant_linear import rows_per_part
 from .gptq import PackedIntMethod, activation_dtype
 from .int_packing import unpack_cols, unpack_rows
 from .w4a16_layout import W4A16Layout, from_int_codes
@@ -143,9 +143,7 @@ class WNA16LinearMethod(PackedIntMethod):
                        weight_loader: WeightLoader) -> None:
         prefix = str(getattr(layer, "prefix", ""))
         layer.w4a16_dtype = params_dtype
-        if input_size_per_partition % self.f:
-            raise QuantizationError(f"compressed-tensors {prefix}: input size {input_size_per_partition} does not "
-                                    f"fill whole int32 words of {self.f} {self.bits}-bit values")
+        self._check_in(layer, input_size_per_partition)
         out = sum(output_partition_sizes)
         # as GPTQ: a row-parallel rank keeps its whole groups, except with a g_idx, whose groups
         # are scattered over the whole input (every rank keeps every group's scales and zeros)
@@ -166,36 +164,16 @@ class WNA16LinearMethod(PackedIntMethod):
             set_weight_attrs(zero, input_dim=row_split, output_dim=0, packed_dim=0, packed_factor=self.f,
                              weight_loader=weight_loader)
             layer.register_parameter("weight_zero_point", zero)
-        if self.g_idx:  # each part's own input order: [parts, in (this rank's)]
-            parts = len(output_partition_sizes)
-            g_idx = nn.Parameter(torch.empty(parts, input_size_per_partition, dtype=torch.int32),
-                                 requires_grad=False)
-            first = int(getattr(layer, "tp_rank", 0)) * input_size_per_partition \
-                if input_size_per_partition != input_size else 0
-
-            def load_g_idx(param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
-                if tuple(loaded.shape) != (input_size,):
-                    raise QuantizationError(f"compressed-tensors {prefix}.weight_g_idx: checkpoint shape "
-                                            f"{tuple(loaded.shape)}, expected ({input_size},)")
-                loaded = loaded[first:first + input_size_per_partition]
-                if shard_id is None:
-                    param.data.copy_(loaded.expand(parts, -1))
-                else:
-                    param.data[part_index(shard_id, parts, prefix)].copy_(loaded)
-
-            set_weight_attrs(g_idx, weight_loader=load_g_idx)
-            layer.register_parameter("g_idx", g_idx)
+        if self.g_idx:
+            self.register_g_idx(layer, input_size_per_partition, input_size, len(output_partition_sizes),
+                                f"compressed-tensors {prefix}.weight_g_idx")
 
     def process_weights_after_loading(self, layer: Any) -> None:
         # GPTQ's orientation for the shared code: scales [G, out]
         layer.register_buffer("scales", layer.weight_scale.data.t().contiguous(), persistent=False)
         del layer.weight_scale
         if self.g_idx:
-            groups = layer.scales.shape[0]
-            bad = (layer.g_idx < 0) | (layer.g_idx >= groups)
-            if bool(bad.any()):
-                raise QuantizationError(f"compressed-tensors {getattr(layer, 'prefix', '')}.weight_g_idx: values "
-                                        f"must be group indices in [0, {groups}), found {int(layer.g_idx[bad][0])}")
+            self.check_g_idx(layer, f"compressed-tensors {getattr(layer, 'prefix', '')}.weight_g_idx")
         self.repack(layer)
 
     def codes_and_zeros(self, layer: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -122,6 +122,11 @@ class PackedIntMethod(DequantLinearMethod):
                                     f"of quantization_config.group_size {self.group_size}")
         return input_size // self.group_size
 
+    def _check_in(self, layer: Any, input_size: int) -> None:
+        if input_size % self.f:
+            raise QuantizationError(f"{self.fmt} {getattr(layer, 'prefix', '')}: input size {input_size} does not "
+                                    f"fill whole int32 words of {self.f} {self.bits}-bit values")
+
     def _check_out(self, layer: Any, output_partition_sizes: list[int]) -> None:
         for rows in output_partition_sizes:
             if rows % self.f:
@@ -138,6 +143,38 @@ class PackedIntMethod(DequantLinearMethod):
     def codes_and_zeros(self, layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """``(q [in, out], zeros [G, out])`` int32, in the checkpoint's output order."""
         raise NotImplementedError
+
+    @staticmethod
+    def register_g_idx(layer: Any, input_size_per_partition: int, input_size: int, parts: int, what: str) -> None:
+        """Act-order's ``g_idx [parts, in (this rank's)]``: each fused part's own input order, loaded
+        from the checkpoint's ``[in]`` (``what`` names that tensor in errors). A row-parallel rank
+        keeps its slice (inputs ``rank * in_per_rank ..``; every other layer keeps all of them), its
+        values global group numbers."""
+        prefix = str(getattr(layer, "prefix", ""))
+        g_idx = nn.Parameter(torch.empty(parts, input_size_per_partition, dtype=torch.int32), requires_grad=False)
+        first = int(getattr(layer, "tp_rank", 0)) * input_size_per_partition \
+            if input_size_per_partition != input_size else 0
+
+        def load_g_idx(param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+            if tuple(loaded.shape) != (input_size,):
+                raise QuantizationError(f"{what}: checkpoint shape {tuple(loaded.shape)}, expected ({input_size},)")
+            loaded = loaded[first:first + input_size_per_partition]  # [in (this rank's)]
+            if shard_id is None:
+                param.data.copy_(loaded.expand(parts, -1))
+            else:
+                param.data[part_index(shard_id, parts, prefix)].copy_(loaded)
+
+        set_weight_attrs(g_idx, weight_loader=load_g_idx)
+        layer.register_parameter("g_idx", g_idx)
+
+    @staticmethod
+    def check_g_idx(layer: Any, what: str) -> None:
+        """Every ``g_idx`` value names one of the layer's groups (``what`` names the tensor)."""
+        groups = layer.scales.shape[0]
+        bad = (layer.g_idx < 0) | (layer.g_idx >= groups)
+        if bool(bad.any()):
+            raise QuantizationError(f"{what}: values must be group indices in [0, {groups}), found "
+                                    f"{int(layer.g_idx[bad][0])}")
 
     def to_layout(self, layer: Any) -> W4A16Layout:
         """The layer's codes in the kernels' layout (NotRepackable: it keeps the checkpoint's)."""
@@ -192,9 +229,7 @@ class GPTQLinearMethod(PackedIntMethod):
                        weight_loader: WeightLoader) -> None:
         prefix = str(getattr(layer, "prefix", ""))
         layer.w4a16_dtype = params_dtype
-        if input_size_per_partition % self.f:
-            raise QuantizationError(f"GPTQ {prefix}: input size {input_size_per_partition} does not fill whole "
-                                    f"int32 words of {self.f} {self.bits}-bit values")
+        self._check_in(layer, input_size_per_partition)
         self._check_out(layer, output_partition_sizes)
         out = sum(output_partition_sizes)
         # Without act-order groups follow the input: a row-parallel rank keeps its whole groups
@@ -216,34 +251,13 @@ class GPTQLinearMethod(PackedIntMethod):
         layer.register_parameter("qweight", qweight)
         layer.register_parameter("qzeros", qzeros)
         layer.register_parameter("scales", scales)
-        if self.settings.desc_act:  # each part's own input order: [parts, in (this rank's)]
-            parts = len(output_partition_sizes)
-            g_idx = nn.Parameter(torch.empty(parts, input_size_per_partition, dtype=torch.int32),
-                                 requires_grad=False)
-            # a row-parallel rank's inputs: rank * in_per_rank ..; every other layer keeps all of them
-            first = int(getattr(layer, "tp_rank", 0)) * input_size_per_partition \
-                if input_size_per_partition != input_size else 0
-
-            def load_g_idx(param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
-                if tuple(loaded.shape) != (input_size,):
-                    raise QuantizationError(f"GPTQ {prefix}.g_idx: checkpoint shape {tuple(loaded.shape)}, expected "
-                                            f"({input_size},)")
-                loaded = loaded[first:first + input_size_per_partition]  # [in (this rank's)]
-                if shard_id is None:
-                    param.data.copy_(loaded.expand(parts, -1))
-                else:
-                    param.data[part_index(shard_id, parts, prefix)].copy_(loaded)
-
-            set_weight_attrs(g_idx, weight_loader=load_g_idx)
-            layer.register_parameter("g_idx", g_idx)
+        if self.settings.desc_act:
+            self.register_g_idx(layer, input_size_per_partition, input_size, len(output_partition_sizes),
+                                f"GPTQ {prefix}.g_idx")
 
     def process_weights_after_loading(self, layer: Any) -> None:
         if self.settings.desc_act:
-            groups = layer.scales.shape[0]
-            bad = (layer.g_idx < 0) | (layer.g_idx >= groups)
-            if bool(bad.any()):
-                raise QuantizationError(f"GPTQ {getattr(layer, 'prefix', '')}.g_idx: values must be group indices "
-                                        f"in [0, {groups}), found {int(layer.g_idx[bad][0])}")
+            self.check_g_idx(layer, f"GPTQ {getattr(layer, 'prefix', '')}.g_idx")
         self.repack(layer)
 
     def to_layout(self, layer: Any) -> W4A16Layout:

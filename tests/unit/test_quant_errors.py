@@ -118,20 +118,6 @@ def test_compressed_tensors_checkpoints_go_to_their_quantizer_by_format(wna16_di
                             _with_attention(quant_registry))
 
 
-def test_missing_zero_point_tensor_names_it(wna16_dir: Path, quant_registry: PluginRegistry, tmp_path: Path) -> None:
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(wna16_dir, tmp_path / "m")
-    tensors = load_file(str(tmp_path / "m" / "model.safetensors"))
-    del tensors["model.layers.0.mlp.down_proj.weight_zero_point"]
-    save_file(tensors, str(tmp_path / "m" / "model.safetensors"))
-    with pytest.raises(ModelLoadError, match=r"compressed-tensors checkpoint tensor model\.layers\.0\.mlp\.down_proj\."
-                                             r"weight_zero_point is missing"):
-        load_model(tmp_path / "m", torch.float32, "cpu", quant_registry)
-
-
 def test_conflicting_quantize_flags_fail_preflight(gptq_dir: Path, tiny_model_dir: TinyDir,
                                                    quant_registry: PluginRegistry) -> None:
     assert ("--quantize fp8 conflicts with the checkpoint's quantization_config.quant_method 'gptq'"
@@ -163,17 +149,22 @@ def test_a_quantized_head_the_checkpoint_lacks_is_named(gptq_dir: Path, quant_re
         load_model(path, torch.float32, "cpu", quant_registry)
 
 
-def test_missing_scale_tensor_names_it(gptq_dir: Path, quant_registry: PluginRegistry, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("checkpoint", "tensor", "fmt"), [
+    ("gptq_dir", "model.layers.1.mlp.up_proj.scales", "GPTQ"),
+    ("wna16_dir", "model.layers.0.mlp.down_proj.weight_zero_point", "compressed-tensors"),
+])
+def test_missing_scale_or_zero_tensor_names_it(checkpoint: str, tensor: str, fmt: str, request: pytest.FixtureRequest,
+                                               quant_registry: PluginRegistry, tmp_path: Path) -> None:
+    import re
     import shutil
 
     from safetensors.torch import load_file, save_file
 
-    shutil.copytree(gptq_dir, tmp_path / "m")
+    shutil.copytree(request.getfixturevalue(checkpoint), tmp_path / "m")
     tensors = load_file(str(tmp_path / "m" / "model.safetensors"))
-    del tensors["model.layers.1.mlp.up_proj.scales"]
+    del tensors[tensor]
     save_file(tensors, str(tmp_path / "m" / "model.safetensors"))
-    with pytest.raises(ModelLoadError, match=r"GPTQ checkpoint tensor model\.layers\.1\.mlp\.up_proj\.scales is "
-                                             r"missing"):
+    with pytest.raises(ModelLoadError, match=re.escape(f"{fmt} checkpoint tensor {tensor} is missing")):
         load_model(tmp_path / "m", torch.float32, "cpu", quant_registry)
 
 
