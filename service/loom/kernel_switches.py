@@ -129,7 +129,19 @@ def _default_grammar_spin_us() -> int:
     return 2000 if cores >= 8 else 0
 
 
-grammar_spin_us: int = int(os.environ.get("LOOM_GRAMMAR_SPIN_US", "") or _default_grammar_spin_us())
+def _grammar_spin_us(value: str) -> int:
+    if not value.strip():
+        return _default_grammar_spin_us()
+    try:
+        spin = int(value)
+    except ValueError:
+        raise ValueError(f"LOOM_GRAMMAR_SPIN_US={value!r}: expected a whole number of microseconds (0: off)") from None
+    if spin < 0:
+        raise ValueError(f"LOOM_GRAMMAR_SPIN_US={value!r}: expected 0 or more microseconds")
+    return spin
+
+
+grammar_spin_us: int = _grammar_spin_us(os.environ.get("LOOM_GRAMMAR_SPIN_US", ""))
 
 
 @contextlib.contextmanager

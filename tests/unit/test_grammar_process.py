@@ -341,6 +341,21 @@ def test_polling_for_the_next_step_gives_the_same_tokens(tiny_llama_dir: Path, r
     assert {k: v[-1].finish_reason for k, v in got.items()} == {k: v[-1].finish_reason for k, v in want.items()}
 
 
+def test_the_spin_switch_reads_microseconds_and_defaults_by_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from loom import kernel_switches
+
+    assert kernel_switches._grammar_spin_us("750") == 750 and kernel_switches._grammar_spin_us("0") == 0
+    for bad in ("fast", "-1"):
+        with pytest.raises(ValueError, match=f"LOOM_GRAMMAR_SPIN_US='{bad}': expected"):
+            kernel_switches._grammar_spin_us(bad)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)))
+    assert kernel_switches._grammar_spin_us("") == 2000  # a GPU server's cores
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1})
+    assert kernel_switches._grammar_spin_us(" ") == 0  # this project's VM
+
+
 def test_spin_until_readable_returns_on_a_message_or_after_its_time() -> None:
     import socket
     import time
