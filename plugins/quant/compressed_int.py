@@ -89,7 +89,7 @@ class WNA16Settings:
         if not isinstance(group, dict):
             raise QuantizationError(f"{where} must be an object, got {group!r}")
         if group.get("input_activations") is not None:
-            acts = group["input_activations"]
+            acts = group["input_activations"] if isinstance(group["input_activations"], dict) else {}
             raise QuantizationError(f"{where}.input_activations is {acts.get('num_bits')}-bit "
                                     f"{acts.get('type')!r}: quantized activations (W8A8, W4A8) are not supported; "
                                     "weight-only schemes (W4A16, W8A16) are")
@@ -118,7 +118,8 @@ class WNA16Settings:
             raise QuantizationError(f"{where}.weights.symmetric must be true or false, got {sym!r}")
         actorder = weights.get("actorder")
         # (older compressed-tensors also wrote static for weight and dynamic for group; true is group)
-        actorder = {False: None, True: "group", "static": "weight", "dynamic": "group"}.get(actorder, actorder)
+        if isinstance(actorder, (bool, str)):
+            actorder = {False: None, True: "group", "static": "weight", "dynamic": "group"}.get(actorder, actorder)
         if actorder not in ACTORDERS:
             raise QuantizationError(f"{where}.weights.actorder is {actorder!r}; supported: null, weight, group")
         if actorder == "group" and strategy != "group":

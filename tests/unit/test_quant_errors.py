@@ -92,6 +92,7 @@ def _with_weights(src: Path, dst: Path, top: dict[str, Any] | None = None, **wei
     ({}, {"strategy": "tensor"}, "config_groups.group_0.weights.strategy is 'tensor'; supported: group, channel"),
     ({}, {"group_size": 0}, "config_groups.group_0.weights.group_size is 0; expected a positive number"),
     ({}, {"actorder": "sideways"}, "config_groups.group_0.weights.actorder is 'sideways'; supported: null, weight"),
+    ({}, {"actorder": ["group"]}, "config_groups.group_0.weights.actorder is ['group']; supported: null, weight"),
     ({"sparsity_config": {"format": "sparse-24-bitmask"}}, {},
      "quantization_config.sparsity_config is set: 2:4 sparse compressed-tensors checkpoints are not supported"),
 ])
