@@ -85,13 +85,19 @@ def awq_scheme(group: int) -> Scheme:
 
 
 def wna16_scheme(group: int, sym: bool = True, act_order: bool = False, bits: int = 4, seed: int = 0) -> Scheme:
-    """compressed-tensors pack-quantized, packed by compressed-tensors' own ``pack_to_int32`` (bf16
-    scales, as LLM Compressor saves a bf16 model's); ``act_order``: a ``weight_g_idx`` of a random
-    input order (compressed-tensors' ``actorder: group``)."""
-    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    """compressed-tensors pack-quantized (bf16 scales, as LLM Compressor saves a bf16 model's),
+    packed by the tests' own NumPy packer (the format's fidelity is checked against
+    compressed-tensors' packer on the CPU, in test_quant_formats.py; the GPU machine does not have
+    it); ``act_order``: a ``weight_g_idx`` of a random input order (``actorder: group``)."""
+    import numpy as np
 
+    from helpers.quant_checkpoints import np_pack_words
     from loom_plugins.quant.compressed_int import WNA16LinearMethod, WNA16Settings
     from loom_plugins.quant.make.group_quant import rtn
+
+    def pack_to_int32(values: torch.Tensor, bits: int, packed_dim: int = 1) -> torch.Tensor:
+        unsigned = (values.to(torch.int64) + (1 << (bits - 1))).numpy().astype(np.int64)  # as stored
+        return torch.from_numpy(np_pack_words(unsigned, bits, axis=packed_dim))
 
     settings = WNA16Settings(bits=bits, group_size=group, sym=sym, actorder="group" if act_order else None)
     half = 1 << (bits - 1)
