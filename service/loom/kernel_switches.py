@@ -44,6 +44,10 @@ Two narrower switches, read the same way:
   the router as ``LOOM_MOE_ROUTER_EPILOGUE`` says) where the router's grid would recompute the
   norm itself (``loom.layers.moe_norm_router``, 1-4 tokens; the same bits). Off with
   ``LOOM_MOE_ROUTER_EPILOGUE=0`` too (the norm rides on that kernel).
+- ``LOOM_GREEDY_KERNEL=0`` (:data:`greedy_kernel`): a step whose rows are all greedy, with no
+  alternatives asked for, picks its tokens with the six torch launches of the general sampler
+  instead of one Triton launch (``loom.sample.greedy_triton``; CUDA only: the same tokens, the
+  logprobs within a few ulps).
 - ``LOOM_PDL=0`` (:data:`pdl`; on by default since the H200 measured it, 2026-12-03: W1 1.015x
   bf16, 1.026x FP8, 1.086x int4, 1.027x Qwen3-30B-A3B): the decode path's Triton kernels are
   launched without Programmatic Dependent Launch. On, on GPUs of compute capability 9 and later
@@ -111,6 +115,7 @@ draft_catch_up_graphs: bool = os.environ.get("LOOM_DRAFT_CATCH_UP_GRAPHS", "1") 
 moe_direct_experts: bool = os.environ.get("LOOM_MOE_DIRECT_EXPERTS", "1") != "0"
 moe_router_epilogue: bool = os.environ.get("LOOM_MOE_ROUTER_EPILOGUE", "1") != "0"
 moe_norm_router: bool = os.environ.get("LOOM_MOE_NORM_ROUTER", "1") != "0"
+greedy_kernel: bool = os.environ.get("LOOM_GREEDY_KERNEL", "1") != "0"
 grammar_fast_rows: bool = os.environ.get("LOOM_GRAMMAR_FAST_ROWS", "1") != "0"
 pdl: bool = os.environ.get("LOOM_PDL", "1") not in ("0", "off", "false", "no")
 grammar_rows_registered: bool = os.environ.get("LOOM_GRAMMAR_ROWS_REGISTERED", "1") not in ("0", "off", "false", "no")

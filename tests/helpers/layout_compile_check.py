@@ -19,6 +19,7 @@ reproduce bit for bit:
   (its sum of squares first, in the same layout: the same normed values, whose max and codes
   follow), and ``_silu_and_mul_quant_kernel`` at the launches ``silu_and_mul_quant``'s rule makes
   (SmolLM2's row in one block, llama-8b's in two passes), none spilling;
+* ``greedy``: the sampler's one-launch greedy pick (``loom.sample.greedy_triton``), alone;
 * ``expert_pipelining``: the MoE expert kernels with whole K tiles load through cp.async (the
   software pipeline a K mask in the loop kept triton 3.6 from building), without spills.
 
@@ -385,6 +386,29 @@ def check_expert_pipelining() -> int:
     return failed
 
 
+def check_greedy() -> int:
+    """The sampler's one-launch greedy pick (``loom.sample.greedy_triton._greedy_kernel``) compiles
+    for sm_90 as it is launched, without spills, with its merge guarded by one acquire-release
+    atomic and its NaN-free maximum as a tie-to-the-first-index reduction."""
+    from loom.sample import greedy_triton as g
+
+    sig = dict(logits_ptr="*fp32", part_max_ptr="*fp32", part_sum_ptr="*fp32", part_idx_ptr="*i32",
+               part_nan_ptr="*i32", counter_ptr="*i32", token_ptr="*i64", logprob_ptr="*fp32", finite_ptr="*i1",
+               V="i32", PIECES="i32", stride_row="i32")
+    try:
+        compiled = compile_for_hopper(g._greedy_kernel, sig, {"BLOCK": g.BLOCK, "BLOCK_P": 128}, 4)
+    except Exception as exc:  # reported: the script fails
+        print(f"FAIL greedy: {type(exc).__name__}: {exc}")
+        return 1
+    ptx = compiled.asm["ptx"]
+    atomics = len(re.findall(r"atom\.global\.gpu\.acq_rel\.", ptx))
+    regs, spills = _spills(compiled)
+    ok = spills == 0 and atomics == 1
+    print(f"{'ok  ' if ok else 'FAIL'} greedy pick BLOCK={g.BLOCK}: {regs} registers, {spills} bytes spilled, "
+          f"{atomics} acquire-release atomic")
+    return int(not ok)
+
+
 def torch_bf16() -> Any:
     import torch
 
@@ -466,7 +490,8 @@ def main(group: str) -> int:
     make_importable()
     checks = {"routing": check_routing, "qk_norm_rotary": check_qk_norm_rotary, "combine_norm": check_combine_norm,
               "router_epilogue": check_router_epilogue, "norm_router": check_norm_router,
-              "expert_pipelining": check_expert_pipelining, "quantized_input": check_quantized_input}
+              "expert_pipelining": check_expert_pipelining, "quantized_input": check_quantized_input,
+              "greedy": check_greedy}
     if group not in checks:
         raise SystemExit(f"unknown group {group!r}: one of {', '.join(checks)}")
     return 1 if checks[group]() else 0

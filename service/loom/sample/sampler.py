@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import greedy_triton
 from .batch import SamplingBatch
 from .noise import counter_uniform
 from .processors import apply_processors
@@ -43,6 +44,10 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
         # The distribution reported: after the processors, before filtering. [N, V]
         scaled = apply_processors(logits.float(), b.processors)
+        if not b.any_sample and b.max_top_n == 0 and greedy_triton.serves(scaled):
+            # Every row greedy, no alternatives: one launch (the same tokens as below).
+            token_ids, chosen, finite = greedy_triton.greedy_pick(scaled)
+            return SamplerOutput(token_ids, chosen, finite, None, None)
         # The processed logits must be finite: a NaN or +inf anywhere in a row, from the model or
         # from a penalty or temperature that overflowed, makes the row's max NaN or +inf. One
         # reduction instead of isfinite(...).all() (five passes over [N, V], about 1 ms a step at
@@ -56,7 +61,9 @@ class Sampler:
             assert b.do_sample is not None  # present whenever a row samples
             kept = torch.where(b.do_sample[:, None], apply_processors(scaled, b.filters), scaled)
         logprobs = kept.log_softmax(-1)  # [N, V]: the distribution tokens are drawn from
-        token_ids = logprobs.argmax(-1)
+        # Greedy rows (``kept`` is ``scaled`` there): the first maximal processed logit, as
+        # transformers picks it (log_softmax's rounding could tie two logits one ulp apart).
+        token_ids = kept.argmax(-1)
         if b.any_sample:
             assert b.do_sample is not None and b.seeds is not None and b.steps is not None
             u = counter_uniform(b.seeds, b.steps, logits.shape[-1])
