@@ -26,7 +26,7 @@
 #   bash scripts/gpu_round.sh w2-packed        # W2 int4 with the packed tile (DENSE_FROM=257) and without, alternating, bf16 beside
 #   bash scripts/gpu_round.sh split-cap [DENSE_FROM] # the packed tile's K-split cap: plans at 128 / 256 tokens, W2 int4 with and without
 #   bash scripts/gpu_round.sh w2-int4-arms [DENSE:CAP ...] # W2 int4 per arm (LOOM_W4A16_DENSE_FROM, _PACKED_SPLIT_CAP), ROUNDS times alternating, bf16 beside
-#   bash scripts/gpu_round.sh greedy [MODELS]   # the one-launch greedy pick: its GPU test, the sampler timed, W1 per model (llama-8b) with it off and on
+#   bash scripts/gpu_round.sh launches [MODELS] # the greedy pick and RoPE + K/V store in one launch each: GPU tests, the sampler timed, W1 per model (llama-8b) off / on twice
 #   bash scripts/gpu_round.sh gpu-test FILE... # GPU-marked tests of the files named -> $OUT/gpu-tests-<first file>.txt
 #
 # What is owed: docs/benchmarks.md's list at its end ("What is owed to the next round").
@@ -204,13 +204,13 @@ split-cap)  # #15: the packed tile's K-split cap from 128 tokens (session 45): t
   grep -E "M=" "$OUT/w4a16-split-cap.log" | sed 's/; plain GEMM.*//' | cut -c1-200
   ROUNDS=2 bash "$0" w2-int4-arms "$d:1" "$d:0"
   ;;
-greedy)  # the greedy pick in one launch (loom.sample.greedy_triton): its GPU test, the sampler timed, W1 with it off and on
-  bash "$0" gpu-test tests/gpu/test_greedy_kernel_gpu.py
+launches)  # fewer launches a step: the one-launch greedy pick and RoPE + K/V store, their GPU tests, the sampler timed, W1 with both off and on
+  bash "$0" gpu-test tests/gpu/test_greedy_kernel_gpu.py tests/gpu/test_rope_store_gpu.py
   timeout 120 python3 scripts/bench_sampler.py --out "$OUT/sampler-greedy.json" 2>&1 | tail -9
   for model in ${*:-llama-8b}; do
-    for arm in 0 1; do
-      LOOM_GREEDY_KERNEL=$arm BENCH_MAX_S=110 bash "$0" bench "w1-$model-greedy-kernel-$arm" --workloads W1 \
-        --model-id "random:$model" | grep -E "^W1|^== "
+    for arm in 0 1 0 1; do
+      LOOM_GREEDY_KERNEL=$arm LOOM_ROPE_STORE=$arm BENCH_MAX_S=110 bash "$0" bench "w1-$model-launches-$arm-$(date +%s)" \
+        --workloads W1 --model-id "random:$model" | grep -E "^W1|^== "
     done
   done
   ;;

@@ -1,6 +1,7 @@
 """The ``paged`` attention backend: Triton kernels over the paged KV pool (CUDA only).
 
-Per layer: one launch writes the new K/V into the pool (:func:`store_kv`), then attention reads
+Per layer: one launch writes the new K/V into the pool (:func:`store_kv`; with the layer's RoPE
+handed over unapplied, :func:`rope_store` rotates q and k in the same launch), then attention reads
 every key, cached and new alike, from the pool through the block tables
 (:func:`paged_attention`). How a step is served depends only on host-side values of the
 metadata, planned once per step by :meth:`PagedAttentionBackend.prepare` (all layers reuse
@@ -31,12 +32,13 @@ from dataclasses import dataclass
 import torch
 
 from loom import kernel_switches
+from loom.layers.rotary import PendingRope
 from loom.layers.split_k import counters
 from loom.plugin_api import AttentionBackend, AttentionMetadata, kv_fp8
 
 from .decode_plans import choose_num_splits, plan_decode
 from .triton_fp8_attention import paged_attention_fp8
-from .triton_kernels import paged_attention, store_kv
+from .triton_kernels import paged_attention, rope_store, store_kv
 
 __all__ = ["PagedAttentionBackend", "PagedPlan", "choose_num_splits"]
 
@@ -87,6 +89,7 @@ class PagedAttentionBackend(AttentionBackend[PagedPlan]):
     name = "paged"
     supports_logits_soft_cap = True
     supports_fp8_kv_cache = True
+    supports_rope_store = True  # RoPE and the K/V store in one launch (rope_store)
     supports_cuda_graphs = True
     supports_cuda_graphs_multi_token = True  # uniform query lengths: see prepare()
 
@@ -140,8 +143,15 @@ class PagedAttentionBackend(AttentionBackend[PagedPlan]):
         scale: float,
         sliding_window: int | None,
         logits_soft_cap: float | None = None,
+        rope: PendingRope | None = None,
     ) -> torch.Tensor:  # [T, Hq, D]
-        store_kv(k, v, kv_cache, meta.slot_mapping)
+        args = rope.kernel_args(q, k) if rope is not None else None
+        if args is not None:  # one launch rotates q and k and writes the rotated K and V
+            q = rope_store(q, k, v, kv_cache, meta.slot_mapping, args)
+        else:
+            if rope is not None:
+                q, k = rope.apply(q, k)
+            store_kv(k, v, kv_cache, meta.slot_mapping)
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = torch.empty((q.shape[0], self.num_heads, self.head_dim), dtype=q.dtype, device=q.device)

@@ -55,6 +55,8 @@ import torch
 import triton
 import triton.language as tl
 
+from loom.layers.fused_ops import norm_rotate_head, norm_warps
+from loom.layers.rotary import RopeArgs
 from loom.layers.split_k import last_to_arrive
 from loom.layers.triton_jit import pdl_launch, pdl_prologue
 from loom.plugin_api import kv_fp8
@@ -123,6 +125,116 @@ def _store_kv_kernel(
         else:
             tl.store(k_dst, k, mask=mask)
             tl.store(v_dst, v, mask=mask)
+
+
+@triton.jit
+def _fp8_row_store(x1, x2, mask, dst, stride_d, HALF, scale_dst, code_dtype: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """One (token, head) row given as its two float32 halves, written as ``kv_fp8.quantize`` does
+    (``_store_kv_kernel``'s arithmetic on one row: the same codes and scale)."""
+    amax = tl.maximum(tl.max(tl.abs(x1), 0), tl.max(tl.abs(x2), 0))
+    fmax = tl.full(amax.shape, 448.0, tl.float32)
+    inv = tl.where(amax > 0.0, tl.math.div_rn(fmax, tl.where(amax > 0.0, amax, 1.0)), 0.0)
+    d = tl.arange(0, BLOCK_HALF)
+    c1 = tl.minimum(tl.maximum(x1 * inv, -448.0), 448.0)
+    c2 = tl.minimum(tl.maximum(x2 * inv, -448.0), 448.0)
+    tl.store(dst + d * stride_d, c1.to(code_dtype), mask=mask)
+    tl.store(dst + (HALF + d) * stride_d, c2.to(code_dtype), mask=mask)
+    tl.store(scale_dst, tl.math.div_rn(amax, fmax))
+
+
+@triton.jit
+def _rope_store_kernel(
+    q_ptr, k_ptr, v_ptr,  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D] views, unit stride along D
+    q_out_ptr,  # [T, Hq, D] contiguous
+    qw_ptr, kw_ptr,  # [D] norm weights (NORM)
+    pos_ptr,  # [T] integer positions
+    cos_ptr, sin_ptr,  # [P, D/2] float32 tables
+    kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr,  # the pool and the slots, as _store_kv_kernel's
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
+    stride_kcb, stride_kcs, stride_kch,
+    stride_vcb, stride_vcs, stride_vch, stride_vcd,
+    stride_sb, stride_ss, stride_sh,
+    HQ, D, q_eps, k_eps,
+    HALF: tl.constexpr, BLOCK: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM: tl.constexpr,
+    GEMMA: tl.constexpr, PAGE: tl.constexpr, FP8_KV: tl.constexpr, USE_PDL: tl.constexpr = False,
+):
+    # Program (t, h): head h of token t, q heads first. A q head is (normalised and) rotated
+    # into q_out, as fused_ops.qk_norm_rotary / rotary compute it; KV head j = h - HQ has its K
+    # row (normalised and) rotated and its V row written into the pool at the token's slot (slot
+    # < 0: not written), as store_kv writes them: one launch for the RoPE and the store.
+    if USE_PDL:  # q, k and v come from the qkv projection; the pool's rows may be read before
+        pdl_prologue()
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    dtype = q_out_ptr.dtype.element_ty
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    d = tl.arange(0, BLOCK_HALF)
+    mask = d < HALF
+    if h < HQ:
+        out1, out2 = norm_rotate_head(q_ptr + t * stride_qt + h * stride_qh, qw_ptr, q_eps, pos, cos_ptr, sin_ptr,
+                                      stride_cos, D, dtype, HALF, BLOCK, BLOCK_HALF, NORM, GEMMA)
+        dst = q_out_ptr + (t * HQ + h) * D
+        tl.store(dst + d, out1.to(dtype), mask=mask)
+        tl.store(dst + HALF + d, out2.to(dtype), mask=mask)
+    else:
+        slot = tl.load(slot_ptr + t)
+        if slot >= 0:
+            j = h - HQ
+            blk = slot // PAGE
+            off = slot % PAGE
+            k1, k2 = norm_rotate_head(k_ptr + t * stride_kt + j * stride_kh, kw_ptr, k_eps, pos, cos_ptr, sin_ptr,
+                                      stride_cos, D, dtype, HALF, BLOCK, BLOCK_HALF, NORM, GEMMA)
+            v_src = v_ptr + t * stride_vt + j * stride_vh
+            v1 = tl.load(v_src + d, mask=mask, other=0.0).to(tl.float32)
+            v2 = tl.load(v_src + HALF + d, mask=mask, other=0.0).to(tl.float32)
+            k_dst = kc_ptr + blk * stride_kcb + off * stride_kcs + j * stride_kch
+            v_dst = vc_ptr + blk * stride_vcb + off * stride_vcs + j * stride_vch
+            if FP8_KV:  # quantized from the rotated K as stored in the activations' dtype
+                k1 = k1.to(dtype).to(tl.float32)
+                k2 = k2.to(dtype).to(tl.float32)
+                s_off = blk * stride_sb + off * stride_ss + j * stride_sh
+                _fp8_row_store(k1, k2, mask, k_dst, 1, HALF, ks_ptr + s_off, kc_ptr.dtype.element_ty, BLOCK_HALF)
+                _fp8_row_store(v1, v2, mask, v_dst, stride_vcd, HALF, vs_ptr + s_off, vc_ptr.dtype.element_ty,
+                               BLOCK_HALF)
+            else:
+                tl.store(k_dst + d, k1.to(dtype), mask=mask)
+                tl.store(k_dst + HALF + d, k2.to(dtype), mask=mask)
+                tl.store(v_dst + d * stride_vcd, v1.to(dtype), mask=mask)
+                tl.store(v_dst + (HALF + d) * stride_vcd, v2.to(dtype), mask=mask)
+
+
+def rope_store(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    kv_cache: torch.Tensor,  # [2, num_blocks, page, Hkv, D], or packed FP8 [..., D + 4] uint8
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
+    rope: RopeArgs,
+) -> torch.Tensor:  # [T, Hq, D] contiguous: q rotated
+    """RoPE of ``q`` and ``k`` (after their per-head norms, when ``rope`` has them) and the store
+    of the rotated ``k`` and ``v`` into the pool, in one launch: ``rope.apply(q, k)`` then
+    :func:`store_kv`, with the same bits (``fused_ops.norm_rotate_head`` is shared, and the FP8
+    rows are quantized with ``_store_kv_kernel``'s arithmetic). Returns the rotated ``q``."""
+    T, hq, d = q.shape
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if T == 0:
+        return q_out
+    kc, vc, ks, vs, fp8 = _pool_views(kv_cache)
+    half, block = d // 2, _next_pow2(d)
+    qw = rope.q_weight if rope.q_weight is not None else q
+    kw = rope.k_weight if rope.k_weight is not None else q
+    _rope_store_kernel[(T, hq + k.shape[1])](
+        q, k, v, q_out, qw, kw, rope.positions, rope.cos, rope.sin, kc, vc, ks, vs, slot_mapping,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), rope.cos.stride(0),
+        kc.stride(0), kc.stride(1), kc.stride(2),
+        vc.stride(0), vc.stride(1), vc.stride(2), vc.stride(3),
+        ks.stride(0), ks.stride(1), ks.stride(2),
+        hq, d, rope.q_eps, rope.k_eps,
+        HALF=half, BLOCK=block, BLOCK_HALF=_next_pow2(half), NORM=rope.q_weight is not None, GEMMA=rope.gemma,
+        PAGE=kv_cache.shape[2], FP8_KV=fp8, num_warps=norm_warps(block), enable_fp_fusion=False,
+        **pdl_launch(q.device),
+    )
+    return q_out
 
 
 def _pool_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]:

@@ -35,7 +35,7 @@ from loom.layers.attention import Attention
 from loom.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from loom.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from loom.layers.norm import GemmaRMSNorm
-from loom.layers.rotary import RotaryEmbedding, get_rope
+from loom.layers.rotary import PendingRope, RotaryEmbedding, get_rope
 from loom.model_loader.hf_config import head_dim_of, layer_sliding_windows, num_kv_heads_of
 
 from .weights import load_packed_weights
@@ -79,11 +79,8 @@ class GemmaAttentionBlock(nn.Module):
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(T, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.reshape(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = rotary.forward_with_qk_norm(positions, q, k, self.q_norm, self.k_norm)  # one kernel on CUDA
-        else:
-            q, k = rotary(positions, q, k)
-        return self.o_proj(self.attn(q.reshape(T, self.q_size), k.reshape(T, self.kv_size), v))
+        rope = PendingRope(rotary, positions, self.q_norm, self.k_norm)  # applied by the attention layer
+        return self.o_proj(self.attn(q.reshape(T, self.q_size), k.reshape(T, self.kv_size), v, rope))
 
 
 class GemmaMLP(nn.Module):

@@ -22,7 +22,7 @@ from loom.layers.fused_moe_triton import ExpertOutputs
 from loom.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from loom.layers.norm import RMSNorm
 from loom.layers.quantized_input import feed
-from loom.layers.rotary import RotaryEmbedding, get_rope
+from loom.layers.rotary import PendingRope, RotaryEmbedding, get_rope
 from loom.model_loader.hf_config import SlidingWindowRule, head_dim_of, layer_sliding_windows, num_kv_heads_of
 
 from .weights import load_packed_weights
@@ -80,11 +80,10 @@ class LlamaAttentionBlock(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = rotary.forward_with_qk_norm(positions, q, k, self.q_norm, self.k_norm)  # one kernel on CUDA
-        else:
-            q, k = rotary(positions, q, k)
-        out = self.attn(q.reshape(T, self.q_size), k.reshape(T, self.kv_size), v)  # [T, Hq*D]
+        # RoPE (after Qwen3's per-head norms) is applied by the attention layer: on CUDA in the
+        # kernel that writes K/V into the pool
+        rope = PendingRope(rotary, positions, self.q_norm, self.k_norm)
+        out = self.attn(q.reshape(T, self.q_size), k.reshape(T, self.kv_size), v, rope)  # [T, Hq*D]
         return self.o_proj(out)
 
 

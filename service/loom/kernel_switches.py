@@ -48,6 +48,10 @@ Two narrower switches, read the same way:
   alternatives asked for, picks its tokens with the six torch launches of the general sampler
   instead of one Triton launch (``loom.sample.greedy_triton``; CUDA only: the same tokens, the
   logprobs within a few ulps).
+- ``LOOM_ROPE_STORE=0`` (:data:`rope_store`): a layer's RoPE (with Qwen3's / Gemma 3's per-head
+  norms) runs in its own kernel and the paged backend then writes K/V in another, instead of one
+  kernel rotating q and k and writing the rotated K and V into the pool (``rope_store`` in
+  ``plugins/attention/triton_kernels.py``; the same bits).
 - ``LOOM_PDL=0`` (:data:`pdl`; on by default since the H200 measured it, 2026-12-03: W1 1.015x
   bf16, 1.026x FP8, 1.086x int4, 1.027x Qwen3-30B-A3B): the decode path's Triton kernels are
   launched without Programmatic Dependent Launch. On, on GPUs of compute capability 9 and later
@@ -116,6 +120,7 @@ moe_direct_experts: bool = os.environ.get("LOOM_MOE_DIRECT_EXPERTS", "1") != "0"
 moe_router_epilogue: bool = os.environ.get("LOOM_MOE_ROUTER_EPILOGUE", "1") != "0"
 moe_norm_router: bool = os.environ.get("LOOM_MOE_NORM_ROUTER", "1") != "0"
 greedy_kernel: bool = os.environ.get("LOOM_GREEDY_KERNEL", "1") != "0"
+rope_store: bool = os.environ.get("LOOM_ROPE_STORE", "1") != "0"
 grammar_fast_rows: bool = os.environ.get("LOOM_GRAMMAR_FAST_ROWS", "1") != "0"
 pdl: bool = os.environ.get("LOOM_PDL", "1") not in ("0", "off", "false", "no")
 grammar_rows_registered: bool = os.environ.get("LOOM_GRAMMAR_ROWS_REGISTERED", "1") not in ("0", "off", "false", "no")

@@ -6,6 +6,7 @@ reproduce bit for bit:
   (``loom.layers.moe_routing_triton``);
 * ``qk_norm_rotary``: ``fused_ops._qk_norm_rotary_kernel`` against ``_add_rms_norm_kernel`` on
   one head;
+* ``rope_store``: the paged backend's RoPE-and-store kernel against ``_qk_norm_rotary_kernel``;
 * ``combine_norm``: ``_add_rms_norm_kernel`` summing an MoE layer's expert rows first (``TOP_K``)
   against it adding a plain residual;
 * ``router_epilogue``: ``moe_router_gemv._router_route_kernel`` against the dense GEMV's kernel
@@ -143,6 +144,55 @@ def check_qk_norm_rotary() -> int:
             print(f"FAIL qk_norm_rotary {name}: {type(exc).__name__}: {exc}")
             continue
         failed += _compare("qk_norm_rotary", name, ("add_rms_norm", norm), ("qk_norm_rotary", fused))
+    return failed
+
+
+def check_rope_store() -> int:
+    """The paged backend's RoPE-and-store kernel (``_rope_store_kernel``) with Qwen3's per-head
+    norms, against ``_qk_norm_rotary_kernel``: each of its float32 sums of squares (a q head's and
+    a K head's) in the layout of the qk-norm kernel's one (so the same normalised heads), at the
+    launch ``rope_store`` makes, into a bf16 and an FP8 pool, without spills; and the plain RoPE
+    (no norm) compiles too."""
+    from loom.layers import fused_ops
+    from loom_plugins.attention import triton_kernels as tk
+
+    failed = 0
+    for head_dim, fp8 in ((128, False), (128, True), (64, False)):
+        block = fused_ops._next_pow2(head_dim)
+        warps = fused_ops.norm_warps(block)
+        act = "*bf16"
+        fused_sig = dict(q_ptr=act, k_ptr=act, q_out_ptr=act, k_out_ptr=act, qw_ptr=act, kw_ptr=act,
+                         pos_ptr="*i64", cos_ptr="*fp32", sin_ptr="*fp32", stride_qt="i32", stride_qh="i32",
+                         stride_kt="i32", stride_kh="i32", stride_cos="i32", HQ="i32", HKV="i32", D="i32",
+                         q_eps="fp32", k_eps="fp32")
+        pool = "*fp8e4nv" if fp8 else act
+        store_sig = dict(q_ptr=act, k_ptr=act, v_ptr=act, q_out_ptr=act, qw_ptr=act, kw_ptr=act, pos_ptr="*i64",
+                         cos_ptr="*fp32", sin_ptr="*fp32", kc_ptr=pool, vc_ptr=pool, ks_ptr="*fp32" if fp8 else act,
+                         vs_ptr="*fp32" if fp8 else act, slot_ptr="*i64",
+                         **{n: "i32" for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt",
+                                               "stride_vh", "stride_cos", "stride_kcb", "stride_kcs", "stride_kch",
+                                               "stride_vcb", "stride_vcs", "stride_vch", "stride_vcd", "stride_sb",
+                                               "stride_ss", "stride_sh", "HQ", "D")},
+                         q_eps="fp32", k_eps="fp32")
+        name = f"bf16 head_dim={head_dim}{' FP8 pool' if fp8 else ''}"
+        consts = dict(HALF=head_dim // 2, BLOCK=block, BLOCK_HALF=block // 2, GEMMA=False)
+        try:
+            ref = compile_for_hopper(fused_ops._qk_norm_rotary_kernel, fused_sig, consts, warps)
+            got = compile_for_hopper(tk._rope_store_kernel, store_sig, dict(**consts, NORM=True, PAGE=16, FP8_KV=fp8),
+                                     warps)
+            plain = compile_for_hopper(tk._rope_store_kernel, store_sig,
+                                       dict(**consts, NORM=False, PAGE=16, FP8_KV=fp8), warps)
+        except Exception as exc:  # reported: the script fails
+            failed += 1
+            print(f"FAIL rope_store {name}: {type(exc).__name__}: {exc}")
+            continue
+        want = float_reductions(ref.asm["ttgir"])
+        sums = [r for r in float_reductions(got.asm["ttgir"]) if r in want]
+        spills = {kernel: _spills(c)[1] for kernel, c in (("rope_store", got), ("rope_store plain", plain))}
+        ok = len(want) == 1 and len(sums) == 2 and not any(spills.values())
+        print(f"{'ok  ' if ok else 'FAIL'} rope_store {name}: {len(sums)} sums of squares in the qk-norm kernel's "
+              f"layout; spills {spills}")
+        failed += int(not ok)
     return failed
 
 
@@ -491,7 +541,7 @@ def main(group: str) -> int:
     checks = {"routing": check_routing, "qk_norm_rotary": check_qk_norm_rotary, "combine_norm": check_combine_norm,
               "router_epilogue": check_router_epilogue, "norm_router": check_norm_router,
               "expert_pipelining": check_expert_pipelining, "quantized_input": check_quantized_input,
-              "greedy": check_greedy}
+              "greedy": check_greedy, "rope_store": check_rope_store}
     if group not in checks:
         raise SystemExit(f"unknown group {group!r}: one of {', '.join(checks)}")
     return 1 if checks[group]() else 0

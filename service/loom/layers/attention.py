@@ -25,6 +25,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from .attention_graph import StaticAttentionBuffers
+    from .rotary import PendingRope
 
 # What a backend's prepare() returns and its forward() reads: the backend's own plan type.
 PlanT = TypeVar("PlanT")
@@ -94,6 +95,11 @@ class AttentionBackend(Generic[PlanT]):
     # True when forward() reads and writes the packed FP8 pool of ``loom.layers.kv_fp8``
     # (``--kv-cache-dtype fp8``): e4m3 codes and a float32 scale per (token, KV head) row.
     supports_fp8_kv_cache: bool = False
+    # True when forward() takes ``rope`` (a ``loom.layers.rotary.PendingRope``): q and k then come
+    # unrotated (and, for Qwen3 / Gemma 3, unnormalised), and the backend applies the rope, e.g.
+    # in the kernel that writes K/V into its pool (``rope.kernel_args``) or by ``rope.apply``
+    # first. Without it the Attention layer applies the rope before calling forward().
+    supports_rope_store: bool = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -151,6 +157,7 @@ class AttentionBackend(Generic[PlanT]):
         scale: float,
         sliding_window: int | None,
         logits_soft_cap: float | None = None,  # passed only when set, and only if supported
+        # (and ``rope=``, a PendingRope, only to a backend that sets supports_rope_store)
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Write the new K/V into the pool at ``meta.slot_mapping``, then attend causally: query
         ``i`` of a sequence of ``L`` tokens (position ``p``) sees keys ``p - window < key <= p``."""
@@ -243,22 +250,33 @@ class Attention(nn.Module):
         # Only a capped layer passes the argument: backends written before it keep working.
         self._extra: dict[str, float] = {} if logits_soft_cap is None else {"logits_soft_cap": logits_soft_cap}
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [T, Hq*D], k/v: [T, Hkv*D] -> [T, Hq*D]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                rope: PendingRope | None = None) -> torch.Tensor:
+        """q: [T, Hq*D], k/v: [T, Hkv*D] -> [T, Hq*D]. ``rope``: the layer's RoPE, not yet
+        applied to q and k; the backend applies it where it can fuse it with its K/V write, else
+        it is applied here first."""
         ctx = get_forward_context()
         T = q.shape[0]
         if self._extra and not ctx.backend.supports_logits_soft_cap:
             raise ValueError(f"this model caps attention scores (Gemma 2's attn_logit_softcapping), which the "
                              f"{ctx.backend.name!r} attention backend does not implement; choose torch or paged")
+        q3 = q.view(T, self.num_heads, self.head_dim)
+        k3 = k.view(T, self.num_kv_heads, self.head_dim)
+        extra: dict[str, Any] = self._extra
+        if rope is not None:
+            if ctx.backend.supports_rope_store:
+                extra = {**extra, "rope": rope}
+            else:
+                q3, k3 = rope.apply(q3, k3)
         out = ctx.backend.forward(
-            q.view(T, self.num_heads, self.head_dim),
-            k.view(T, self.num_kv_heads, self.head_dim),
+            q3,
+            k3,
             v.view(T, self.num_kv_heads, self.head_dim),
             ctx.kv_caches[self.layer_idx],
             ctx.meta,
             ctx.plan,
             self.scale,
             self.sliding_window,
-            **self._extra,
+            **extra,
         )
         return out.reshape(T, self.num_heads * self.head_dim)

@@ -371,6 +371,44 @@ def qk_norm_rotary_supported(positions: torch.Tensor, q: torch.Tensor, k: torch.
 
 
 @_jit
+def norm_rotate_head(src, w_ptr, eps, pos, cos_ptr, sin_ptr, stride_cos, D, dtype: tl.constexpr,
+                     HALF: tl.constexpr, BLOCK: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM: tl.constexpr,
+                     GEMMA: tl.constexpr):
+    """One head (``D`` values at ``src``) at position ``pos``: RMSNorm'd (``NORM``; weights at
+    ``w_ptr``) then rotated, as the two halves ``(out1, out2)``, float32 ``[BLOCK_HALF]`` holding
+    ``dtype`` values. The norm is ``_add_rms_norm_kernel``'s for one head (the same row load and
+    float32 sum of squares, in the same layout when launched with the same warps: the same bits);
+    the two halves are then normalised again elementwise from the same rstd and rotated as
+    ``_rotate_heads`` does. ``GEMMA``: Gemma's norm, ``normalise(x) * (1 + w)`` in float32,
+    rounded once. :func:`qk_norm_rotary` and the paged attention's RoPE-and-store kernel
+    (``plugins/attention/triton_kernels.py``) share it, so the two give the same bits."""
+    d = tl.arange(0, BLOCK_HALF)
+    mask = d < HALF
+    x1 = tl.load(src + d, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + d, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        cols = tl.arange(0, BLOCK)
+        row = tl.load(src + cols, mask=cols < D, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(row * row, axis=0) / D + eps)
+        w1 = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + d, mask=mask, other=0.0).to(tl.float32)
+        if GEMMA:
+            n1 = _round(x1 * rstd * (1.0 + w1), dtype)
+            n2 = _round(x2 * rstd * (1.0 + w2), dtype)
+        else:  # HF: the normalised value rounded, then the weight's product rounded
+            n1 = _round(w1 * _round(x1 * rstd, dtype), dtype)
+            n2 = _round(w2 * _round(x2 * rstd, dtype), dtype)
+    else:
+        n1 = x1
+        n2 = x2
+    cos = _round(tl.load(cos_ptr + pos * stride_cos + d, mask=mask, other=0.0), dtype)
+    sin = _round(tl.load(sin_ptr + pos * stride_cos + d, mask=mask, other=0.0), dtype)
+    out1 = _round(n1 * cos, dtype) - _round(n2 * sin, dtype)
+    out2 = _round(n2 * cos, dtype) + _round(n1 * sin, dtype)
+    return out1, out2
+
+
+@_jit
 def _qk_norm_rotary_kernel(
     q_ptr, k_ptr,  # [T, Hq, D] and [T, Hkv, D] views, unit stride along D
     q_out_ptr, k_out_ptr,  # the same shapes, contiguous
@@ -382,11 +420,8 @@ def _qk_norm_rotary_kernel(
     HALF: tl.constexpr, BLOCK: tl.constexpr, BLOCK_HALF: tl.constexpr, GEMMA: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
-    # Program (t, h) normalises and rotates head h of token t: q heads first, then k heads.
-    # The norm is _add_rms_norm_kernel's for one head (the same row load and float32 sum of
-    # squares, in the same layout when launched with the same warps: the same bits), then the
-    # two halves are normalised again elementwise from the same rstd and rotated as
-    # _rotate_heads does. GEMMA: Gemma's norm, normalise(x) * (1 + w) in float32, rounded once.
+    # Program (t, h) normalises and rotates head h of token t: q heads first, then k heads
+    # (norm_rotate_head).
     if USE_PDL:  # q and k come from the qkv projection
         pdl_prologue()
     t = tl.program_id(0).to(tl.int64)
@@ -402,26 +437,11 @@ def _qk_norm_rotary_kernel(
         w_ptr = kw_ptr
         eps = k_eps
     dtype = q_out_ptr.dtype.element_ty
-    cols = tl.arange(0, BLOCK)
-    row = tl.load(src + cols, mask=cols < D, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(row * row, axis=0) / D + eps)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    out1, out2 = norm_rotate_head(src, w_ptr, eps, pos, cos_ptr, sin_ptr, stride_cos, D, dtype,
+                                  HALF, BLOCK, BLOCK_HALF, True, GEMMA)
     d = tl.arange(0, BLOCK_HALF)
     mask = d < HALF
-    x1 = tl.load(src + d, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF + d, mask=mask, other=0.0).to(tl.float32)
-    w1 = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
-    w2 = tl.load(w_ptr + HALF + d, mask=mask, other=0.0).to(tl.float32)
-    if GEMMA:
-        n1 = _round(x1 * rstd * (1.0 + w1), dtype)
-        n2 = _round(x2 * rstd * (1.0 + w2), dtype)
-    else:  # HF: the normalised value rounded, then the weight's product rounded
-        n1 = _round(w1 * _round(x1 * rstd, dtype), dtype)
-        n2 = _round(w2 * _round(x2 * rstd, dtype), dtype)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    cos = _round(tl.load(cos_ptr + pos * stride_cos + d, mask=mask, other=0.0), dtype)
-    sin = _round(tl.load(sin_ptr + pos * stride_cos + d, mask=mask, other=0.0), dtype)
-    out1 = _round(n1 * cos, dtype) - _round(n2 * sin, dtype)
-    out2 = _round(n2 * cos, dtype) + _round(n1 * sin, dtype)
     tl.store(dst + d, out1.to(dtype), mask=mask)
     tl.store(dst + HALF + d, out2.to(dtype), mask=mask)
 

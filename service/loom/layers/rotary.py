@@ -26,11 +26,13 @@ re-encode them.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from loom import kernel_switches
 from loom.layers import cpu_fused, fused_ops
 from loom.layers.norm import GemmaRMSNorm, RMSNorm
 
@@ -243,6 +245,63 @@ class RotaryEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, max_positions={self.max_positions}"
+
+
+@dataclass(frozen=True)
+class RopeArgs:
+    """What one kernel needs to apply a layer's RoPE, and the per-head norms before it, to its q
+    and k: the positions ``[T]``, the float32 ``[P, D/2]`` cos / sin tables, and (``q_weight``
+    not None) the norms' ``[D]`` weights and epsilons, Gemma's ``(1 + w)`` form when ``gemma``.
+    The arithmetic is ``fused_ops.norm_rotate_head``'s (``qk_norm_rotary`` / ``rotary``)."""
+
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    q_weight: torch.Tensor | None = None
+    k_weight: torch.Tensor | None = None
+    q_eps: float = 0.0
+    k_eps: float = 0.0
+    gemma: bool = False
+
+
+@dataclass(frozen=True)
+class PendingRope:
+    """A layer's RoPE (and the per-head norms of q and k before it) not yet applied: what a model
+    hands ``Attention`` with its unrotated q and k, so that a backend that writes K/V into its
+    pool may rotate them in the same kernel (``AttentionBackend.supports_rope_store``).
+    :meth:`apply` is the model's own path; :meth:`kernel_args` says whether one kernel may do
+    it instead, with the same bits."""
+
+    rotary: RotaryEmbedding
+    positions: torch.Tensor  # [T]
+    q_norm: RMSNorm | GemmaRMSNorm | None = None
+    k_norm: RMSNorm | GemmaRMSNorm | None = None
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q [T, Hq, D]``, ``k [T, Hkv, D]`` normalised (where the layer does) and rotated."""
+        if self.q_norm is not None and self.k_norm is not None:
+            return self.rotary.forward_with_qk_norm(self.positions, q, k, self.q_norm, self.k_norm)
+        return self.rotary(self.positions, q, k)
+
+    def kernel_args(self, q: torch.Tensor, k: torch.Tensor) -> RopeArgs | None:
+        """The arguments of one fused kernel for these operands, or None where only :meth:`apply`
+        serves them: rotary dimensions short of the head, a norm of another type (a subclass has
+        its own forward), operands the fused kernels do not take (not CUDA, ``LOOM_FUSED_KERNELS=0``,
+        strided heads) or ``LOOM_ROPE_STORE=0``."""
+        rot = self.rotary
+        if not kernel_switches.rope_store or rot.rotary_dim != rot.head_dim:
+            return None
+        if self.q_norm is None or self.k_norm is None:
+            if self.q_norm is not None or self.k_norm is not None or not fused_ops.rotary_supported(self.positions, q, k):
+                return None
+            return RopeArgs(self.positions, rot.cos_cached, rot.sin_cached)
+        q_norm, k_norm = self.q_norm, self.k_norm
+        gemma = type(q_norm) is GemmaRMSNorm
+        if (type(q_norm) not in (RMSNorm, GemmaRMSNorm) or type(k_norm) is not type(q_norm)
+                or not fused_ops.qk_norm_rotary_supported(self.positions, q, k, q_norm.weight, k_norm.weight, gemma)):
+            return None
+        return RopeArgs(self.positions, rot.cos_cached, rot.sin_cached, q_norm.weight, k_norm.weight,
+                        q_norm.eps, k_norm.eps, gemma)
 
 
 def get_rope(config: Any, head_dim: int, max_positions: int | None = None,
