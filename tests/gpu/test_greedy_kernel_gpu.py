@@ -2,7 +2,7 @@
 ``torch.argmax`` (ties to the first index), logprobs within 1e-5 of ``log_softmax`` in float64
 (Triton's ``exp`` and ``log`` on the GPU are approximate to ~2 ulps), non-finite rows flagged, the
 counters zero after every launch; and the sampler's tokens equal with the kernel and with
-``LOOM_GREEDY_KERNEL`` off, at the vocabularies of SmolLM2, Llama 3 and Qwen3 and 1 to 256 rows."""
+``LOOM_GREEDY_KERNEL`` off, at the vocabularies of SmolLM2, Llama 3, Qwen3 and Gemma 3 and 1 to 256 rows."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from loom.sample.sampler import Sampler
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-@pytest.mark.parametrize("vocab", [49152, 128256, 151936])
+@pytest.mark.parametrize("vocab", [49152, 128256, 151936, 262208])
 @pytest.mark.parametrize("rows", [1, 7, 256])
 def test_the_greedy_kernel_picks_argmax_and_its_logprob(vocab: int, rows: int) -> None:
     gen = torch.Generator(device="cuda").manual_seed(rows * vocab)

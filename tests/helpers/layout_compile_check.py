@@ -446,7 +446,7 @@ def check_greedy() -> int:
                part_nan_ptr="*i32", counter_ptr="*i32", token_ptr="*i64", logprob_ptr="*fp32", finite_ptr="*i1",
                V="i32", PIECES="i32", stride_row="i32")
     try:
-        compiled = compile_for_hopper(g._greedy_kernel, sig, {"BLOCK": g.BLOCK, "BLOCK_P": 128}, 4)
+        compiled = compile_for_hopper(g._greedy_kernel, sig, {"BLOCK": g.BLOCK, "BLOCK_P": g.MAX_PIECES}, 4)
     except Exception as exc:  # reported: the script fails
         print(f"FAIL greedy: {type(exc).__name__}: {exc}")
         return 1

@@ -47,7 +47,7 @@ except ImportError:
     HAS_TRITON = False
 
 BLOCK = 2048  # logits a program reads (8 KB of float32): 63 pieces of Llama 3's 128,256-word rows
-MAX_PIECES = 128  # pieces a row may have: rows of up to 262,144 words
+MAX_PIECES = 256  # pieces a row may have: rows of up to 524,288 words (Gemma 3 has 262,208)
 MAX_ROWS = 16384  # rows a launch may have (one counter each)
 
 _counters: dict[tuple[str, int], torch.Tensor] = {}
