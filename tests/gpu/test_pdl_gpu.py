@@ -12,7 +12,6 @@ decode steps with PDL off and on, inside CUDA graphs, give the same bits.
 from __future__ import annotations
 
 import importlib.util
-import random
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -78,29 +77,11 @@ def test_chain_in_graph_same_bits(shape: str, monkeypatch: pytest.MonkeyPatch) -
 
 
 def _engine_tokens(model_dir: Path, pdl: bool, monkeypatch: pytest.MonkeyPatch) -> dict[str, list[int]]:
-    from loom.config import EngineConfig
-    from loom.engine.llm_engine import LLMEngine
-    from loom.engine.types import EngineRequest, SamplingParams, StoppingParams
+    from helpers.graph_engine_runs import graph_decode_tokens
 
     monkeypatch.setattr(kernel_switches, "pdl", pdl)
     monkeypatch.setattr(kernel_switches, "dense_gemv", "all")  # the Triton GEMV on the tiny shapes too
-    engine = LLMEngine(EngineConfig(model_id=str(model_dir), device="cuda", dtype="bfloat16",
-                                    attention_backend="paged", block_size=16, max_batch_total_tokens=4096,
-                                    cuda_graphs=(1, 4)))
-    rng = random.Random(11)
-    prompts = [tuple(rng.randrange(3, 320) for _ in range(n)) for n in (37, 5, 90, 12)]
-    tokens: dict[str, list[int]] = {}
-    # one request alone first (batch-1 graphs), then the four together (batch 4)
-    for batch in ([0], [0, 1, 2, 3]):
-        for i in batch:
-            engine.add_request(EngineRequest(f"b{len(batch)}-r{i}", prompts[i], SamplingParams(),
-                                             StoppingParams(max_new_tokens=24, ignore_eos=True)))
-        while engine.has_unfinished():
-            for o in engine.step():
-                tokens.setdefault(o.request_id, []).extend(o.token_ids)
-    runner: Any = engine.worker.runner
-    assert runner.cuda_graphs is not None and runner.cuda_graphs.num_replays > 0
-    return tokens
+    return graph_decode_tokens(model_dir)
 
 
 @needs_hopper

@@ -5,10 +5,8 @@ random models (CUDA-graph decode, greedy) with ``LOOM_ROPE_STORE`` off and on gi
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -55,27 +53,10 @@ def test_rope_store_gives_the_two_launches_bits(tokens: int, hq: int, hkv: int, 
 
 
 def _engine_tokens(model_dir: Path, on: bool, monkeypatch: pytest.MonkeyPatch, kv_dtype: str) -> dict[str, list[int]]:
-    from loom.config import EngineConfig
-    from loom.engine.llm_engine import LLMEngine
-    from loom.engine.types import EngineRequest, SamplingParams, StoppingParams
+    from helpers.graph_engine_runs import graph_decode_tokens
 
     monkeypatch.setattr(kernel_switches, "rope_store", on)
-    engine = LLMEngine(EngineConfig(model_id=str(model_dir), device="cuda", dtype="bfloat16",
-                                    attention_backend="paged", block_size=16, max_batch_total_tokens=4096,
-                                    cuda_graphs=(1, 4), kv_cache_dtype=kv_dtype))
-    rng = random.Random(5)
-    prompts = [tuple(rng.randrange(3, 320) for _ in range(n)) for n in (37, 5, 90, 12)]
-    tokens: dict[str, list[int]] = {}
-    for batch in ([0], [0, 1, 2, 3]):
-        for i in batch:
-            engine.add_request(EngineRequest(f"b{len(batch)}-r{i}", prompts[i], SamplingParams(),
-                                             StoppingParams(max_new_tokens=24, ignore_eos=True)))
-        while engine.has_unfinished():
-            for o in engine.step():
-                tokens.setdefault(o.request_id, []).extend(o.token_ids)
-    runner: Any = engine.worker.runner
-    assert runner.cuda_graphs is not None and runner.cuda_graphs.num_replays > 0
-    return tokens
+    return graph_decode_tokens(model_dir, kv_dtype, seed=5)
 
 
 @pytest.mark.parametrize(("variant", "kv_dtype"), [("llama", "auto"), ("qwen3", "auto"), ("qwen3-moe", "fp8"),
