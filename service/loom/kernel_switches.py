@@ -140,7 +140,24 @@ def _grammar_spin_us(value: str) -> int:
     return spin
 
 
-grammar_spin_us: int = _grammar_spin_us(os.environ.get("LOOM_GRAMMAR_SPIN_US", ""))
+def _spin_or_off() -> int:
+    # A bad value must not fail the import (a traceback in whichever process imports this first):
+    # ``loom serve`` and ``loom bench`` refuse it in one sentence (check_environment(), from
+    # loom.preflight) before anything loads.
+    try:
+        return _grammar_spin_us(os.environ.get("LOOM_GRAMMAR_SPIN_US", ""))
+    except ValueError:
+        return 0
+
+
+grammar_spin_us: int = _spin_or_off()
+
+
+def check_environment() -> None:
+    """Raise ValueError (one sentence naming the variable) for a switch whose value is not one it
+    takes. ``loom.preflight.check_engine_config`` calls it, so ``loom serve`` and ``loom bench``
+    refuse the value before anything loads."""
+    _grammar_spin_us(os.environ.get("LOOM_GRAMMAR_SPIN_US", ""))
 
 
 @contextlib.contextmanager

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from loom import kernel_switches
 from loom.config import ConfigError, EngineConfig
 from loom.plugin_api import AttentionBackendSpec, PluginError, PluginRegistry, default_registry
 from loom.plugin_api.specs import AnySpec, PluginKind
@@ -24,6 +25,10 @@ def check_engine_config(config: EngineConfig, registry: PluginRegistry | None = 
     from loom.model_loader import ModelLoadError, check_model_id
 
     registry = registry or default_registry()
+    try:
+        kernel_switches.check_environment()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     device_type = _check_device(config.device)
     _check_attention_backend(config, registry, device_type)
     _check_quantizer(config.quantize, registry)

@@ -350,6 +350,23 @@ def test_the_spin_switch_reads_microseconds_and_is_off_by_default() -> None:
     assert kernel_switches._grammar_spin_us("") == 0 and kernel_switches._grammar_spin_us(" ") == 0
 
 
+def test_a_bad_spin_value_is_refused_before_anything_loads(monkeypatch: pytest.MonkeyPatch,
+                                                           tiny_llama_dir: Path) -> None:
+    """A bad LOOM_GRAMMAR_SPIN_US does not fail the import (a traceback wherever it is first
+    imported): the preflight of loom serve / bench and the engine refuse it in one sentence."""
+    from loom import kernel_switches
+    from loom.config import ConfigError, EngineConfig
+    from loom.engine.llm_engine import LLMEngine
+    from loom.preflight import check_engine_config
+
+    monkeypatch.setenv("LOOM_GRAMMAR_SPIN_US", "fast")
+    assert kernel_switches._spin_or_off() == 0
+    config = EngineConfig(model_id=str(tiny_llama_dir), device="cpu")
+    for refuse in (check_engine_config, LLMEngine):
+        with pytest.raises(ConfigError, match="LOOM_GRAMMAR_SPIN_US='fast': expected a whole number"):
+            refuse(config)
+
+
 def test_spin_until_readable_returns_on_a_message_or_after_its_time() -> None:
     import socket
     import time

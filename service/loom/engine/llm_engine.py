@@ -110,6 +110,10 @@ class LLMEngine:
         message naming the rank when one dies or hangs; the default exits the process."""
         self.config = config
         started = time.monotonic()
+        try:
+            kernel_switches.check_environment()  # loom serve checked it already (loom.preflight)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         registry = registry or default_registry()
         self.worker: Worker | ShardedWorker
         if config.num_shard > 1:
