@@ -75,6 +75,23 @@ def _next_pow2(x: int) -> int:
 
 
 @triton.jit
+def _fp8_inv_scale(amax):
+    """``kv_fp8.quantize``'s factors for rows of largest magnitude ``amax`` (float32, any shape):
+    ``448 / amax`` (0 for a row of zeros) and the stored scale ``amax / 448``, both divisions
+    correctly rounded (div_rn) to match torch's bytes."""
+    fmax = tl.full(amax.shape, 448.0, tl.float32)
+    inv = tl.where(amax > 0.0, tl.math.div_rn(fmax, tl.where(amax > 0.0, amax, 1.0)), 0.0)
+    return inv, tl.math.div_rn(amax, fmax)
+
+
+@triton.jit
+def _fp8_codes(x, inv):
+    """``x * inv`` clamped to e4m3's range, float32 (cast to the codes' dtype by the caller:
+    round to nearest even)."""
+    return tl.minimum(tl.maximum(x * inv, -448.0), 448.0)
+
+
+@triton.jit
 def _store_kv_kernel(
     k_ptr, v_ptr,  # [T, Hkv, D] (last dim contiguous)
     kc_ptr, vc_ptr,  # [num_blocks, page, Hkv, D] each (FP8: the codes' views of the packed pool)
@@ -106,22 +123,16 @@ def _store_kv_kernel(
         v_dst = vc_ptr + blk * stride_vcb + off * stride_vcs + h[:, None] * stride_vch + d[None, :] * stride_vcd
         if FP8_KV:
             # kv_fp8.quantize per (token, head) row: scale = max|x| / 448, codes = x * (448 / max|x|)
-            # rounded to nearest even; divisions correctly rounded (div_rn) to match torch's bytes.
+            # rounded to nearest even (_fp8_inv_scale, _fp8_codes).
             s_off = blk * stride_sb + off * stride_ss + h * stride_sh
             kf = k.to(tl.float32)
-            k_amax = tl.max(tl.abs(kf), 1)  # [BLOCK_H]
-            k_inv = tl.where(k_amax > 0.0, tl.math.div_rn(tl.full(k_amax.shape, 448.0, tl.float32),
-                                                          tl.where(k_amax > 0.0, k_amax, 1.0)), 0.0)
-            k_codes = tl.minimum(tl.maximum(kf * k_inv[:, None], -448.0), 448.0)
-            tl.store(k_dst, k_codes.to(kc_ptr.dtype.element_ty), mask=mask)
-            tl.store(ks_ptr + s_off, tl.math.div_rn(k_amax, tl.full(k_amax.shape, 448.0, tl.float32)), mask=h_ok)
+            k_inv, k_scale = _fp8_inv_scale(tl.max(tl.abs(kf), 1))  # [BLOCK_H] each
+            tl.store(k_dst, _fp8_codes(kf, k_inv[:, None]).to(kc_ptr.dtype.element_ty), mask=mask)
+            tl.store(ks_ptr + s_off, k_scale, mask=h_ok)
             vf = v.to(tl.float32)
-            v_amax = tl.max(tl.abs(vf), 1)
-            v_inv = tl.where(v_amax > 0.0, tl.math.div_rn(tl.full(v_amax.shape, 448.0, tl.float32),
-                                                          tl.where(v_amax > 0.0, v_amax, 1.0)), 0.0)
-            v_codes = tl.minimum(tl.maximum(vf * v_inv[:, None], -448.0), 448.0)
-            tl.store(v_dst, v_codes.to(vc_ptr.dtype.element_ty), mask=mask)
-            tl.store(vs_ptr + s_off, tl.math.div_rn(v_amax, tl.full(v_amax.shape, 448.0, tl.float32)), mask=h_ok)
+            v_inv, v_scale = _fp8_inv_scale(tl.max(tl.abs(vf), 1))
+            tl.store(v_dst, _fp8_codes(vf, v_inv[:, None]).to(vc_ptr.dtype.element_ty), mask=mask)
+            tl.store(vs_ptr + s_off, v_scale, mask=h_ok)
         else:
             tl.store(k_dst, k, mask=mask)
             tl.store(v_dst, v, mask=mask)
@@ -131,15 +142,11 @@ def _store_kv_kernel(
 def _fp8_row_store(x1, x2, mask, dst, stride_d, HALF, scale_dst, code_dtype: tl.constexpr, BLOCK_HALF: tl.constexpr):
     """One (token, head) row given as its two float32 halves, written as ``kv_fp8.quantize`` does
     (``_store_kv_kernel``'s arithmetic on one row: the same codes and scale)."""
-    amax = tl.maximum(tl.max(tl.abs(x1), 0), tl.max(tl.abs(x2), 0))
-    fmax = tl.full(amax.shape, 448.0, tl.float32)
-    inv = tl.where(amax > 0.0, tl.math.div_rn(fmax, tl.where(amax > 0.0, amax, 1.0)), 0.0)
+    inv, scale = _fp8_inv_scale(tl.maximum(tl.max(tl.abs(x1), 0), tl.max(tl.abs(x2), 0)))
     d = tl.arange(0, BLOCK_HALF)
-    c1 = tl.minimum(tl.maximum(x1 * inv, -448.0), 448.0)
-    c2 = tl.minimum(tl.maximum(x2 * inv, -448.0), 448.0)
-    tl.store(dst + d * stride_d, c1.to(code_dtype), mask=mask)
-    tl.store(dst + (HALF + d) * stride_d, c2.to(code_dtype), mask=mask)
-    tl.store(scale_dst, tl.math.div_rn(amax, fmax))
+    tl.store(dst + d * stride_d, _fp8_codes(x1, inv).to(code_dtype), mask=mask)
+    tl.store(dst + (HALF + d) * stride_d, _fp8_codes(x2, inv).to(code_dtype), mask=mask)
+    tl.store(scale_dst, scale)
 
 
 @triton.jit

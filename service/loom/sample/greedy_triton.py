@@ -130,10 +130,11 @@ def greedy_pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     n, v = logits.shape
     pieces = triton.cdiv(v, BLOCK)
     dev = logits.device
-    part_max = torch.empty(n, pieces, dtype=torch.float32, device=dev)
-    part_sum = torch.empty(n, pieces, dtype=torch.float32, device=dev)
-    part_idx = torch.empty(n, pieces, dtype=torch.int32, device=dev)
-    part_nan = torch.empty(n, pieces, dtype=torch.int32, device=dev)
+    # The four partials of every piece in one allocation (the int32 ones as views of float32
+    # rows: the same element size): this runs once a step.
+    parts = torch.empty(4, n, pieces, dtype=torch.float32, device=dev)
+    part_max, part_sum = parts[0], parts[1]
+    part_idx, part_nan = parts[2].view(torch.int32), parts[3].view(torch.int32)
     token_ids = torch.empty(n, dtype=torch.int64, device=dev)
     logprobs = torch.empty(n, dtype=torch.float32, device=dev)
     finite = torch.empty(n, dtype=torch.bool, device=dev)
