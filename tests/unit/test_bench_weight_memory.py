@@ -50,3 +50,27 @@ def test_limits_use_the_served_weight_bytes() -> None:
     assert packed["min_decode_step_s"] < dense["min_decode_step_s"] / 2.5
     alone = weight_read_limit(5_700_000_000, hw)
     assert alone["min_step_s"] == pytest.approx(5.7e9 / 4.3e12) and alone["max_decode_tok_s"] == pytest.approx(754.4, 0.01)
+
+
+def test_fp8_experts_are_charged_their_served_bytes(quant_registry: PluginRegistry) -> None:
+    """An MoE model with FP8 experts: the experts' bytes are measured as served (one byte a weight
+    and a float32 scale a row), one layer's times the layers equals the whole model's, and the
+    batch-1 read limit charges the chosen experts at those bytes."""
+    from loom.bench.limits import model_cost
+
+    path = resolve_model_dir("random:tiny-moe")
+    cost = model_cost(path, torch.float32)
+    dense = measure_weight_memory(path, torch.float32, CPU, "none", quant_registry)
+    fp8 = measure_weight_memory(path, torch.float32, CPU, "fp8", quant_registry)
+    assert dense["expert_bytes"] == cost.expert_bytes  # float32: four bytes a weight
+    whole = load_model(path, torch.float32, CPU, quant_registry, "fp8")
+    from loom.bench.weight_memory import expert_weight_bytes
+
+    assert fp8["expert_bytes"] == expert_weight_bytes(whole.model)
+    weights = cost.expert_bytes // 4
+    rows = fp8["expert_bytes"] - weights  # the scales: a float32 per output row of every expert
+    assert 0 < rows < weights // 8 and rows % 4 == 0
+    served = served_cost(cost, fp8["weight_bytes"], fp8["expert_bytes"])
+    idle = 1 - served.active_expert_fraction(1)
+    assert served.step_weight_bytes(1) == pytest.approx(fp8["weight_bytes"] - fp8["expert_bytes"] * idle
+                                                        - served.embedding_bytes)

@@ -315,7 +315,8 @@ def _run_model_workloads(args: argparse.Namespace, names: list[str], device: tor
     pool_tokens = int(info["max_batch_total_tokens"])
     result["memory"] = {"weights": memory, "kv_pool": {
         "tokens": pool_tokens, "blocks": int(info["num_blocks"]), "bytes": pool_tokens * cost.kv_bytes_per_token}}
-    served = served_cost(cost, int(memory["weight_bytes"]))
+    served = served_cost(cost, int(memory["weight_bytes"]),
+                         int(memory["expert_bytes"]) if cost.num_experts else None)
     quantized = memory["quantization"] is not None
     result["limits"] = {"hardware": hw.as_dict(), "model": cost.as_dict(),
                         # what a batch-1 decode step reads (an MoE model: its chosen experts only)

@@ -174,10 +174,14 @@ def _is_expert_weight(name: str, param: torch.Tensor) -> bool:
     return param.dim() == 3 or re.search(r"\.experts\.\d+\.", name) is not None
 
 
-def served_cost(cost: ModelCost, weight_bytes: int) -> ModelCost:
+def served_cost(cost: ModelCost, weight_bytes: int, expert_bytes: int | None = None) -> ModelCost:
     """``cost`` with the bytes of the weights as served (packed int4 / e4m3 / NF4 and their scales,
-    the dense embedding and head): what a quantized model reads each forward pass."""
-    return replace(cost, weight_bytes=weight_bytes)
+    the dense embedding and head): what a quantized model reads each forward pass. An MoE model's
+    ``expert_bytes`` as served (FP8 experts: codes and scales) replace the dense count, so a step
+    is charged its chosen experts' served bytes (None: the experts as ``cost`` counts them)."""
+    if expert_bytes is None:
+        return replace(cost, weight_bytes=weight_bytes)
+    return replace(cost, weight_bytes=weight_bytes, expert_bytes=expert_bytes)
 
 
 def weight_read_limit(weight_bytes: int, hw: Hardware) -> dict[str, float]:

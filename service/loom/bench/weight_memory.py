@@ -44,6 +44,14 @@ def module_weight_bytes(module: nn.Module) -> int:
     return total
 
 
+def expert_weight_bytes(module: nn.Module) -> int:
+    """The bytes of the Mixture-of-Experts experts inside ``module`` as served (dense, or e4m3
+    codes and their scales): what the limits count by the share of experts a step chooses."""
+    from loom.layers.fused_moe import FusedMoE
+
+    return sum(module_weight_bytes(m) for m in module.modules() if isinstance(m, FusedMoE))
+
+
 def first_decoder_layer(model: nn.Module) -> nn.Module:
     inner: Any = model.model  # the model contract: ``model.layers`` holds the decoder layers
     return inner.layers[0]
@@ -51,7 +59,8 @@ def first_decoder_layer(model: nn.Module) -> nn.Module:
 
 def measure_weight_memory(model_dir: Path, dtype: torch.dtype, device: torch.device, quantize: str,
                           registry: Any = None) -> dict[str, Any]:
-    """``{"weight_bytes", "decoder_layer_bytes", "num_layers", "quantization", "measured_on"}``."""
+    """``{"weight_bytes", "decoder_layer_bytes", "num_layers", "expert_bytes", "quantization",
+    "measured_on"}`` (``expert_bytes``: every MoE layer's experts, 0 for a dense model)."""
     from loom.model_loader import load_model
     from loom.model_loader.loader import load_hf_config
     from loom.model_loader.random_model import random_weights_of
@@ -64,6 +73,7 @@ def measure_weight_memory(model_dir: Path, dtype: torch.dtype, device: torch.dev
         loaded = load_model(model_dir, dtype, device, registry, quantize)
         total = module_weight_bytes(loaded.model)
         layer = module_weight_bytes(first_decoder_layer(loaded.model))
+        experts = expert_weight_bytes(loaded.model)
         measured = "the whole model"
     else:
         with tempfile.TemporaryDirectory(prefix="loom-weights-") as tmp:
@@ -77,8 +87,9 @@ def measure_weight_memory(model_dir: Path, dtype: torch.dtype, device: torch.dev
             loaded = load_model(one, dtype, device, registry, quantize)
             layer = module_weight_bytes(first_decoder_layer(loaded.model))
             total = module_weight_bytes(loaded.model) + (num_layers - 1) * layer
+            experts = num_layers * expert_weight_bytes(first_decoder_layer(loaded.model))
         measured = "one decoder layer (identical layers) and the embedding / head"
-    result = {"weight_bytes": total, "decoder_layer_bytes": layer, "num_layers": num_layers,
+    result = {"weight_bytes": total, "decoder_layer_bytes": layer, "num_layers": num_layers, "expert_bytes": experts,
               "quantization": loaded.quantization, "quantization_settings": loaded.quantization_settings,
               "measured_on": measured}
     del loaded
