@@ -27,6 +27,7 @@
 #   bash scripts/gpu_round.sh split-cap [DENSE_FROM] # the packed tile's K-split cap: plans at 128 / 256 tokens, W2 int4 with and without
 #   bash scripts/gpu_round.sh w2-int4-arms [DENSE:CAP ...] # W2 int4 per arm (LOOM_W4A16_DENSE_FROM, _PACKED_SPLIT_CAP), ROUNDS times alternating, bf16 beside
 #   bash scripts/gpu_round.sh launches [MODELS] # the greedy pick and RoPE + K/V store in one launch each: GPU tests, the sampler timed, W1 per model (llama-8b) off / on twice
+#   bash scripts/gpu_round.sh fp8-experts      # FP8 MoE experts (session 50): their GPU tests with the MoE and FP8 GEMV ones, then W1,W2 Qwen3-30B-A3B bf16 and --quantize fp8
 #   bash scripts/gpu_round.sh gpu-test FILE... # GPU-marked tests of the files named -> $OUT/gpu-tests-<first file>.txt
 #
 # What is owed: docs/benchmarks.md's list at its end ("What is owed to the next round").
@@ -262,6 +263,15 @@ s1-arg)  # S1 with a bench flag at two values, alternating, twice each: s1-arg F
     done
   done
   rm -f "$OUT"/s1-*.log
+  ;;
+fp8-experts)  # #22 / #15: FP8 experts (plugins/quant/fp8_moe.py): the kernels' GPU tests, then MoE W1,W2 dense and FP8
+  t=$(left); [ "$t" -gt 120 ] || { echo "fp8-experts: skipped, ${t}s left"; exit 0; }
+  timeout 220 python3 -m pytest -m gpu tests/gpu/test_fp8_experts_gpu.py tests/gpu/test_fused_moe_gpu.py \
+    tests/gpu/test_fp8_gemv_gpu.py -n 8 -q -p no:cacheprovider -rfE --timeout 150 > "$OUT/gpu-tests-fp8-experts.txt" 2>&1
+  tail -8 "$OUT/gpu-tests-fp8-experts.txt"
+  for q in fp8 auto; do
+    BENCH_MAX_S=120 bash "$0" bench "moe-w1w2-quantize-$q" --workloads W1,W2 --model-id random:qwen3-30b-a3b --quantize $q
+  done
   ;;
 gpu-test)
   name=$(basename "${1:?file}" .py)

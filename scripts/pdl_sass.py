@@ -126,7 +126,8 @@ def _cases() -> list[Case]:
     combine_sig = dict(out_ptr=bf, part_o_ptr="*fp32", part_lse_ptr="*fp32", qsl_ptr="*i32", seq_lens_ptr="*i32",
                        seq_ids_ptr="*i32", num_q_heads="i32", window="i32", min_keys="i32", stride_ot="i32",
                        stride_oh="i32")
-    moe_ptrs = dict(w_ptr=bf, out_ptr=bf, sorted_ptr="*i32", block_expert_ptr="*i32", num_padded_ptr="*i32")
+    moe_ptrs = dict(w_ptr=bf, out_ptr=bf, sorted_ptr="*i32", block_expert_ptr="*i32", num_padded_ptr="*i32",
+                    scale_ptr="*fp32")
     cfg = fm.block_config(1, 1, _bf16())
     moe_consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION="tf32", DIRECT=True,
                       EVEN_K=True, stride_wk=1)
@@ -183,11 +184,13 @@ def _cases() -> list[Case]:
                  router_consts, NW=8, LOG_NW=3, WARP_COLS=256, WARP_SUM=True), 4, 3, ("M", "SPLIT", "TILES")),
         Case("MoE gate/up, direct", lambda: fm._gate_up_kernel,
              dict(x_ptr=bf, **moe_ptrs, N="i32", K="i32", INTER="i32", stride_xt="i32", stride_we="i32",
-                  stride_wn="i32", stride_ot="i32"), dict(moe_consts, TOP_K=top_k), cfg.num_warps, cfg.num_stages,
+                  stride_wn="i32", stride_ot="i32", stride_se="i32"), dict(moe_consts, TOP_K=top_k), cfg.num_warps,
+             cfg.num_stages,
              ("N",)),
         Case("MoE down, direct", lambda: fm._down_kernel,
              dict(a_ptr=bf, **moe_ptrs, N="i32", K="i32", H="i32", stride_at="i32", stride_we="i32",
-                  stride_wn="i32", stride_ot="i32"), moe_consts, cfg.num_warps, cfg.num_stages, ("N",)),
+                  stride_wn="i32", stride_ot="i32", stride_se="i32"), moe_consts, cfg.num_warps, cfg.num_stages,
+             ("N",)),
         Case("W4A16 int GEMV (g128, 64x128)", lambda: wt._gemv_int_kernel, w4_sig, w4_consts, 4, 2,
              ("K_SPLIT", "MAGIC", "HI_SHIFT")),
     ]

@@ -15,6 +15,9 @@ a W8A8 kernel applies (``transform_input``), so the CPU path computes what the G
 summation order. ``--quantize fp8``: per-output-channel scales (max |w| / 448) and dynamic
 per-token activations (no calibration); the head and the embedding stay in the model's dtype.
 
+Mixture-of-Experts layers: their experts are FP8 too (``fp8_moe``: the checkpoint's, or quantized
+while loading), computed weight-only; the router stays dense.
+
 Block-wise FP8 (DeepSeek's ``weight_block_size`` / ``weight_scale_inv``) and FP8 KV caches are
 not read: such a checkpoint is refused at start-up, naming the field.
 
@@ -36,9 +39,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom import kernel_switches
+from loom.layers.fused_moe import FusedMoE
 from loom.layers.linear import LinearBase
 from loom.layers.quantized_input import FP8_MAX, row_scales  # noqa: F401  (FP8_MAX: the writers' and tests')
 from loom.layers.quantized_input import to_e4m3 as quantize_fp8
+from loom.plugin_api.moe import FusedMoEMethod
 from loom.plugin_api.quantization import (
     LinearMethod,
     QuantizationConfig,
@@ -60,6 +65,7 @@ from .dequant_linear import (
     per_part_parameter,
     rows_per_part,
 )
+from .fp8_moe import FP8CheckpointExperts, FP8ExpertsWhileLoading
 
 
 def fp8_dtype() -> torch.dtype:
@@ -319,6 +325,8 @@ class FP8Config(QuantizationConfig):
             FP8Scheme.from_config(qconfig)
         self.names = set() if qconfig is None else checkpoint_tensor_names(model_dir)
         self.scale_names: set[str] = set()
+        self.unread_names: set[str] = set()  # experts' static input scales (the experts run weight-only)
+        self.moe_layers = 0
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
         if self.while_loading:
@@ -330,14 +338,40 @@ class FP8Config(QuantizationConfig):
         self.scale_names.update(f"{p}.{n}" for p in parts for n in ("weight", "weight_scale", "input_scale"))
         return FP8LinearMethod(self.scheme)
 
+    def get_moe_method(self, layer: nn.Module, prefix: str) -> FusedMoEMethod | None:
+        """A Mixture-of-Experts layer's experts in FP8 (``fp8_moe``): quantized while loading, or
+        the checkpoint's when every expert projection has a ``weight_scale`` (None: none has one,
+        the experts are dense)."""
+        if not isinstance(layer, FusedMoE):
+            return None
+        if self.while_loading:
+            self.moe_layers += 1
+            return FP8ExpertsWhileLoading()
+        modules = [f"{prefix}.{e}.{name}" for e in range(layer.num_experts) for name in layer.checkpoint_names]
+        have = [f"{m}.weight_scale" in self.names for m in modules]
+        if not any(have):
+            return None
+        if not all(have):
+            dense = next(m for m, h in zip(modules, have, strict=True) if not h)
+            raise QuantizationError(f"FP8 checkpoint: {dense} has no weight_scale tensor while other experts of "
+                                    f"{prefix} do (a layer's experts must all be quantized)")
+        self.scale_names.update(f"{m}.{n}" for m in modules for n in ("weight", "weight_scale"))
+        self.unread_names.update(f"{m}.input_scale" for m in modules)
+        self.moe_layers += 1
+        return FP8CheckpointExperts(self.scheme.per_channel)
+
     def keeps_checkpoint_dtype(self, name: str) -> bool:
         return name in self.scale_names
 
     def skips_checkpoint_tensor(self, name: str) -> bool:
-        # Dynamic schemes need no activation scale (some tools still save one): not read.
-        return self.scheme.activations != "static" and name.endswith(".input_scale")
+        # Dynamic schemes need no activation scale (some tools still save one): not read. Nor are
+        # the experts' static ones: experts compute weight-only (fp8_moe).
+        return (self.scheme.activations != "static" and name.endswith(".input_scale")) or name in self.unread_names
 
     def settings(self) -> dict[str, str]:
-        return {"format": "while loading" if self.while_loading else "checkpoint", "weights": "float8_e4m3fn",
-                "weight_scales": "per channel" if self.scheme.per_channel else "per tensor",
-                "activations": self.scheme.activations}
+        settings = {"format": "while loading" if self.while_loading else "checkpoint", "weights": "float8_e4m3fn",
+                    "weight_scales": "per channel" if self.scheme.per_channel else "per tensor",
+                    "activations": self.scheme.activations}
+        if self.moe_layers:
+            settings["experts"] = f"float8_e4m3fn weight-only ({self.moe_layers} layers)"
+        return settings

@@ -22,7 +22,8 @@ reproduce bit for bit:
   (SmolLM2's row in one block, llama-8b's in two passes), none spilling;
 * ``greedy``: the sampler's one-launch greedy pick (``loom.sample.greedy_triton``), alone;
 * ``expert_pipelining``: the MoE expert kernels with whole K tiles load through cp.async (the
-  software pipeline a K mask in the loop kept triton 3.6 from building), without spills.
+  software pipeline a K mask in the loop kept triton 3.6 from building), without spills, for
+  dense bf16 experts and FP8 ones.
 
 Checks what the interpreter cannot: that each kernel compiles, without register spills, and that
 the fused kernel reduces every float32 value (softmax max and sum, argmax, renormalisation; the
@@ -408,19 +409,28 @@ def check_expert_pipelining() -> int:
     from loom.layers import fused_moe_triton as f
 
     failed = 0
-    ptrs = dict(w_ptr="*bf16", out_ptr="*bf16", sorted_ptr="*i32", block_expert_ptr="*i32", num_padded_ptr="*i32")
-    kernels = (("gate_up", f._gate_up_kernel,
-                dict(x_ptr="*bf16", **ptrs, N="i32", K="i32", INTER="i32", stride_xt="i32", stride_we="i32",
-                     stride_wn="i32", stride_ot="i32"), {"TOP_K": 8}),
-               ("down", f._down_kernel,
-                dict(a_ptr="*bf16", **ptrs, N="i32", K="i32", H="i32", stride_at="i32", stride_we="i32",
-                     stride_wn="i32", stride_ot="i32"), {}))
     cfg = f.block_config(8, 128, torch_bf16())
+    for weights in ("bf16", "fp8e4nv"):  # dense experts; FP8 experts (codes, scales, fp16 dots)
+        ptrs = dict(w_ptr=f"*{weights}", out_ptr="*bf16", sorted_ptr="*i32", block_expert_ptr="*i32",
+                    num_padded_ptr="*i32", scale_ptr="*fp32")
+        fp8 = {"W_SCALE": True, "X_F16": True} if weights == "fp8e4nv" else {}
+        kernels = (("gate_up", f._gate_up_kernel,
+                    dict(x_ptr="*bf16", **ptrs, N="i32", K="i32", INTER="i32", stride_xt="i32", stride_we="i32",
+                         stride_wn="i32", stride_ot="i32", stride_se="i32"), {"TOP_K": 8, **fp8}),
+                   ("down", f._down_kernel,
+                    dict(a_ptr="*bf16", **ptrs, N="i32", K="i32", H="i32", stride_at="i32", stride_we="i32",
+                         stride_wn="i32", stride_ot="i32", stride_se="i32"), fp8))
+        failed += _check_expert_kernels(kernels, cfg, weights)
+    return failed
+
+
+def _check_expert_kernels(kernels: Any, cfg: Any, weights: str) -> int:
+    failed = 0
     for name, fn, sig, extra in kernels:
         for direct in (False, True):
             consts: dict[str, Any] = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                                           PRECISION="tf32", DIRECT=direct, EVEN_K=True, stride_wk=1, **extra)
-            label = f"{name} {'direct' if direct else 'sorted'} {cfg}"
+            label = f"{name} {'direct' if direct else 'sorted'} {weights} weights {cfg}"
             try:
                 compiled = compile_for_hopper_staged(fn, sig, consts, cfg.num_warps, cfg.num_stages)
             except Exception as exc:  # reported: the script fails

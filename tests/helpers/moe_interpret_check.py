@@ -15,8 +15,9 @@ the decode path's routing and sort in one launch (``route_and_sort``) gives exac
 ``route`` then ``align_rows_by_expert`` give (weights bit for bit, ids, the layout), over random
 logits with and without ties; and the one-token experts indexed straight from the routing's ids
 (``direct_experts``: no sort) give the sorted layout's bits; the router's GEMV with the routing
-in its epilogue (``moe_router_gemv``) gives the dense GEMV then ``route``'s bits.
-bf16 is left to the GPU tests: the interpreter of triton 3.6 computes bf16 dots wrongly.
+in its epilogue (``moe_router_gemv``) gives the dense GEMV then ``route``'s bits; FP8 experts
+(e4m3 codes with per-channel scales) equal the torch path on their dequantized weights.
+bf16 dense experts are left to the GPU tests: the interpreter of triton 3.6 computes bf16 dots wrongly.
 """
 
 from __future__ import annotations
@@ -160,6 +161,62 @@ def check_direct_experts() -> list[str]:
     print(f"{'ok  ' if ok else 'FAIL'} direct experts at one token only ({default}), off with the switch ({off})")
     if not ok:
         errors.append(f"direct_experts: {default} for 0, 1, 2, 8 tokens; switched off: {off}")
+    return errors
+
+
+def check_fp8_experts() -> list[str]:
+    """FP8 experts (e4m3 codes, a float32 scale per output channel: ``W_SCALE``; bf16 activations
+    dotted in fp16 after a power-of-two scaling per row: ``X_F16``) against the float32 torch path
+    on the dequantized weights, sorted and direct; at one token the two layouts give the same bits."""
+    import torch
+
+    from loom.layers import fused_moe_triton
+    from loom.layers.fused_moe import fused_experts_torch, select_experts
+    from loom.layers.fused_moe_triton import MoeBlockConfig
+
+    errors: list[str] = []
+    gen = torch.Generator().manual_seed(11)
+    cases = [  # (T, H, I, E, k, activations, block config or None)
+        (5, 64, 48, 8, 2, torch.float32, None),
+        (7, 40, 24, 4, 3, torch.float16, MoeBlockConfig(16, 16, 16, 4, 1)),  # ragged tiles
+        (6, 64, 32, 8, 2, torch.bfloat16, MoeBlockConfig(16, 32, 32, 4, 1)),  # fp16 dots, rows scaled
+        (1, 64, 48, 16, 4, torch.bfloat16, None),  # a decode step, direct
+    ]
+    for T, H, inter, E, k, dtype, cfg in cases:
+        # rows of x far apart in magnitude (each row's power of two is its own); fp16 activations
+        # within a decade of 1, where its products neither overflow nor fall into subnormals
+        lo, hi = (-1, 1) if dtype == torch.float16 else (-3, 3)
+        x = (torch.randn(T, H, generator=gen) * torch.logspace(lo, hi, T)[:, None]).to(dtype)
+        w13 = torch.randn(E, 2 * inter, H, generator=gen) / H**0.5
+        w2 = torch.randn(E, H, inter, generator=gen) / inter**0.5
+        s13 = w13.abs().amax(-1) / 448
+        s2 = w2.abs().amax(-1) / 448
+        c13 = (w13 / s13[..., None]).to(torch.float8_e4m3fn)
+        c2 = (w2 / s2[..., None]).to(torch.float8_e4m3fn)
+        weights, ids = select_experts(torch.randn(T, E, generator=gen), k, renormalize=True)
+        ref = fused_experts_torch(x.float(), c13.float() * s13[..., None], c2.float() * s2[..., None], weights, ids)
+        sorted_rows = fused_moe_triton.expert_outputs_triton(x, c13, c2, weights, ids, cfg, direct=False,
+                                                             w13_scale=s13, w2_scale=s2)
+        got = sorted_rows.combine().float()
+        scale = ref.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)
+        err = ((got - ref).abs() / scale).max().item()  # per token, relative to its largest output
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        same = True
+        if T == 1:
+            direct_rows = fused_moe_triton.expert_outputs_triton(x, c13, c2, weights, ids, cfg, direct=True,
+                                                                 w13_scale=s13, w2_scale=s2)
+            same = torch.equal(direct_rows.rows, sorted_rows.rows)
+        ok = err <= tol and same
+        name = f"T={T} H={H} I={inter} E={E} k={k} {dtype}"
+        print(f"{'ok  ' if ok else 'FAIL'} fp8 experts {name}: max err {err:.2e} of each token's largest"
+              f"{', direct = sorted bits' if T == 1 and same else ''}")
+        if not ok:
+            errors.append(f"fp8 experts {name}: max err {err:.2e}, direct same bits {same}")
+    try:  # codes without scales, or scales of the wrong shape, are refused before any launch
+        fused_moe_triton.expert_outputs_triton(x, c13, c2, weights, ids, None, w13_scale=s13[:, :3], w2_scale=s2)
+        errors.append("fp8 experts: a scale of the wrong shape was accepted")
+    except ValueError:
+        pass
     return errors
 
 
@@ -425,7 +482,7 @@ def main() -> int:
     routing_errors = check_routing() + check_fused_routing() + check_router_epilogue()
     errors = check_alignment()
     print(f"{'FAIL' if errors else 'ok  '} sort by expert: {'; '.join(errors) or 'as expected'}")
-    expert_errors = check_experts() + check_direct_experts() + check_block() + check_model()
+    expert_errors = check_experts() + check_direct_experts() + check_fp8_experts() + check_block() + check_model()
     return 1 if errors or expert_errors or routing_errors else 0
 
 

@@ -165,13 +165,27 @@ def awq_checkpoint(dense_dir: Path, out: Path, *, group: int = 32, seed: int = 0
 
 
 def fp8_checkpoint(dense_dir: Path, out: Path, *, per_channel: bool, static: bool,
-                   layout: str = "compressed-tensors") -> tuple[Path, dict[str, torch.Tensor]]:
-    """FP8 made with compressed-tensors' own quantize / dequantize (the independent reference)."""
-    from compressed_tensors.quantization import QuantizationArgs
-    from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize
+                   layout: str = "compressed-tensors", weight_only: bool = False,
+                   torch_writer: bool = False) -> tuple[Path, dict[str, torch.Tensor]]:
+    """FP8 made with compressed-tensors' own quantize / dequantize (the independent reference).
+    Every ``LINEARS`` module is quantized, the experts of an MoE checkpoint included.
+    ``weight_only``: compressed-tensors with no ``input_activations`` (``static`` ignored).
+    ``torch_writer``: the same arithmetic in plain torch (``w / scale`` clamped to +-448, cast to
+    e4m3; ``codes * scale``), for machines without compressed-tensors (the GPU's)."""
+    if torch_writer:
+        def quantize(w: torch.Tensor, scale: torch.Tensor, *_: Any, **__: Any) -> torch.Tensor:
+            return (w.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
 
-    args = QuantizationArgs(num_bits=8, type="float", symmetric=True,
-                            strategy="channel" if per_channel else "tensor")
+        def dequantize(q: torch.Tensor, scale: torch.Tensor, *_: Any, **__: Any) -> torch.Tensor:
+            return q.float() * scale
+
+        args = None
+    else:
+        from compressed_tensors.quantization import QuantizationArgs
+        from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize
+
+        args = QuantizationArgs(num_bits=8, type="float", symmetric=True,
+                                strategy="channel" if per_channel else "tensor")
     tensors, expected = {}, {}
     for i, (name, w) in enumerate(dense_tensors(dense_dir).items()):
         if not is_linear(name):
@@ -183,7 +197,7 @@ def fp8_checkpoint(dense_dir: Path, out: Path, *, per_channel: bool, static: boo
         q = quantize(w, scale, torch.zeros_like(scale), args, dtype=torch.float8_e4m3fn)
         tensors[name] = q
         tensors[f"{stem}.weight_scale"] = scale if per_channel else scale.reshape(())
-        if static:
+        if static and not weight_only:
             tensors[f"{stem}.input_scale"] = torch.tensor(0.05 + 0.01 * i, dtype=torch.float32)
         expected[stem] = dequantize(q, scale, None, args, dtype=torch.float32)
     if layout == "fp8":
@@ -195,6 +209,8 @@ def fp8_checkpoint(dense_dir: Path, out: Path, *, per_channel: bool, static: boo
                    "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": acts, "weights": {
                        "num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
                        "strategy": "channel" if per_channel else "tensor"}}}}
+        if weight_only:
+            qconfig["config_groups"]["group_0"]["input_activations"] = None
     return _write(dense_dir, out, tensors, qconfig), expected
 
 
@@ -216,6 +232,25 @@ def nf4_checkpoint(dense_dir: Path, out: Path, *, double_quant: bool) -> tuple[P
                "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": double_quant,
                "bnb_4bit_compute_dtype": "float32", "bnb_4bit_quant_storage": "uint8"}
     return _write(dense_dir, out, tensors, qconfig), expected
+
+
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
+         "o_proj": ("o_proj",), "down_proj": ("down_proj",)}
+
+
+def dequantized_linears(model: Any) -> dict[str, torch.Tensor]:
+    """Each quantized linear layer's dequantized weight (float32) split back into its checkpoint
+    modules: ``{stem: [out, in]}``."""
+    out: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        leaf = name.rpartition(".")[2]
+        if leaf not in FUSED or not hasattr(module.quant_method, "dequantize"):
+            continue
+        w = module.quant_method.dequantize(module, torch.float32)
+        parts = FUSED[leaf]
+        for part, rows in zip(parts, w.split(module.output_partition_sizes), strict=True):
+            out[f"{name.rpartition('.')[0]}.{part}"] = rows
+    return out
 
 
 def dense_with(dense_dir: Path, out: Path, weights: dict[str, torch.Tensor]) -> Path:

@@ -13,6 +13,7 @@ import torch
 from helpers.quant_checkpoints import (
     awq_checkpoint,
     dense_with,
+    dequantized_linears,
     fp8_checkpoint,
     gptq_checkpoint,
     nf4_checkpoint,
@@ -25,29 +26,13 @@ from loom.plugin_api import PluginRegistry
 
 PROMPT = [1, 17, 42, 99, 3, 250, 7, 7, 128, 64, 5, 300, 12]
 TinyDir = Callable[[str], Path]
-FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
-         "o_proj": ("o_proj",), "down_proj": ("down_proj",)}
-
-
-def loom_weights(model: Any) -> dict[str, torch.Tensor]:
-    """Each quantized layer's dequantized weight split back into its checkpoint modules."""
-    out: dict[str, torch.Tensor] = {}
-    for name, module in model.named_modules():
-        leaf = name.rpartition(".")[2]
-        if leaf not in FUSED:
-            continue
-        w = module.quant_method.dequantize(module, torch.float32)
-        parts = FUSED[leaf]
-        for part, rows in zip(parts, w.split(module.output_partition_sizes), strict=True):
-            out[f"{name.rpartition('.')[0]}.{part}"] = rows
-    return out
 
 
 def check_against_reference(path: Path, expected: dict[str, torch.Tensor], registry: PluginRegistry,
                             name: str) -> Any:
     loaded = load_model(path, torch.float32, "cpu", registry)
     assert loaded.quantization == name
-    ours = loom_weights(loaded.model)
+    ours = dequantized_linears(loaded.model)
     assert ours.keys() == expected.keys()
     for stem, w in expected.items():
         assert torch.equal(ours[stem], w), stem  # bit for bit
@@ -99,7 +84,7 @@ def test_gptq_checkpoint_with_a_quantized_head_matches_transformers(
     loaded = load_model(path, torch.float32, "cpu", quant_registry)
     head: Any = loaded.model.lm_head
     assert torch.equal(head.quant_method.dequantize(head, torch.float32), expected.pop("lm_head"))
-    ours = loom_weights(loaded.model)
+    ours = dequantized_linears(loaded.model)
     assert ours.keys() == expected.keys() and all(torch.equal(ours[k], w) for k, w in expected.items())
     assert loaded.quantization_settings["lm_head"] == "true"
     expected["lm_head"] = head.quant_method.dequantize(head, torch.float32)
@@ -115,7 +100,7 @@ def test_gptq_v2_read_as_v1_would_be_wrong(tiny_model_dir: TinyDir, quant_regist
     config = json.loads((path / "config.json").read_text())
     config["quantization_config"]["checkpoint_format"] = "gptq"
     (path / "config.json").write_text(json.dumps(config))
-    ours = loom_weights(load_model(path, torch.float32, "cpu", quant_registry).model)
+    ours = dequantized_linears(load_model(path, torch.float32, "cpu", quant_registry).model)
     assert not any(torch.equal(ours[k], expected[k]) for k in expected)
 
 
@@ -188,7 +173,7 @@ def test_quantize_while_loading_holds_no_dense_linear_weight(
     layer = model.model.layers[0].self_attn.qkv_proj
     assert "weight" not in dict(layer.named_parameters())  # quantized, the dense rows dropped
     assert not any(p.dtype == torch.float32 and p.dim() == 2 and "proj" in n for n, p in model.named_parameters())
-    ours = loom_weights(model)
+    ours = dequantized_linears(model)
     reference = load_hf_reference(dense)
     for stem, w in ours.items():
         dense_w = reference.get_submodule(stem).weight
@@ -240,5 +225,5 @@ def test_compressed_tensors_head_quantized_too_loads_by_vocabulary_rows(sym: boo
     loaded = load_model(path, torch.float32, "cpu", quant_registry)
     head: Any = loaded.model.lm_head
     assert torch.equal(head.quant_method.dequantize(head, torch.float32), expected.pop("lm_head"))
-    ours = loom_weights(loaded.model)
+    ours = dequantized_linears(loaded.model)
     assert all(torch.equal(ours[k], w) for k, w in expected.items())

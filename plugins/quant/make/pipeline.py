@@ -19,6 +19,7 @@ matrix.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,6 +99,24 @@ class QuantizeRequest:
             raise QuantizeError(f"--device {self.device}: this machine has no CUDA device (torch {torch.__version__})")
         if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
             raise QuantizeError(f"--device {self.device}: only {torch.cuda.device_count()} CUDA device(s) here")
+
+
+# An MoE expert's projection as checkpoints name it: ``...experts.<N>.<gate_proj|w1|...>.weight``.
+EXPERT_WEIGHT = re.compile(r"\.experts\.\d+\.[^.]+\.weight$")
+
+
+def checkpoint_state_dict(model: Any) -> dict[str, torch.Tensor]:
+    """The model's tensors under the names its checkpoints use. transformers 5 holds some modules
+    differently in memory than on disk (MoE experts stacked into ``experts.gate_up_proj``,
+    Mixtral's ``block_sparse_moe`` renamed ``mlp``) and ``save_pretrained`` converts them back;
+    so does this, so Loom, vLLM and transformers read the written checkpoint (per-expert tensors,
+    the names on the Hub)."""
+    state = model.state_dict()
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # a transformers without conversions holds the checkpoint's names
+        return state
+    return dict(revert_weight_conversion(model, state))
 
 
 def decoder_linears(model: nn.Module) -> dict[str, nn.Linear]:
@@ -335,11 +354,13 @@ def quantize_model(model_dir: Path, out_dir: Path, request: QuantizeRequest, pro
                                                     sym=True, min_zero=1))
     tensors: dict[str, torch.Tensor] = {}
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    for name, tensor in model.state_dict().items():
+    for name, tensor in checkpoint_state_dict(model).items():
         if tied and name == f"{HEAD}.weight" and not request.lm_head:
             continue  # (the embedding's matrix: written once, under its own name)
         stem = name.removesuffix(".weight")
-        if stem not in linears or not name.endswith(".weight"):
+        if request.method == "fp8" and EXPERT_WEIGHT.search(name) and tensor.dim() == 2:
+            tensors.update(fp8_tensors(stem, tensor.to(dtype)))  # an MoE expert's projection: FP8 too
+        elif stem not in linears or not name.endswith(".weight"):
             tensors[name] = tensor.to(dtype)
         elif request.method in ("gptq", "rtn", "awq"):
             tensors.update(packed[stem])

@@ -102,6 +102,25 @@ def table_plan(n: int, k: int, m: int, sms: int) -> GemvPlan | None:
 
 
 @_jit
+def f16_row_scales(x_rows, m_mask, k_start, k_end, K, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``(up, down)`` [BLOCK_M] float32 powers of two for dotting bf16 rows in fp16: each row's max
+    |x| over inputs ``[k_start, k_end)`` (``x_rows [BLOCK_M, 1]`` pointers to the rows, padding
+    rows masked by ``m_mask``) -> ``up = 2^p``, p = 141 - its exponent, which puts that maximum in
+    [2^14, 2^15), and ``down = 2^-p`` (exactly ``1 / up``). Shared by :func:`gemv_tile` and the
+    FP8 experts of ``fused_moe_triton``."""
+    offs_k = tl.arange(0, BLOCK_K)
+    amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k = k0 + offs_k
+        xa = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k < K)[None, :], other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(xa.to(tl.float32)), axis=1))
+    e = tl.minimum(tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF, 15), 254)
+    up = ((268 - e) << 23).to(tl.float32, bitcast=True)  # [BLOCK_M] 2^(141 - e)
+    down = ((e - 14) << 23).to(tl.float32, bitcast=True)  # [BLOCK_M] 2^(e - 141), exactly 1 / up
+    return up, down
+
+
+@_jit
 def gemv_tile(x_ptr, w_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, pid_n, pid_s,
               EVEN_K: tl.constexpr, IEEE: tl.constexpr, X_F16: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -120,15 +139,8 @@ def gemv_tile(x_ptr, w_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, pid_n, pid_s
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     k_start = pid_s * K_SPLIT
     k_end = tl.minimum(k_start + K_SPLIT, K)
-    if X_F16:  # each row's max |x| over this program's inputs -> 2^p, p = 141 - its exponent
-        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            k = k0 + offs_k
-            xa = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k < K)[None, :], other=0.0)
-            amax = tl.maximum(amax, tl.max(tl.abs(xa.to(tl.float32)), axis=1))
-        e = tl.minimum(tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF, 15), 254)
-        up = ((268 - e) << 23).to(tl.float32, bitcast=True)  # [BLOCK_M] 2^(141 - e)
-        down = ((e - 14) << 23).to(tl.float32, bitcast=True)  # [BLOCK_M] 2^(e - 141), exactly 1 / up
+    if X_F16:
+        up, down = f16_row_scales(x_rows, m_mask, k_start, k_end, K, BLOCK_K, BLOCK_M)
     for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + offs_k
         if EVEN_K:  # every K tile whole: masks on rows only

@@ -10,7 +10,9 @@ run grouped by expert, and their outputs are summed with the routing weights.
   down_proj`` for Qwen3-MoE) or transformers 5's stacked ones (``experts.gate_up_proj``,
   ``experts.down_proj``) into this rank's slice; its method (``loom.plugin_api.moe``; the dense
   :class:`UnquantizedFusedMoEMethod` unless a quantization config serves the layer) keeps and
-  applies them.
+  applies them. Methods whose experts are stacked tensors the fused kernels read
+  (:class:`StackedExpertsMethod`: the dense one, and the fp8 quantizer's e4m3 experts with
+  per-channel scales) share the kernels, the routing's sort and the unsummed rows for the norm.
 * :class:`SparseMoeBlock`: the router (``gate``, a dense linear layer) and the experts.
 
 The dense experts run on CUDA as the Triton kernels of ``fused_moe_triton`` (one launch for
@@ -25,6 +27,8 @@ expert's gate, up and down, and the block sums its output over ranks.
 
 from __future__ import annotations
 
+from abc import abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -81,14 +85,25 @@ def sort_rows_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch
     return order, counts
 
 
+def dequantize_expert(codes: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """One expert's matrix in ``dtype``: itself (dense), or e4m3 ``codes [out, in]`` times their
+    float32 ``scale [out]`` (one per output channel), computed in float32 and rounded once."""
+    if scale is None:
+        return codes
+    return (codes.float() * scale.float()[:, None]).to(dtype)
+
+
 def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                        topk_ids: torch.Tensor) -> torch.Tensor:
+                        topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
+                        w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``x [T, H]`` through each token's experts, weighted and summed -> ``[T, H]``.
 
     Each expert that has rows runs once on all of them (two matrix products); transformers'
     rounding order: ``down(silu(gate) * up)`` in the activation dtype, times the weight (which
     may be float32), cast back, and added to the token's output expert by expert in increasing
-    expert order. Reads the row counts on the host: not for CUDA graphs.
+    expert order. Reads the row counts on the host: not for CUDA graphs. ``w13_scale [E, 2I]`` /
+    ``w2_scale [E, H]``: the weights are e4m3 codes, each expert with rows dequantized
+    (:func:`dequantize_expert`) for its products.
     """
     k = topk_ids.shape[1]
     order, counts = sort_rows_by_expert(topk_ids, w13.shape[0])
@@ -100,7 +115,9 @@ def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
     for expert, n in enumerate(counts.tolist()):
         if n:
             rows = slice(start, start + n)
-            ys[rows] = F.linear(act(F.linear(xs[rows], w13[expert])), w2[expert])
+            gate_up = dequantize_expert(w13[expert], None if w13_scale is None else w13_scale[expert], x.dtype)
+            down = dequantize_expert(w2[expert], None if w2_scale is None else w2_scale[expert], x.dtype)
+            ys[rows] = F.linear(act(F.linear(xs[rows], gate_up)), down)
             start += n
     weighted = (ys * topk_weights.reshape(-1)[order].unsqueeze(-1)).to(x.dtype)  # [T * k, H]
     out = torch.zeros_like(x)
@@ -114,7 +131,51 @@ def triton_experts_supported(x: torch.Tensor) -> bool:
             and x.dtype in (torch.float16, torch.bfloat16, torch.float32))
 
 
-class UnquantizedFusedMoEMethod(FusedMoEMethod):
+@dataclass(frozen=True)
+class StackedWeights:
+    """A layer's experts as the fused kernels read them: ``w13 [E, 2I, H]``, ``w2 [E, H, I]``,
+    dense in the activations' dtype (no scales) or e4m3 codes with float32 scales per output
+    channel (``w13_scale [E, 2I]``, ``w2_scale [E, H]``, contiguous)."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+
+
+class StackedExpertsMethod(FusedMoEMethod):
+    """A method whose experts are stacked tensors the fused kernels read (:meth:`stacked`): the
+    dense experts, and e4m3 experts with per-channel scales (the fp8 quantizer's). Such a layer
+    takes the routing's sort by expert, and hands its rows back unsummed to the norm after it
+    (:meth:`FusedMoE.forward_uncombined`), as dense experts do."""
+
+    @abstractmethod
+    def stacked(self, layer: nn.Module) -> StackedWeights:
+        """The layer's expert tensors (after ``process_weights_after_loading``)."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        return self.apply_sorted(layer, x, topk_weights, topk_ids, None)
+
+    def apply_sorted(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                     layout: moe_routing_triton.ExpertLayout | None) -> torch.Tensor:
+        """:meth:`apply`, reusing the rows' sort by expert when the routing already made it
+        (``layout``: the Triton kernels only; the torch path sorts its own)."""
+        if triton_experts_supported(x):
+            return self.expert_outputs(layer, x, topk_weights, topk_ids, layout).combine()
+        w = self.stacked(layer)
+        return fused_experts_torch(x, w.w13, w.w2, topk_weights, topk_ids, w.w13_scale, w.w2_scale)
+
+    def expert_outputs(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                       layout: moe_routing_triton.ExpertLayout | None) -> fused_moe_triton.ExpertOutputs:
+        """The experts' rows before their weighted sum (Triton kernels only: where
+        :func:`triton_experts_supported`)."""
+        w = self.stacked(layer)
+        return fused_moe_triton.expert_outputs_triton(x, w.w13, w.w2, topk_weights, topk_ids, layout=layout,
+                                                      w13_scale=w.w13_scale, w2_scale=w.w2_scale)
+
+
+class UnquantizedFusedMoEMethod(StackedExpertsMethod):
     """Dense experts in the model's dtype: ``w13_weight [E, 2I, H]``, ``w2_weight [E, H, I]``."""
 
     def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int,
@@ -128,24 +189,8 @@ class UnquantizedFusedMoEMethod(FusedMoEMethod):
         set_weight_attrs(w2, input_dim=1, weight_loader=weight_loader)  # dims of one expert's [H, I]
         layer.register_parameter("w2_weight", w2)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
-        return self.apply_sorted(layer, x, topk_weights, topk_ids, None)
-
-    def apply_sorted(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                     layout: moe_routing_triton.ExpertLayout | None) -> torch.Tensor:
-        """:meth:`apply`, reusing the rows' sort by expert when the routing already made it
-        (``layout``: the Triton kernels only; the torch path sorts its own)."""
-        if triton_experts_supported(x):
-            return self.expert_outputs(layer, x, topk_weights, topk_ids, layout).combine()
-        return fused_experts_torch(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)  # type: ignore[arg-type]
-
-    def expert_outputs(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                       layout: moe_routing_triton.ExpertLayout | None) -> fused_moe_triton.ExpertOutputs:
-        """The experts' rows before their weighted sum (Triton kernels only: where
-        :func:`triton_experts_supported`)."""
-        return fused_moe_triton.expert_outputs_triton(x, layer.w13_weight, layer.w2_weight,  # type: ignore[arg-type]
-                                                      topk_weights, topk_ids, layout=layout)
+    def stacked(self, layer: nn.Module) -> StackedWeights:
+        return StackedWeights(layer.w13_weight, layer.w2_weight)  # type: ignore[arg-type]
 
 
 def _stored(param: torch.Tensor, dim: int, n: int) -> int:
@@ -238,16 +283,22 @@ class FusedMoE(nn.Module):
             return
         if not 0 <= expert_id < self.num_experts:
             raise ValueError(f"{self.prefix}: expert {expert_id} is not below {self.num_experts}")
-        dst = param.data[expert_id]  # one expert's slice
+        self.load_expert(param.data[expert_id], param, loaded_weight, shard_id)
+
+    def load_expert(self, dst: torch.Tensor, param: torch.Tensor, loaded_weight: torch.Tensor,
+                    shard_id: object = None) -> None:
+        """One expert's checkpoint tensor into ``dst`` (that expert's slice of ``param``, or a
+        buffer of its shape: a method that quantizes while loading stages there), this rank's
+        part as ``param``'s hints (``output_dim``, ``input_dim``, packing) say."""
         inter, inter_p = self.intermediate_size, self.intermediate_size_per_partition
         out_dim, in_dim = getattr(param, "output_dim", None), getattr(param, "input_dim", None)
         if out_dim is not None:  # w13: gate and up rows
             if shard_id is None:
                 stored = _stored(param, out_dim, inter)
                 if loaded_weight.shape[out_dim] != 2 * stored:
-                    raise WeightShapeError(tuple(loaded_weight.shape), tuple(param.shape[1:]))
+                    raise WeightShapeError(tuple(loaded_weight.shape), tuple(dst.shape))
                 for shard, part in enumerate(loaded_weight.split(stored, dim=out_dim)):
-                    self.weight_loader(param, part, shard, expert_id)
+                    self.load_expert(dst, param, part, shard)
                 return
             if shard_id not in (0, 1):
                 raise ValueError(f"{self.prefix}: shard id {shard_id!r} is not 0 (gate) or 1 (up)")
@@ -265,21 +316,21 @@ class FusedMoE(nn.Module):
 
     def sorts_in_routing(self, x: torch.Tensor) -> bool:
         """Whether the routing should sort the rows for these experts (``forward``'s ``layout``):
-        the dense experts on the Triton kernels; a quantization method sorts its own."""
-        return isinstance(self.quant_method, UnquantizedFusedMoEMethod) and triton_experts_supported(x)
+        stacked experts (dense or FP8) on the Triton kernels; another quantization method sorts its own."""
+        return isinstance(self.quant_method, StackedExpertsMethod) and triton_experts_supported(x)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 layout: moe_routing_triton.ExpertLayout | None = None) -> torch.Tensor:
         """``[T, H] -> [T, H]``, this rank's part. ``layout``: the rows already sorted by expert
         (only where :meth:`sorts_in_routing`)."""
-        if layout is not None and isinstance(self.quant_method, UnquantizedFusedMoEMethod):
+        if layout is not None and isinstance(self.quant_method, StackedExpertsMethod):
             return self.quant_method.apply_sorted(self, x, topk_weights, topk_ids, layout)
         return self.quant_method.apply(self, x, topk_weights, topk_ids)
 
     def forward_uncombined(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                            layout: moe_routing_triton.ExpertLayout | None) -> fused_moe_triton.ExpertOutputs:
         """:meth:`forward` before the weighted sum (only where :meth:`sorts_in_routing`)."""
-        if not isinstance(self.quant_method, UnquantizedFusedMoEMethod):
+        if not isinstance(self.quant_method, StackedExpertsMethod):
             raise TypeError(f"{self.prefix}: {type(self.quant_method).__name__} sums its own experts")
         return self.quant_method.expert_outputs(self, x, topk_weights, topk_ids, layout)
 

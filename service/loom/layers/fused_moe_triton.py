@@ -21,6 +21,12 @@ block ``b`` is row ``b`` alone and its expert is ``ids[b]``, read straight from 
 with two launches fewer a layer. Its tiles may come from a measured table per kernel
 (``moe_plan_table``: tilings that leave every row's reduction order as it is).
 
+FP8 experts (``loom_plugins.quant.fp8_moe``) run the same two kernels on e4m3 codes with a float32
+scale per output channel (``W_SCALE``): weight-only, the codes converted in registers, each
+channel's sums scaled once before the epilogue; bf16 activations are dotted in fp16 after a
+power-of-two scaling per row (``X_F16``, ``dense_gemv.f16_row_scales``), as the FP8 GEMV of linear
+layers does.
+
 Shapes depend only on ``T`` (and the model): ``NB`` blocks (``num_blocks_bound``) hold any
 routing, the grids are fixed, and the device-side ``num_padded`` tells programs
 past the real blocks to return. No host sync, no data-dependent allocation: the layer can be
@@ -46,6 +52,7 @@ import torch
 from loom import kernel_switches
 
 from . import moe_plan_table
+from .dense_gemv import f16_row_scales
 from .moe_routing_triton import HAS_TRITON as HAS_TRITON  # the layer asks this module
 from .moe_routing_triton import ExpertLayout, _cdiv, _jit, _next_pow2, align_rows_by_expert
 from .triton_jit import pdl_launch, pdl_prologue
@@ -123,11 +130,17 @@ def _gate_up_kernel(
     w_ptr,  # [E, 2I, H]: gate rows 0..I-1, up rows I..2I-1
     out_ptr,  # [N, I]: silu(gate) * up, row i at i
     sorted_ptr, block_expert_ptr, num_padded_ptr,
+    scale_ptr,  # [E, 2I] float32 (W_SCALE): row n of expert e's w13 is w[e, n] * scale[e, n]
     N, K, INTER,  # INTER: I
-    stride_xt, stride_we, stride_wn, stride_wk, stride_ot,
+    stride_xt, stride_we, stride_wn, stride_wk, stride_ot, stride_se,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr, DIRECT: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr = False,
+    PRECISION: tl.constexpr, DIRECT: tl.constexpr, EVEN_K: tl.constexpr,
+    W_SCALE: tl.constexpr = False, X_F16: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
+    # W_SCALE: w holds e4m3 codes (FP8 experts, weight-only), converted in registers and each
+    # output channel's scale applied once to the sums. X_F16 (bf16 activations with e4m3 codes):
+    # the dots run in fp16, each row of x scaled by a power of two first (dense_gemv's
+    # f16_row_scales: e4m3 -> fp16 is one instruction a pair of codes, -> bf16 four).
     if USE_PDL:  # x, the layout and the experts chosen (which weights to read) come from before
         pdl_prologue()
     pid = tl.program_id(0)
@@ -142,11 +155,14 @@ def _gate_up_kernel(
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < INTER
         k = tl.arange(0, BLOCK_K)
-        a_ptrs = x_ptr + tok[:, None] * stride_xt + k[None, :]  # [BM, BK]
+        x_rows = x_ptr + tok[:, None] * stride_xt  # [BM, 1]
+        a_ptrs = x_rows + k[None, :]  # [BM, BK]
         g_ptrs = w_ptr + expert * stride_we + n[None, :] * stride_wn + k[:, None] * stride_wk  # [BK, BN]
         u_ptrs = g_ptrs + INTER * stride_wn
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        if X_F16:
+            up, down = f16_row_scales(x_rows, row_ok, 0, K, K, BLOCK_K, BLOCK_M)
         for k0 in range(0, K, BLOCK_K):
             if EVEN_K:  # every K tile whole: no mask on K, so Triton pipelines the loads (cp.async)
                 a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
@@ -157,11 +173,20 @@ def _gate_up_kernel(
                 a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                 g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
                 u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
-            acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+            if X_F16:
+                a = (a.to(tl.float32) * up[:, None]).to(tl.float16)
+            acc_g = tl.dot(a, g.to(a.dtype), acc_g, input_precision=PRECISION)  # (.to: codes; dense: a no-op)
+            acc_u = tl.dot(a, u.to(a.dtype), acc_u, input_precision=PRECISION)
             a_ptrs += BLOCK_K
             g_ptrs += BLOCK_K * stride_wk
             u_ptrs += BLOCK_K * stride_wk
+        if X_F16:  # exact: a power of two
+            acc_g = acc_g * down[:, None]
+            acc_u = acc_u * down[:, None]
+        if W_SCALE:  # one float32 rounding per channel
+            scales = scale_ptr + expert * stride_se + n
+            acc_g = acc_g * tl.load(scales, mask=n_ok, other=0.0)[None, :]
+            acc_u = acc_u * tl.load(scales + INTER, mask=n_ok, other=0.0)[None, :]
         # As the torch path rounds: gate and up in the activation dtype, silu(gate) rounded,
         # then the product.
         dtype = out_ptr.dtype.element_ty
@@ -178,11 +203,14 @@ def _down_kernel(
     w_ptr,  # [E, H, I]
     out_ptr,  # [N, H], row i at i
     sorted_ptr, block_expert_ptr, num_padded_ptr,
+    scale_ptr,  # [E, H] float32 (W_SCALE)
     N, K, H,
-    stride_at, stride_we, stride_wn, stride_wk, stride_ot,
+    stride_at, stride_we, stride_wn, stride_wk, stride_ot, stride_se,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    DIRECT: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr = False,
+    DIRECT: tl.constexpr, EVEN_K: tl.constexpr, W_SCALE: tl.constexpr = False, X_F16: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):
+    # W_SCALE, X_F16: as in _gate_up_kernel.
     if USE_PDL:  # the activations, the layout and the experts chosen come from before
         pdl_prologue()
     pid = tl.program_id(0)
@@ -196,9 +224,12 @@ def _down_kernel(
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < H
         k = tl.arange(0, BLOCK_K)
-        a_ptrs = a_ptr + rows[:, None] * stride_at + k[None, :]
+        a_rows = a_ptr + rows[:, None] * stride_at  # [BM, 1]
+        a_ptrs = a_rows + k[None, :]
         b_ptrs = w_ptr + expert * stride_we + n[None, :] * stride_wn + k[:, None] * stride_wk
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        if X_F16:
+            up, down = f16_row_scales(a_rows, row_ok, 0, K, K, BLOCK_K, BLOCK_M)
         for k0 in range(0, K, BLOCK_K):
             if EVEN_K:  # as in _gate_up_kernel
                 a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
@@ -207,9 +238,15 @@ def _down_kernel(
                 k_ok = k + k0 < K
                 a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                 b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            if X_F16:
+                a = (a.to(tl.float32) * up[:, None]).to(tl.float16)
+            acc = tl.dot(a, b.to(a.dtype), acc, input_precision=PRECISION)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K * stride_wk
+        if X_F16:
+            acc = acc * down[:, None]
+        if W_SCALE:
+            acc = acc * tl.load(scale_ptr + expert * stride_se + n, mask=n_ok, other=0.0)[None, :]
         tl.store(out_ptr + rows[:, None] * stride_ot + n[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & n_ok[None, :])
 
@@ -276,11 +313,13 @@ def _sm_count(device_index: int) -> int:
     return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
 
 
-def direct_configs(x: torch.Tensor, hidden: int, inter: int) -> tuple[MoeBlockConfig, MoeBlockConfig]:
+def direct_configs(x: torch.Tensor, hidden: int, inter: int,
+                   weight_dtype: torch.dtype | None = None) -> tuple[MoeBlockConfig, MoeBlockConfig]:
     """The gate/up and down kernels' tiles for a one-token (direct) step on ``x``'s device: the
-    measured table's (``moe_plan_table``) where it names the shape, else ``block_config``'s."""
+    measured table's (``moe_plan_table``, measured on dense experts) where it names the shape,
+    else ``block_config``'s (always for e4m3 experts, whose tiles are not measured yet)."""
     cfg = block_config(1, 1, x.dtype)
-    if not x.is_cuda or not moe_plan_table.PLANS:
+    if not x.is_cuda or not moe_plan_table.PLANS or weight_dtype not in (None, x.dtype):
         return cfg, cfg
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     entry = moe_plan_table.PLANS.get((_sm_count(index), hidden, inter, str(x.dtype).removeprefix("torch.")))
@@ -296,41 +335,60 @@ def _even_k(k: int, cfg: MoeBlockConfig, even_k: bool | None) -> bool:
     return whole if even_k is None else even_k and whole
 
 
+def _weight_options(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
+                    rows: int) -> tuple[torch.Tensor, int, dict[str, bool]]:
+    """The scale operand, its expert stride and the kernels' ``W_SCALE`` / ``X_F16`` for weights
+    ``w`` (dense: no scale; e4m3 codes: ``scale [E, rows]`` float32, one per output channel)."""
+    if scale is None:
+        if w.dtype != x.dtype:
+            raise ValueError(f"dense experts in {w.dtype} with activations in {x.dtype}")
+        return w, 0, {}  # (the scale pointer is never read)
+    if w.dtype != torch.float8_e4m3fn or scale.dtype != torch.float32 or scale.shape != (w.shape[0], rows) \
+            or scale.stride(1) != 1:
+        raise ValueError(f"scaled experts take float8_e4m3fn codes and float32 scales [{w.shape[0]}, {rows}], "
+                         f"got {w.dtype} and {scale.dtype} {tuple(scale.shape)}")
+    return scale, scale.stride(0), {"W_SCALE": True, "X_F16": x.dtype == torch.bfloat16}
+
+
 def launch_gate_up(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, sorted_ids: torch.Tensor,
                    block_expert: torch.Tensor, num_padded: torch.Tensor, top_k: int, cfg: MoeBlockConfig,
-                   direct: bool, even_k: bool | None = None) -> None:
+                   direct: bool, even_k: bool | None = None, scale: torch.Tensor | None = None) -> None:
     """``act [N, I] = silu(x w_gate^T) * (x w_up^T)`` for every row of the layout (``direct``:
     ``block_expert`` is the flat ids [N] and the two others are not read). Where every K tile is
     whole the loop has no K mask, which lets Triton pipeline its loads (with a mask that depends
     on the loop index, triton 3.6 compiled plain register loads, no cp.async, for every stage
-    count); the same values, so the same bits."""
+    count); the same values, so the same bits. ``scale`` (float32 ``[E, 2I]``): ``w13`` holds
+    e4m3 codes and row n of expert e is ``w13[e, n] * scale[e, n]`` (FP8 experts, weight-only)."""
     n, inter = act.shape
     nb = n if direct else block_expert.shape[0]
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # ignored for half-precision inputs
+    scale_arg, stride_se, options = _weight_options(x, w13, scale, 2 * inter)
     _gate_up_kernel[(nb * _cdiv(inter, cfg.block_n),)](
-        x, w13, act, sorted_ids, block_expert, num_padded,
+        x, w13, act, sorted_ids, block_expert, num_padded, scale_arg,
         n, x.shape[1], inter,
-        x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0),
+        x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0), stride_se,
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=precision,
         DIRECT=direct, EVEN_K=_even_k(x.shape[1], cfg, even_k), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl_launch(x.device),
+        **options, **pdl_launch(x.device),
     )
 
 
 def launch_down(act: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, sorted_ids: torch.Tensor,
                 block_expert: torch.Tensor, num_padded: torch.Tensor, cfg: MoeBlockConfig, direct: bool,
-                even_k: bool | None = None) -> None:
-    """``y [N, H] = act w_down^T`` for every row of the layout (as :func:`launch_gate_up`)."""
+                even_k: bool | None = None, scale: torch.Tensor | None = None) -> None:
+    """``y [N, H] = act w_down^T`` for every row of the layout (as :func:`launch_gate_up`;
+    ``scale``: float32 ``[E, H]``)."""
     n, hidden = y.shape
     nb = n if direct else block_expert.shape[0]
     precision = "ieee" if act.dtype == torch.float32 else "tf32"
+    scale_arg, stride_se, options = _weight_options(act, w2, scale, hidden)
     _down_kernel[(nb * _cdiv(hidden, cfg.block_n),)](
-        act, w2, y, sorted_ids, block_expert, num_padded,
+        act, w2, y, sorted_ids, block_expert, num_padded, scale_arg,
         n, act.shape[1], hidden,
-        act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), y.stride(0),
+        act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), y.stride(0), stride_se,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=precision,
         DIRECT=direct, EVEN_K=_even_k(act.shape[1], cfg, even_k), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl_launch(act.device),
+        num_stages=cfg.num_stages, **options, **pdl_launch(act.device),
     )
 
 
@@ -343,12 +401,15 @@ def expert_outputs_triton(
     config: MoeBlockConfig | None = None,
     layout: ExpertLayout | None = None,
     direct: bool | None = None,
+    w13_scale: torch.Tensor | None = None,  # [E, 2I] float32: w13 holds e4m3 codes
+    w2_scale: torch.Tensor | None = None,  # [E, H] float32: w2 holds e4m3 codes
 ) -> ExpertOutputs:
     """Every token's ``k`` experts, not yet summed: two launches, after the sort's two unless
     ``layout`` (``moe_routing_triton.route_and_sort``'s, for the same ids) is given with the
     block size this step's tiles use, or the step runs ``direct`` (None: :func:`direct_experts`;
     only without a layout). ``config``: both kernels' tiles (None: ``block_config``'s, or at one
-    token ``direct_configs``')."""
+    token ``direct_configs``'). ``w13_scale`` / ``w2_scale``: FP8 experts (e4m3 codes, a float32
+    scale per output channel; weight-only: the activations stay in their dtype)."""
     T, H = x.shape
     k = topk_ids.shape[1]
     E, two_i, _ = w13.shape
@@ -362,7 +423,7 @@ def expert_outputs_triton(
     if direct is None:
         direct = layout is None and direct_experts(T)
     if direct:
-        cfg_gu, cfg_down = (config, config) if config is not None else direct_configs(x, H, inter)
+        cfg_gu, cfg_down = (config, config) if config is not None else direct_configs(x, H, inter, w13.dtype)
         # Block b = row b: block_expert is the flat ids, sorted_ids and num_padded are not read.
         block_expert = topk_ids.reshape(-1)
         if block_expert.dtype != torch.int32:
@@ -374,8 +435,8 @@ def expert_outputs_triton(
             layout = ExpertLayout(*align_rows_by_expert(topk_ids, E, cfg_gu.block_m), block_m=cfg_gu.block_m)
         sorted_ids, block_expert, num_padded = layout.sorted_ids, layout.block_expert, layout.num_padded
     act = torch.empty((n, inter), dtype=x.dtype, device=x.device)
-    launch_gate_up(x, w13, act, sorted_ids, block_expert, num_padded, k, cfg_gu, direct)
-    launch_down(act, w2, y, sorted_ids, block_expert, num_padded, cfg_down, direct)
+    launch_gate_up(x, w13, act, sorted_ids, block_expert, num_padded, k, cfg_gu, direct, scale=w13_scale)
+    launch_down(act, w2, y, sorted_ids, block_expert, num_padded, cfg_down, direct, scale=w2_scale)
     return ExpertOutputs(y, topk_weights.contiguous())
 
 
@@ -388,7 +449,10 @@ def fused_experts_triton(
     config: MoeBlockConfig | None = None,
     layout: ExpertLayout | None = None,
     direct: bool | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [T, H]
     """Every token's ``k`` experts, weighted and summed: :func:`expert_outputs_triton`, then the
     combine (three launches after the sort, or with none at one token: :func:`direct_experts`)."""
-    return expert_outputs_triton(x, w13, w2, topk_weights, topk_ids, config, layout, direct).combine()
+    return expert_outputs_triton(x, w13, w2, topk_weights, topk_ids, config, layout, direct,
+                                 w13_scale, w2_scale).combine()

@@ -218,15 +218,34 @@ def _construct(name: str, cls: Any, model_dir: Path, device: torch.device,
 def feed_random_dense_weights(model: nn.Module, weights: RandomWeights) -> None:
     """A random-weight model's layers that quantize while loading: draw each one's dense weight
     (normal(0, std), seeded, on its device) and hand it to the method's loader, one layer at a time."""
+    from loom.layers.fused_moe import FusedMoE
+
     generator: torch.Generator | None = None
+
+    def draw(rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
+        nonlocal generator
+        if generator is None:
+            generator = torch.Generator(device=like.device).manual_seed(weights.seed + 1)
+        return torch.empty(rows, cols, dtype=like.dtype, device=like.device).normal_(
+            0.0, weights.std, generator=generator)
+
     module: Any
     for module in model.modules():
+        if not getattr(getattr(module, "quant_method", None), "quantizes_while_loading", False):
+            continue
+        if isinstance(module, FusedMoE):  # each expert's gate, up and down as a checkpoint holds them
+            hidden, inter = module.hidden_size, module.intermediate_size
+            params = dict(module.named_parameters(recurse=False))
+            w13, w2 = params["w13_weight"], params["w2_weight"]
+            load13: Any = w13.weight_loader  # type: ignore[attr-defined]
+            load2: Any = w2.weight_loader  # type: ignore[attr-defined]
+            for e in range(module.num_experts):
+                load13(w13, draw(inter, hidden, w13), 0, e)
+                load13(w13, draw(inter, hidden, w13), 1, e)
+                load2(w2, draw(hidden, inter, w2), None, e)
+            continue
         param = getattr(module, "weight", None)
-        if not getattr(getattr(module, "quant_method", None), "quantizes_while_loading", False) or param is None:
+        if param is None:
             continue
         rows, cols = sum(module.output_partition_sizes), module.input_size_per_partition
-        if generator is None:
-            generator = torch.Generator(device=param.device).manual_seed(weights.seed + 1)
-        dense = torch.empty(rows, cols, dtype=param.dtype, device=param.device).normal_(
-            0.0, weights.std, generator=generator)
-        param.weight_loader(param, dense)
+        param.weight_loader(param, draw(rows, cols, param))

@@ -1,0 +1,134 @@
+"""FP8 experts (``loom_plugins.quant.fp8_moe``: e4m3 codes, a float32 scale per output channel,
+weight-only) on a CUDA GPU: the fused kernels against a float32 computation on the dequantized
+weights, the one-token path's bits, CUDA-graph replay, and a served FP8 MoE checkpoint against
+transformers on the same dequantized weights.
+
+Tolerances: float32 activations run IEEE dots on the converted codes, so the outputs agree with
+the float32 reference to float32 rounding (``atol = rtol = 1e-4``). bf16 activations are dotted in
+fp16 after a power-of-two scaling per row (exact for bf16 values near each row's maximum) and the
+intermediate activation is rounded to bf16 as the dense experts round it: the relative error of
+the whole output stays under ``1.5e-2``, the dense bf16 experts' bound (test_fused_moe_gpu.py).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from loom.layers.fused_moe import fused_experts_torch, select_experts
+from loom.layers.fused_moe_triton import expert_outputs_triton
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+CUDA = torch.device("cuda")
+SHAPES = [("qwen3-30b-a3b", 2048, 768, 128, 8), ("ragged", 320, 200, 12, 3)]
+
+
+def _fp8_inputs(t: int, h: int, inter: int, e: int, k: int, dtype: torch.dtype, seed: int) -> tuple[Any, ...]:
+    gen = torch.Generator(device=CUDA).manual_seed(seed)
+    x = torch.randn(t, h, device=CUDA, generator=gen).to(dtype)
+    w13 = torch.randn(e, 2 * inter, h, device=CUDA, generator=gen) / h**0.5
+    w2 = torch.randn(e, h, inter, device=CUDA, generator=gen) / inter**0.5
+    s13, s2 = w13.abs().amax(-1) / 448, w2.abs().amax(-1) / 448
+    c13 = (w13 / s13[..., None]).to(torch.float8_e4m3fn)
+    c2 = (w2 / s2[..., None]).to(torch.float8_e4m3fn)
+    weights, ids = select_experts(torch.randn(t, e, device=CUDA, generator=gen), k, renormalize=True)
+    return x, c13, c2, s13.contiguous(), s2.contiguous(), weights, ids
+
+
+@pytest.mark.parametrize(("name", "h", "inter", "e", "k"), SHAPES, ids=[s[0] for s in SHAPES])
+@pytest.mark.parametrize("t", [1, 7, 64, 513])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_fp8_experts_match_float32_on_the_dequantized_weights(name: str, h: int, inter: int, e: int, k: int,
+                                                               t: int, dtype: torch.dtype) -> None:
+    x, c13, c2, s13, s2, weights, ids = _fp8_inputs(t, h, inter, e, k, dtype, seed=t * 5 + e)
+    ref = fused_experts_torch(x.float(), c13.float() * s13[..., None], c2.float() * s2[..., None], weights, ids)
+    rows = expert_outputs_triton(x, c13, c2, weights, ids, w13_scale=s13, w2_scale=s2)
+    got = rows.combine()
+    torch_path = fused_experts_torch(x, c13, c2, weights, ids, s13, s2)  # the CPU's path, here on CUDA
+    torch.cuda.synchronize()
+    assert got.dtype == dtype and torch.isfinite(got).all()
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    else:
+        for label, out in (("Triton", got), ("torch", torch_path)):
+            rel = ((out.float() - ref).norm() / ref.norm()).item()
+            assert rel < 1.5e-2, f"{label}: {rel:.2e}"
+    if t == 1:  # the direct path (no sort) gives the sorted layout's bits
+        sorted_rows = expert_outputs_triton(x, c13, c2, weights, ids, direct=False, w13_scale=s13, w2_scale=s2)
+        assert torch.equal(rows.rows, sorted_rows.rows)
+
+
+@pytest.mark.parametrize("t", [1, 16])
+def test_fp8_experts_replay_in_a_cuda_graph_with_any_routing(t: int) -> None:
+    x, c13, c2, s13, s2, weights, ids = _fp8_inputs(t, 2048, 768, 128, 8, torch.bfloat16, seed=9)
+    static = [x.clone(), weights.clone(), ids.clone()]
+
+    def run() -> torch.Tensor:
+        return expert_outputs_triton(static[0], c13, c2, static[1], static[2], w13_scale=s13,
+                                     w2_scale=s2).combine()
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for seed in (1, 2):
+        fresh = _fp8_inputs(t, 2048, 768, 128, 8, torch.bfloat16, seed=seed)
+        for dst, src in zip(static, (fresh[0], fresh[5], fresh[6]), strict=True):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, run()), f"replay {seed} differs from eager"
+
+
+def test_a_served_fp8_moe_checkpoint_agrees_with_transformers(tiny_model_dir: Callable[[str], Path],
+                                                               tmp_path: Path) -> None:
+    """A weight-only FP8 checkpoint of the tiny Qwen3-MoE (compressed-tensors' own quantizer), served
+    on CUDA in float32 with CUDA-graph decode (the FP8 expert kernels, their rows summed by the next
+    norm), against transformers on the dequantized weights: every chosen token an argmax, the
+    logprobs within 2e-3 (test_fused_moe_gpu.py's bounds). Written by the helper's torch writer
+    (compressed-tensors' arithmetic; the package is not on the GPU machine)."""
+    from helpers.quant_checkpoints import dense_with, fp8_checkpoint
+    from helpers.tiny_models import load_hf_reference
+
+    from loom.config import EngineConfig
+    from loom.engine.llm_engine import LLMEngine
+    from loom.engine.types import EngineRequest, SamplingParams, StoppingParams
+
+    dense = tiny_model_dir("qwen3-moe")
+    path, expected = fp8_checkpoint(dense, tmp_path / "fp8", per_channel=True, static=False, weight_only=True,
+                                    torch_writer=True)
+    engine = LLMEngine(EngineConfig(model_id=str(path), device="cuda", dtype="float32", attention_backend="paged",
+                                    block_size=16, max_batch_total_tokens=4096, cuda_graphs=(1, 2, 4)))
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (33, 4, 17)]
+    for i, p in enumerate(prompts):
+        engine.add_request(EngineRequest(f"r{i}", tuple(p), SamplingParams(),
+                                         StoppingParams(max_new_tokens=16, ignore_eos=True)))
+    outs: dict[str, list[Any]] = {f"r{i}": [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs[o.request_id].append(o)
+    runner: Any = engine.worker.runner
+    assert runner.cuda_graphs is not None and runner.cuda_graphs.num_replays > 0
+    hf = load_hf_reference(dense_with(dense, tmp_path / "hf", expected))
+    for i, p in enumerate(prompts):
+        tokens = [t for o in outs[f"r{i}"] for t in o.token_ids]
+        logprobs = [lp for o in outs[f"r{i}"] for lp in o.logprobs]
+        with torch.no_grad():
+            logits = hf(torch.tensor([p + tokens])).logits[0, len(p) - 1: -1].float()
+        chosen = logits[torch.arange(len(tokens)), tokens]
+        assert (logits.max(-1).values - chosen).max().item() <= 2e-3, f"r{i}: a chosen token is not an argmax"
+        ref = logits.log_softmax(-1)[torch.arange(len(tokens)), tokens]
+        assert torch.allclose(torch.tensor(logprobs), ref, atol=2e-3), f"r{i}: logprobs"
