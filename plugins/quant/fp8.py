@@ -18,8 +18,11 @@ per-token activations (no calibration); the head and the embedding stay in the m
 Mixture-of-Experts layers: their experts are FP8 too (``fp8_moe``: the checkpoint's, or quantized
 while loading), computed weight-only; the router stays dense.
 
-Block-wise FP8 (DeepSeek's ``weight_block_size`` / ``weight_scale_inv``) and FP8 KV caches are
-not read: such a checkpoint is refused at start-up, naming the field.
+Block-wise FP8 (DeepSeek's and Qwen3's releases: ``weight_block_size`` and ``weight_scale_inv``, one
+scale per block of 128 x 128 weights; LLM Compressor's ``FP8_BLOCK``): :class:`FP8BlockLinearMethod`
+and block-scaled experts, computed weight-only (the checkpoints' dynamic per-group activation
+quantization is not emulated); on CUDA its linear layers dequantize per call (no fused kernel
+yet), its experts run the fused expert kernels. FP8 KV caches in checkpoints are not read.
 
 On CUDA (compute capability 8.9 or newer: Ada, Hopper) layers with quantized activations run
 ``torch._scaled_mm`` with the activations quantized by one Triton kernel (``fp8_triton``), except
@@ -141,23 +144,38 @@ def fake_quantize_activations(x: torch.Tensor, input_scale: torch.Tensor | None)
 class FP8Scheme:
     """What a checkpoint's (or ``--quantize fp8``'s) FP8 quantization says."""
 
-    def __init__(self, per_channel: bool, activations: str) -> None:
+    def __init__(self, per_channel: bool, activations: str, block: tuple[int, int] | None = None,
+                 scale_name: str = "weight_scale") -> None:
         self.per_channel = per_channel  # weight scales per output channel, else per tensor (part)
         self.activations = activations  # "static", "dynamic" or "none" (weight-only)
+        self.block = block  # block-wise: one scale per (rows, inputs) block; computed weight-only
+        self.scale_name = scale_name  # the scale tensor's name (block-wise FP8: weight_scale_inv)
 
     @classmethod
     def from_config(cls, qconfig: dict[str, Any]) -> FP8Scheme:
         method = str(qconfig.get("quant_method", "")).lower()
         if method == "fp8":  # vLLM / llm-compressor's older layout: per-tensor weight scales
-            if qconfig.get("weight_block_size") is not None:
-                raise QuantizationError(f"FP8 quantization_config.weight_block_size is {qconfig['weight_block_size']!r}: "
-                                        "block-wise FP8 is not supported (per-tensor and per-channel scales are)")
             scheme = str(qconfig.get("activation_scheme", "dynamic"))
             if scheme not in ("static", "dynamic"):
                 raise QuantizationError(f"FP8 quantization_config.activation_scheme is {scheme!r}; expected "
                                         "static or dynamic")
+            if qconfig.get("weight_block_size") is not None:  # DeepSeek's / Qwen3's FP8 releases
+                block = cls._block(qconfig["weight_block_size"], "quantization_config.weight_block_size")
+                if scheme != "dynamic":
+                    raise QuantizationError("FP8 quantization_config.activation_scheme is static with "
+                                            "weight_block_size; block-wise FP8 checkpoints quantize activations "
+                                            "dynamically")
+                return cls(per_channel=False, activations="none", block=block, scale_name="weight_scale_inv")
             return cls(per_channel=False, activations=scheme)
         return cls._from_compressed_tensors(qconfig)
+
+    @staticmethod
+    def _block(value: Any, where: str) -> tuple[int, int]:
+        """A ``[rows, inputs]`` block size (two positive integers)."""
+        if not isinstance(value, (list, tuple)) or len(value) != 2 or not all(
+                isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value):
+            raise QuantizationError(f"FP8 {where} is {value!r}; expected two positive integers [rows, inputs]")
+        return int(value[0]), int(value[1])
 
     @classmethod
     def _from_compressed_tensors(cls, qconfig: dict[str, Any]) -> FP8Scheme:
@@ -177,11 +195,17 @@ class FP8Scheme:
             raise QuantizationError(f"{where}.weights is {weights.get('num_bits')}-bit {weights.get('type')!r}; "
                                     "only 8-bit float (FP8 e4m3) weights are supported")
         strategy = weights.get("strategy")
-        if strategy not in ("tensor", "channel"):
-            raise QuantizationError(f"{where}.weights.strategy is {strategy!r}; supported: tensor, channel")
+        if strategy not in ("tensor", "channel", "block"):
+            raise QuantizationError(f"{where}.weights.strategy is {strategy!r}; supported: tensor, channel, block")
         if weights.get("dynamic"):
             raise QuantizationError(f"{where}.weights.dynamic is true; weight scales must be stored")
         acts = group.get("input_activations")
+        if strategy == "block":  # LLM Compressor's FP8_BLOCK: computed weight-only, as the fp8 layout's blocks
+            block = cls._block(weights.get("block_structure"), f"{where}.weights.block_structure")
+            if acts is not None and not acts.get("dynamic"):
+                raise QuantizationError(f"{where}.input_activations are static with block-wise weights; "
+                                        "expected dynamic activations (or none)")
+            return cls(per_channel=False, activations="none", block=block, scale_name="weight_scale")
         if acts is None:
             activations = "none"
         else:
@@ -265,6 +289,67 @@ class FP8LinearMethod(FP8Forward, DequantLinearMethod):
         return fake_quantize_activations(x, layer.activation_scale if self.scheme.activations == "static" else None)
 
 
+def block_scales(scale: torch.Tensor, block: tuple[int, int], rows: int, cols: int) -> torch.Tensor:
+    """One scale per block ``[cdiv(rows, bn), cdiv(cols, bk)]`` -> one per weight ``[rows, cols]``."""
+    return scale.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+
+
+class FP8BlockLinearMethod(DequantLinearMethod):
+    """A block-wise FP8 checkpoint's layer (DeepSeek's and Qwen3's FP8 releases: ``weight``
+    e4m3 and ``weight_scale_inv``, one float32 per block of bn rows x bk inputs; LLM Compressor's
+    ``FP8_BLOCK`` names it ``weight_scale``): ``W = codes * scale[row // bn, col // bk]``,
+    computed weight-only (dequantized, then the activations' own dtype).
+
+    A fused layer's parts each have their grid of blocks, stacked as the rows are: so each part's
+    rows (this rank's) must be whole blocks, and a row-parallel rank's inputs too; an unfused
+    layer on one rank may end in a partial block (its grid rounded up).
+    """
+
+    def __init__(self, scheme: FP8Scheme) -> None:
+        assert scheme.block is not None
+        self.block = scheme.block
+        self.scale_name = scheme.scale_name
+
+    def create_weights(self, layer: Any, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype,
+                       weight_loader: WeightLoader) -> None:
+        from loom.layers.linear import RowParallelLinear
+
+        bn, bk = self.block
+        prefix = getattr(layer, "prefix", "")
+        rows = sum(output_partition_sizes)
+        weight = nn.Parameter(torch.empty(rows, input_size_per_partition, dtype=fp8_dtype()), requires_grad=False)
+        set_weight_attrs(weight, output_dim=0, input_dim=1,
+                         weight_loader=FP8LinearMethod._checked(layer, weight_loader))
+        layer.register_parameter("weight", weight)
+        split = len(output_partition_sizes) > 1 or getattr(layer, "tp_size", 1) > 1
+        hints: dict[str, Any] = {}
+        if split and isinstance(layer, RowParallelLinear):
+            if input_size_per_partition % bk:
+                raise QuantizationError(f"FP8 {prefix}: this rank's {input_size_per_partition} inputs are not whole "
+                                        f"blocks of {bk} (weight_block_size); use fewer shards")
+            hints = {"input_dim": 1}
+        elif split:
+            ragged = [n for n in output_partition_sizes if n % bn]
+            if ragged:
+                raise QuantizationError(f"FP8 {prefix}: a part of {ragged[0]} rows is not whole blocks of {bn} "
+                                        "(weight_block_size): its block scales cannot be told apart")
+            hints = {"output_dim": 0, "packed_dim": 0, "packed_factor": bn}  # rows counted in blocks
+        grid = (-(-rows // bn), -(-input_size_per_partition // bk))
+        scale = nn.Parameter(torch.full(grid, float("nan")), requires_grad=False)
+        set_weight_attrs(scale, weight_loader=weight_loader, **hints)
+        layer.register_parameter(self.scale_name, scale)
+
+    def process_weights_after_loading(self, layer: Any) -> None:
+        if bool(torch.isnan(getattr(layer, self.scale_name)).any()):
+            raise QuantizationError(f"FP8 {getattr(layer, 'prefix', '')}: a part's {self.scale_name} was not in the "
+                                    "checkpoint")
+
+    def dequantize(self, layer: Any, dtype: torch.dtype) -> torch.Tensor:
+        w = layer.weight
+        return (w.float() * block_scales(getattr(layer, self.scale_name), self.block, *w.shape)).to(dtype)
+
+
 class FP8WhileLoadingMethod(FP8Forward, QuantizeWhileLoading):
     """``--quantize fp8``: each dense weight, once its parts are in, becomes e4m3 with one scale
     per output channel; activations are quantized per token."""
@@ -332,11 +417,12 @@ class FP8Config(QuantizationConfig):
         if self.while_loading:
             return FP8WhileLoadingMethod() if isinstance(layer, LinearBase) else None
         required = ("input_scale",) if self.scheme.activations == "static" else ()
-        parts = quantized_parts(self, self.names, prefix, "weight_scale", required, "FP8")
+        marker = self.scheme.scale_name
+        parts = quantized_parts(self, self.names, prefix, marker, required, "FP8")
         if parts is None:
             return None
-        self.scale_names.update(f"{p}.{n}" for p in parts for n in ("weight", "weight_scale", "input_scale"))
-        return FP8LinearMethod(self.scheme)
+        self.scale_names.update(f"{p}.{n}" for p in parts for n in ("weight", marker, "input_scale"))
+        return FP8BlockLinearMethod(self.scheme) if self.scheme.block else FP8LinearMethod(self.scheme)
 
     def get_moe_method(self, layer: nn.Module, prefix: str) -> FusedMoEMethod | None:
         """A Mixture-of-Experts layer's experts in FP8 (``fp8_moe``): quantized while loading, or
@@ -347,18 +433,19 @@ class FP8Config(QuantizationConfig):
         if self.while_loading:
             self.moe_layers += 1
             return FP8ExpertsWhileLoading()
+        marker = self.scheme.scale_name
         modules = [f"{prefix}.{e}.{name}" for e in range(layer.num_experts) for name in layer.checkpoint_names]
-        have = [f"{m}.weight_scale" in self.names for m in modules]
+        have = [f"{m}.{marker}" in self.names for m in modules]
         if not any(have):
             return None
         if not all(have):
             dense = next(m for m, h in zip(modules, have, strict=True) if not h)
-            raise QuantizationError(f"FP8 checkpoint: {dense} has no weight_scale tensor while other experts of "
+            raise QuantizationError(f"FP8 checkpoint: {dense} has no {marker} tensor while other experts of "
                                     f"{prefix} do (a layer's experts must all be quantized)")
-        self.scale_names.update(f"{m}.{n}" for m in modules for n in ("weight", "weight_scale"))
+        self.scale_names.update(f"{m}.{n}" for m in modules for n in ("weight", marker))
         self.unread_names.update(f"{m}.input_scale" for m in modules)
         self.moe_layers += 1
-        return FP8CheckpointExperts(self.scheme.per_channel)
+        return FP8CheckpointExperts(self.scheme.per_channel, self.scheme.block, marker)
 
     def keeps_checkpoint_dtype(self, name: str) -> bool:
         return name in self.scale_names
@@ -369,9 +456,11 @@ class FP8Config(QuantizationConfig):
         return (self.scheme.activations != "static" and name.endswith(".input_scale")) or name in self.unread_names
 
     def settings(self) -> dict[str, str]:
+        scales = "per channel" if self.scheme.per_channel else "per tensor"
+        if self.scheme.block:
+            scales = f"per block of {self.scheme.block[0]}x{self.scheme.block[1]}"
         settings = {"format": "while loading" if self.while_loading else "checkpoint", "weights": "float8_e4m3fn",
-                    "weight_scales": "per channel" if self.scheme.per_channel else "per tensor",
-                    "activations": self.scheme.activations}
+                    "weight_scales": scales, "activations": self.scheme.activations}
         if self.moe_layers:
             settings["experts"] = f"float8_e4m3fn weight-only ({self.moe_layers} layers)"
         return settings

@@ -6,7 +6,9 @@ channel, stacked as the fused kernels read them (``loom.layers.fused_moe.Stacked
 
 - :class:`FP8CheckpointExperts`: an FP8 checkpoint's experts (compressed-tensors ``float-quantized``
   or vLLM's ``fp8``), each ``experts.N.<gate|up|down>.weight`` e4m3 beside its ``weight_scale``:
-  per output channel (``[out, 1]``) or per tensor (one value, spread over the rows at load);
+  per output channel (``[out, 1]``) or per tensor (one value, spread over the rows at load); or
+  block-wise (``weight_scale_inv``, one per block of 128 x 128: DeepSeek's and Qwen3's releases),
+  the grids kept as they are, the kernels scaling each K tile by its blocks;
 - :class:`FP8ExpertsWhileLoading`: ``--quantize fp8`` on a bf16 / fp16 / fp32 checkpoint. Each
   expert's dense matrices are staged as they arrive and quantized (max |w| / 448 per output
   channel) as soon as the expert's parts are in: one expert's dense weights at a time, never a
@@ -54,10 +56,15 @@ def _codes(num_experts: int, rows: int, cols: int) -> nn.Parameter:
 
 class FP8CheckpointExperts(StackedExpertsMethod):
     """An FP8 checkpoint's experts: ``w13_weight`` / ``w2_weight`` e4m3 and their ``weight_scale``
-    per output channel (``per_channel``) or per tensor."""
+    per output channel (``per_channel``) or per tensor, or with ``block = (bn, bk)`` one per block
+    of bn rows x bk inputs (``scale_name``: ``weight_scale_inv`` in DeepSeek's and Qwen3's FP8
+    releases): each expert's gate and up rows, and its down inputs, must then be whole blocks."""
 
-    def __init__(self, per_channel: bool) -> None:
+    def __init__(self, per_channel: bool, block: tuple[int, int] | None = None,
+                 scale_name: str = "weight_scale") -> None:
         self.per_channel = per_channel
+        self.block = block
+        self.scale_name = scale_name
 
     def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int,
                        intermediate_size_per_partition: int, params_dtype: torch.dtype,
@@ -71,6 +78,20 @@ class FP8CheckpointExperts(StackedExpertsMethod):
         set_weight_attrs(w2, input_dim=1, weight_loader=checked)  # dims of one expert's [H, I]
         layer.register_parameter("w2_weight", w2)
         nan = float("nan")  # a scale the checkpoint never gave stays NaN: process_weights_after_loading names it
+        if self.block is not None:
+            bn, bk = self.block
+            if inter % bn or inter % bk:
+                raise QuantizationError(f"FP8 {getattr(layer, 'prefix', '')}: the experts' {inter} intermediate "
+                                        f"rows (this rank's) are not whole blocks of {bn} x {bk} "
+                                        "(weight_block_size)")
+            s13 = nn.Parameter(torch.full((num_experts, 2 * inter // bn, -(-hidden_size // bk)), nan),
+                               requires_grad=False)  # gate and up rows counted in blocks
+            set_weight_attrs(s13, output_dim=0, packed_dim=0, packed_factor=bn, weight_loader=weight_loader)
+            s2 = nn.Parameter(torch.full((num_experts, -(-hidden_size // bn), inter // bk), nan), requires_grad=False)
+            set_weight_attrs(s2, input_dim=1, packed_dim=1, packed_factor=bk, weight_loader=weight_loader)
+            layer.register_parameter(f"w13_{self.scale_name}", s13)
+            layer.register_parameter(f"w2_{self.scale_name}", s2)
+            return
         if self.per_channel:  # the checkpoint's [out, 1] per expert
             s13 = nn.Parameter(torch.full((num_experts, 2 * inter, 1), nan), requires_grad=False)
             set_weight_attrs(s13, output_dim=0, weight_loader=weight_loader)
@@ -112,28 +133,32 @@ class FP8CheckpointExperts(StackedExpertsMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         moe = _layer(layer)
         params = dict(moe.named_parameters(recurse=False))
-        for name in ("w13_weight_scale", "w2_weight_scale"):
+        for name in (f"w13_{self.scale_name}", f"w2_{self.scale_name}"):
             value = params[name]
             missing = torch.isnan(value.reshape(value.shape[0], -1)).any(dim=1)
             if bool(missing.any()):
                 expert = int(missing.nonzero()[0, 0])
-                raise QuantizationError(f"FP8 {moe.prefix}: expert {expert}'s {name.split('_')[0]} weight_scale was "
-                                        "not in the checkpoint")
+                raise QuantizationError(f"FP8 {moe.prefix}: expert {expert}'s {name.split('_')[0]} {self.scale_name} "
+                                        "was not in the checkpoint")
         inter = moe.intermediate_size_per_partition
-        w13_scale, w2_scale = params["w13_weight_scale"], params["w2_weight_scale"]
-        if self.per_channel:
+        w13_scale, w2_scale = params[f"w13_{self.scale_name}"], params[f"w2_{self.scale_name}"]
+        s13: torch.Tensor
+        s2: torch.Tensor
+        if self.block is not None:  # the kernels read the grids as they are
+            s13, s2 = w13_scale.detach(), w2_scale.detach()
+        elif self.per_channel:
             s13, s2 = w13_scale[..., 0], w2_scale[..., 0]
         else:
             s13 = w13_scale.repeat_interleave(inter, dim=1)  # [E, 2] -> [E, 2I]
             s2 = w2_scale[:, None].expand(moe.num_experts, moe.hidden_size)
-        moe.register_buffer("w13_scale_rows", s13.float().contiguous(), persistent=False)
-        moe.register_buffer("w2_scale_rows", s2.float().contiguous(), persistent=False)
+        moe.register_buffer("w13_scale_rows", s13.detach().float().contiguous(), persistent=False)
+        moe.register_buffer("w2_scale_rows", s2.detach().float().contiguous(), persistent=False)
 
     def stacked(self, layer: nn.Module) -> StackedWeights:
         params = layer._parameters
         w13, w2 = params["w13_weight"], params["w2_weight"]
         assert w13 is not None and w2 is not None
-        return StackedWeights(w13, w2, _buffer(layer, "w13_scale_rows"), _buffer(layer, "w2_scale_rows"))
+        return StackedWeights(w13, w2, _buffer(layer, "w13_scale_rows"), _buffer(layer, "w2_scale_rows"), self.block)
 
 
 class FP8ExpertsWhileLoading(StackedExpertsMethod):

@@ -66,6 +66,37 @@ def test_fp8_experts_match_float32_on_the_dequantized_weights(name: str, h: int,
         assert torch.equal(rows.rows, sorted_rows.rows)
 
 
+@pytest.mark.parametrize("t", [1, 7, 300])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_block_fp8_experts_match_float32_on_the_dequantized_weights(t: int, dtype: torch.dtype) -> None:
+    """Block-wise scales (128 x 128, DeepSeek's and Qwen3's FP8 releases) at Qwen3-30B-A3B's shape:
+    each K tile's sums scaled by its blocks; the bounds of the per-channel test."""
+    from loom.layers.fused_moe import dequantize_expert
+
+    h, inter, e, k, block = 2048, 768, 128, 8, (128, 128)
+    gen = torch.Generator(device=CUDA).manual_seed(t)
+    x = torch.randn(t, h, device=CUDA, generator=gen).to(dtype)
+    codes, grids = [], []
+    for rows, cols in ((2 * inter, h), (h, inter)):
+        w = torch.randn(e, rows, cols, device=CUDA, generator=gen) / cols**0.5
+        grid = w.reshape(e, rows // 128, 128, cols // 128, 128).abs().amax(dim=(2, 4)) / 448
+        full = grid.repeat_interleave(128, 1).repeat_interleave(128, 2)
+        codes.append((w / full).to(torch.float8_e4m3fn))
+        grids.append(grid.contiguous())
+    deq = [torch.stack([dequantize_expert(c[i], g[i], torch.float32, block) for i in range(e)])
+           for c, g in zip(codes, grids, strict=True)]
+    weights, ids = select_experts(torch.randn(t, e, device=CUDA, generator=gen), k, renormalize=True)
+    ref = fused_experts_torch(x.float(), deq[0], deq[1], weights, ids)
+    got = expert_outputs_triton(x, codes[0], codes[1], weights, ids, w13_scale=grids[0], w2_scale=grids[1],
+                                scale_block=block).combine()
+    torch.cuda.synchronize()
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    else:
+        rel = ((got.float() - ref).norm() / ref.norm()).item()
+        assert rel < 1.5e-2, f"{rel:.2e}"
+
+
 @pytest.mark.parametrize("t", [1, 16])
 def test_fp8_experts_replay_in_a_cuda_graph_with_any_routing(t: int) -> None:
     x, c13, c2, s13, s2, weights, ids = _fp8_inputs(t, 2048, 768, 128, 8, torch.bfloat16, seed=9)
@@ -92,13 +123,17 @@ def test_fp8_experts_replay_in_a_cuda_graph_with_any_routing(t: int) -> None:
         assert torch.equal(out, run()), f"replay {seed} differs from eager"
 
 
-def test_a_served_fp8_moe_checkpoint_agrees_with_transformers(tiny_model_dir: Callable[[str], Path],
+@pytest.mark.parametrize("block", [None, (16, 16)], ids=["per-channel", "block-wise"])
+def test_a_served_fp8_moe_checkpoint_agrees_with_transformers(block: tuple[int, int] | None,
+                                                               tiny_model_dir: Callable[[str], Path],
                                                                tmp_path: Path) -> None:
     """A weight-only FP8 checkpoint of the tiny Qwen3-MoE (compressed-tensors' own quantizer), served
     on CUDA in float32 with CUDA-graph decode (the FP8 expert kernels, their rows summed by the next
     norm), against transformers on the dequantized weights: every chosen token an argmax, the
-    logprobs within 2e-3 (test_fused_moe_gpu.py's bounds). Written by the helper's torch writer
-    (compressed-tensors' arithmetic; the package is not on the GPU machine)."""
+    logprobs within 2e-3 (test_fused_moe_gpu.py's bounds). Per-channel scales, and block-wise
+    (``weight_block_size``: its linear layers dequantize per call on CUDA, its experts run the
+    kernels' block mode). Written by the helper's torch writer (compressed-tensors' arithmetic;
+    the package is not on the GPU machine)."""
     from helpers.quant_checkpoints import dense_with, fp8_checkpoint
     from helpers.tiny_models import load_hf_reference
 
@@ -108,7 +143,7 @@ def test_a_served_fp8_moe_checkpoint_agrees_with_transformers(tiny_model_dir: Ca
 
     dense = tiny_model_dir("qwen3-moe")
     path, expected = fp8_checkpoint(dense, tmp_path / "fp8", per_channel=True, static=False, weight_only=True,
-                                    torch_writer=True)
+                                    torch_writer=True, layout="fp8" if block else "compressed-tensors", block=block)
     engine = LLMEngine(EngineConfig(model_id=str(path), device="cuda", dtype="float32", attention_backend="paged",
                                     block_size=16, max_batch_total_tokens=4096, cuda_graphs=(1, 2, 4)))
     rng = random.Random(5)

@@ -23,7 +23,7 @@ reproduce bit for bit:
 * ``greedy``: the sampler's one-launch greedy pick (``loom.sample.greedy_triton``), alone;
 * ``expert_pipelining``: the MoE expert kernels with whole K tiles load through cp.async (the
   software pipeline a K mask in the loop kept triton 3.6 from building), without spills, for
-  dense bf16 experts and FP8 ones.
+  dense bf16 experts and FP8 ones (scales per channel and per block).
 
 Checks what the interpreter cannot: that each kernel compiles, without register spills, and that
 the fused kernel reduces every float32 value (softmax max and sum, argmax, renormalisation; the
@@ -410,10 +410,12 @@ def check_expert_pipelining() -> int:
 
     failed = 0
     cfg = f.block_config(8, 128, torch_bf16())
-    for weights in ("bf16", "fp8e4nv"):  # dense experts; FP8 experts (codes, scales, fp16 dots)
-        ptrs = dict(w_ptr=f"*{weights}", out_ptr="*bf16", sorted_ptr="*i32", block_expert_ptr="*i32",
+    # dense experts; FP8 experts (codes, scales per channel, fp16 dots); block-wise FP8 (128 x 128)
+    variants = (("bf16", "bf16", {}), ("fp8e4nv", "fp8e4nv", {"W_SCALE": True, "X_F16": True}),
+                ("fp8e4nv blocks", "fp8e4nv", {"W_SCALE": True, "X_F16": True, "SCALE_BN": 128, "SCALE_BK": 128}))
+    for weights, wtype, fp8 in variants:
+        ptrs = dict(w_ptr=f"*{wtype}", out_ptr="*bf16", sorted_ptr="*i32", block_expert_ptr="*i32",
                     num_padded_ptr="*i32", scale_ptr="*fp32")
-        fp8 = {"W_SCALE": True, "X_F16": True} if weights == "fp8e4nv" else {}
         kernels = (("gate_up", f._gate_up_kernel,
                     dict(x_ptr="*bf16", **ptrs, N="i32", K="i32", INTER="i32", stride_xt="i32", stride_we="i32",
                          stride_wn="i32", stride_ot="i32", stride_se="i32"), {"TOP_K": 8, **fp8}),

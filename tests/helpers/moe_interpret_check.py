@@ -220,6 +220,52 @@ def check_fp8_experts() -> list[str]:
     return errors
 
 
+def check_fp8_block_experts() -> list[str]:
+    """Block-wise FP8 experts (one scale per block of bn rows x bk inputs: ``SCALE_BN`` /
+    ``SCALE_BK``, each K tile's sums scaled by its blocks) against the float32 torch path on the
+    dequantized weights; blocks smaller than the kernels' K tile make the tile shrink to fit."""
+    import torch
+
+    from loom.layers import fused_moe_triton
+    from loom.layers.fused_moe import dequantize_expert, fused_experts_torch, select_experts
+    from loom.layers.fused_moe_triton import MoeBlockConfig
+
+    errors: list[str] = []
+    gen = torch.Generator().manual_seed(13)
+    cases = [  # (T, H, I, E, k, activations, block, block config or None)
+        (5, 64, 48, 8, 2, torch.float32, (16, 32), None),
+        (6, 64, 32, 8, 2, torch.bfloat16, (32, 32), MoeBlockConfig(16, 32, 64, 4, 1)),  # K tile 64 -> 32
+        (1, 96, 64, 16, 4, torch.bfloat16, (32, 64), None),  # a decode step, direct; H a partial block of 64
+    ]
+    for T, H, inter, E, k, dtype, block, cfg in cases:
+        bn, bk = block
+        x = (torch.randn(T, H, generator=gen) * torch.logspace(-2, 2, T)[:, None]).to(dtype)
+        scales, codes = [], []
+        for rows, cols in ((2 * inter, H), (H, inter)):
+            w = torch.randn(E, rows, cols, generator=gen) / cols**0.5
+            grid = torch.rand(E, -(-rows // bn), -(-cols // bk), generator=gen) * 2e-3 + 1e-4
+            full = grid.repeat_interleave(bn, 1)[:, :rows].repeat_interleave(bk, 2)[:, :, :cols]
+            codes.append((w / full).clamp(-448, 448).to(torch.float8_e4m3fn))
+            scales.append(grid)
+        deq = [torch.stack([dequantize_expert(c[e], s[e], torch.float32, block) for e in range(E)])
+               for c, s in zip(codes, scales, strict=True)]
+        weights, ids = select_experts(torch.randn(T, E, generator=gen), k, renormalize=True)
+        ref = fused_experts_torch(x.float(), deq[0], deq[1], weights, ids)
+        direct = T == 1
+        got = fused_moe_triton.expert_outputs_triton(x, codes[0], codes[1], weights, ids, cfg, direct=direct,
+                                                     w13_scale=scales[0], w2_scale=scales[1],
+                                                     scale_block=block).combine().float()
+        torch_path = fused_experts_torch(x.float(), codes[0], codes[1], weights, ids, scales[0], scales[1], block)
+        err = ((got - ref).abs() / ref.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)).max().item()
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        ok = err <= tol and torch.allclose(torch_path, ref, atol=1e-6, rtol=1e-6)
+        name = f"T={T} H={H} I={inter} E={E} k={k} {dtype} blocks {bn}x{bk}"
+        print(f"{'ok  ' if ok else 'FAIL'} fp8 block experts {name}: max err {err:.2e} of each token's largest")
+        if not ok:
+            errors.append(f"fp8 block experts {name}: max err {err:.2e}")
+    return errors
+
+
 def check_router_epilogue() -> list[str]:
     """The router's GEMV with the routing in its epilogue (``moe_router_gemv.route_from_hidden``,
     one launch) against the dense GEMV with the same plan then ``route`` (two): the same weights
@@ -482,7 +528,8 @@ def main() -> int:
     routing_errors = check_routing() + check_fused_routing() + check_router_epilogue()
     errors = check_alignment()
     print(f"{'FAIL' if errors else 'ok  '} sort by expert: {'; '.join(errors) or 'as expected'}")
-    expert_errors = check_experts() + check_direct_experts() + check_fp8_experts() + check_block() + check_model()
+    expert_errors = (check_experts() + check_direct_experts() + check_fp8_experts() + check_fp8_block_experts()
+                     + check_block() + check_model())
     return 1 if errors or expert_errors or routing_errors else 0
 
 

@@ -166,12 +166,18 @@ def awq_checkpoint(dense_dir: Path, out: Path, *, group: int = 32, seed: int = 0
 
 def fp8_checkpoint(dense_dir: Path, out: Path, *, per_channel: bool, static: bool,
                    layout: str = "compressed-tensors", weight_only: bool = False,
-                   torch_writer: bool = False) -> tuple[Path, dict[str, torch.Tensor]]:
+                   torch_writer: bool = False,
+                   block: tuple[int, int] | None = None) -> tuple[Path, dict[str, torch.Tensor]]:
     """FP8 made with compressed-tensors' own quantize / dequantize (the independent reference).
     Every ``LINEARS`` module is quantized, the experts of an MoE checkpoint included.
     ``weight_only``: compressed-tensors with no ``input_activations`` (``static`` ignored).
     ``torch_writer``: the same arithmetic in plain torch (``w / scale`` clamped to +-448, cast to
-    e4m3; ``codes * scale``), for machines without compressed-tensors (the GPU's)."""
+    e4m3; ``codes * scale``), for machines without compressed-tensors (the GPU's).
+    ``block = (bn, bk)``: block-wise scales (each block's max |w| / 448), named ``weight_scale_inv``
+    with ``weight_block_size`` in the ``fp8`` layout (DeepSeek's and Qwen3's releases), ``weight_scale``
+    with ``strategy: block`` in compressed-tensors' (LLM Compressor's FP8_BLOCK); dynamic activations."""
+    if block is not None:
+        return _fp8_block_checkpoint(dense_dir, out, block, layout, torch_writer)
     if torch_writer:
         def quantize(w: torch.Tensor, scale: torch.Tensor, *_: Any, **__: Any) -> torch.Tensor:
             return (w.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
@@ -211,6 +217,46 @@ def fp8_checkpoint(dense_dir: Path, out: Path, *, per_channel: bool, static: boo
                        "strategy": "channel" if per_channel else "tensor"}}}}
         if weight_only:
             qconfig["config_groups"]["group_0"]["input_activations"] = None
+    return _write(dense_dir, out, tensors, qconfig), expected
+
+
+def _fp8_block_checkpoint(dense_dir: Path, out: Path, block: tuple[int, int], layout: str,
+                          torch_writer: bool) -> tuple[Path, dict[str, torch.Tensor]]:
+    bn, bk = block
+    if not torch_writer:
+        from compressed_tensors.quantization import QuantizationArgs
+        from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize
+
+        args = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="block", block_structure=[bn, bk])
+    scale_name = "weight_scale_inv" if layout == "fp8" else "weight_scale"
+    tensors, expected = {}, {}
+    for name, w in dense_tensors(dense_dir).items():
+        if not is_linear(name):
+            tensors[name] = w
+            continue
+        rows, cols = w.shape
+        assert rows % bn == 0 and cols % bk == 0, (name, tuple(w.shape), block)
+        scale = (w.float().reshape(rows // bn, bn, cols // bk, bk).abs().amax(dim=(1, 3)) / 448.0).float()
+        full = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)
+        if torch_writer:
+            q = (w.float() / full).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+            deq = q.float() * full
+        else:
+            q = quantize(w, scale, torch.zeros_like(scale), args, dtype=torch.float8_e4m3fn)
+            deq = dequantize(q, scale, None, args, dtype=torch.float32)
+        stem = name.removesuffix(".weight")
+        tensors[name], tensors[f"{stem}.{scale_name}"] = q, scale
+        expected[stem] = deq
+    if layout == "fp8":
+        qconfig: dict[str, Any] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                   "weight_block_size": [bn, bk], "modules_to_not_convert": ["lm_head"]}
+    else:
+        acts = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "group",
+                "group_size": bk}
+        qconfig = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+                   "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": acts, "weights": {
+                       "num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
+                       "strategy": "block", "block_structure": [bn, bk]}}}}
     return _write(dense_dir, out, tensors, qconfig), expected
 
 

@@ -17,7 +17,13 @@ from helpers.reference_attention import ModelHarness
 from helpers.tiny_models import hf_logits, load_hf_reference
 
 from loom.distributed.parallel_state import tensor_parallel_as
-from loom.layers.fused_moe import FusedMoE, StackedExpertsMethod, fused_experts_torch, select_experts
+from loom.layers.fused_moe import (
+    FusedMoE,
+    StackedExpertsMethod,
+    dequantize_expert,
+    fused_experts_torch,
+    select_experts,
+)
 from loom.model_loader import ModelLoadError, load_model
 from loom.plugin_api import PluginRegistry
 from loom_plugins.quant.fp8_moe import FP8CheckpointExperts, FP8ExpertsWhileLoading
@@ -40,9 +46,9 @@ def dequantized_experts(moe: FusedMoE, prefix: str) -> dict[str, torch.Tensor]:
     inter = moe.intermediate_size_per_partition
     out: dict[str, torch.Tensor] = {}
     for e in range(moe.num_experts):
-        w13 = w.w13[e].float() * w.w13_scale[e][:, None]
+        w13 = dequantize_expert(w.w13[e], w.w13_scale[e], torch.float32, w.block)
         out[f"{prefix}.{e}.{gate}"], out[f"{prefix}.{e}.{up}"] = w13[:inter], w13[inter:]
-        out[f"{prefix}.{e}.{down}"] = w.w2[e].float() * w.w2_scale[e][:, None]
+        out[f"{prefix}.{e}.{down}"] = dequantize_expert(w.w2[e], w.w2_scale[e], torch.float32, w.block)
     return out
 
 
@@ -146,14 +152,17 @@ def test_experts_stage_one_expert_at_a_time(tiny_model_dir: TinyDir, quant_regis
     assert seen and max(seen) <= 1, max(seen)
 
 
-@pytest.mark.parametrize("per_channel", [True, False])
-def test_fp8_experts_shard_over_two_ranks_and_sum_to_the_whole(per_channel: bool, tiny_model_dir: TinyDir,
+@pytest.mark.parametrize("scales", ["channel", "tensor", "block"])
+def test_fp8_experts_shard_over_two_ranks_and_sum_to_the_whole(scales: str, tiny_model_dir: TinyDir,
                                                                  tmp_path: Path) -> None:
-    """Each rank holds its slice of every expert's intermediate rows (codes and, per channel, their
-    scales; per-tensor scales whole), and the ranks' outputs sum to one rank's."""
+    """Each rank holds its slice of every expert's intermediate rows (codes and, per channel or
+    per block, their scales; per-tensor scales whole), and the ranks' outputs sum to one rank's."""
     pytest.importorskip("compressed_tensors")
+    per_channel = scales == "channel"
+    block = (8, 8) if scales == "block" else None  # this rank's 24 intermediate rows: 3 blocks
     path, _ = fp8_checkpoint(tiny_model_dir("qwen3-moe"), tmp_path / "fp8", per_channel=per_channel,
-                             static=False, weight_only=True)
+                             static=False, weight_only=True, layout="fp8" if block else "compressed-tensors",
+                             block=block)
     tensors = dense_tensors(path)
     prefix = "model.layers.2.mlp.experts"
     cfg = json.loads((path / "config.json").read_text())
@@ -161,7 +170,7 @@ def test_fp8_experts_shard_over_two_ranks_and_sum_to_the_whole(per_channel: bool
 
     def build() -> FusedMoE:
         moe = FusedMoE(E, H, inter, prefix=prefix, params_dtype=torch.float32)
-        moe.quant_method = FP8CheckpointExperts(per_channel)
+        moe.quant_method = FP8CheckpointExperts(per_channel, block, "weight_scale_inv" if block else "weight_scale")
         for name in list(moe._parameters):
             del moe._parameters[name]
         moe.quant_method.create_weights(moe, E, H, moe.intermediate_size_per_partition, torch.float32,
@@ -181,7 +190,8 @@ def test_fp8_experts_shard_over_two_ranks_and_sum_to_the_whole(per_channel: bool
     for rank in range(2):
         with tensor_parallel_as(rank, 2):
             shard = build()
-        assert shard.w13_weight.shape == (E, inter, H) and shard.w13_scale_rows.shape == (E, inter)
+        rows = (E, inter // 8, H // 8) if block else (E, inter)  # half the intermediate rows: 2 x I/2
+        assert shard.w13_weight.shape == (E, inter, H) and shard.w13_scale_rows.shape == rows
         parts.append(shard(x, weights, ids))
     torch.testing.assert_close(parts[0] + parts[1], want, atol=1e-5, rtol=1e-5)
 
@@ -236,13 +246,16 @@ def test_an_expert_weight_that_is_not_e4m3_is_refused(
         load_model(path, torch.float32, "cpu", quant_registry)
 
 
-def test_the_torch_writer_writes_compressed_tensors_bytes(tiny_model_dir: TinyDir, tmp_path: Path) -> None:
+@pytest.mark.parametrize("block", [None, (16, 16)], ids=["per-channel", "block-wise"])
+def test_the_torch_writer_writes_compressed_tensors_bytes(block: tuple[int, int] | None, tiny_model_dir: TinyDir,
+                                                          tmp_path: Path) -> None:
     """The GPU test's checkpoint writer (no compressed-tensors there) against compressed-tensors itself."""
     pytest.importorskip("compressed_tensors")
     dense = tiny_model_dir("qwen3-moe")
-    theirs, want = fp8_checkpoint(dense, tmp_path / "ct", per_channel=True, static=False, weight_only=True)
+    theirs, want = fp8_checkpoint(dense, tmp_path / "ct", per_channel=True, static=False, weight_only=True,
+                                  block=block)
     ours, got = fp8_checkpoint(dense, tmp_path / "torch", per_channel=True, static=False, weight_only=True,
-                               torch_writer=True)
+                               torch_writer=True, block=block)
     a, b = dense_tensors(theirs), dense_tensors(ours)
     assert a.keys() == b.keys() and all(torch.equal(a[n].view(torch.uint8) if a[n].dtype == torch.float8_e4m3fn
                                                     else a[n], b[n].view(torch.uint8)
@@ -288,3 +301,67 @@ def test_loom_quantize_of_mixtral_writes_names_loom_reads(tiny_model_dir: TinyDi
     assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in dense_tensors(out)
     loaded = load_model(out, torch.float32, "cpu", quant_registry)
     assert loaded.quantization == "gptq"
+
+
+@pytest.mark.parametrize(("model", "layout", "block"), [
+    ("llama", "fp8", (32, 32)), ("qwen3-moe", "fp8", (16, 16)), ("qwen3-moe", "compressed-tensors", (8, 16)),
+])
+def test_block_fp8_checkpoint_dequantizes_exactly_and_matches_transformers(
+    model: str, layout: str, block: tuple[int, int], tiny_model_dir: TinyDir, quant_registry: PluginRegistry,
+    tmp_path: Path,
+) -> None:
+    """Block-wise FP8 (DeepSeek's and Qwen3's releases: ``weight_block_size`` / ``weight_scale_inv``;
+    LLM Compressor's FP8_BLOCK) written by compressed-tensors' own quantizer: every linear layer's
+    and expert's weight equals its dequantization bit for bit, and the model (weight-only) gives
+    transformers' logits on those weights; the ``fp8`` layout also against transformers' own FP8
+    loader, which dequantizes such a checkpoint on a machine without a GPU."""
+    pytest.importorskip("compressed_tensors")
+    dense = tiny_model_dir(model)
+    path, expected = fp8_checkpoint(dense, tmp_path / "fp8", per_channel=False, static=False, layout=layout,
+                                    block=block)
+    loaded = load_model(path, torch.float32, "cpu", quant_registry)
+    settings = loaded.quantization_settings
+    assert loaded.quantization == "fp8" and settings["weight_scales"] == f"per block of {block[0]}x{block[1]}"
+    assert settings["activations"] == "none"  # computed weight-only
+    ours = dequantized_linears(loaded.model)
+    for prefix, moe in experts_of(loaded.model).items():
+        ours.update(dequantized_experts(moe, prefix))
+    assert ours.keys() == expected.keys()
+    for stem, w in expected.items():
+        assert torch.equal(ours[stem], w), stem
+    logits = ModelHarness(loaded.model, loaded.hf_config).prefill(PROMPT)
+    theirs = hf_logits(load_hf_reference(dense_with(dense, tmp_path / "hf", expected)), PROMPT)
+    torch.testing.assert_close(logits, theirs, atol=1e-4, rtol=1e-4)
+    if layout == "fp8":
+        pytest.importorskip("accelerate")
+        from transformers import AutoModelForCausalLM
+
+        own = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)  # its FP8 dequantize
+        torch.testing.assert_close(logits, hf_logits(own, PROMPT), atol=1e-4, rtol=1e-4)
+
+
+def test_block_fp8_whose_blocks_do_not_tile_a_fused_part_is_refused(
+    tiny_model_dir: TinyDir, quant_registry: PluginRegistry, tmp_path: Path,
+) -> None:
+    """Blocks of 48 rows across q (64 rows) and k: the parts' grids could not be told apart."""
+    path, _ = fp8_checkpoint(tiny_model_dir("qwen3-moe"), tmp_path / "fp8", per_channel=False, static=False,
+                             layout="fp8", block=(16, 16), torch_writer=True)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["weight_block_size"] = [48, 16]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="is not whole blocks of 48"):
+        load_model(path, torch.float32, "cpu", quant_registry)
+
+
+@pytest.mark.parametrize(("qconfig", "message"), [
+    ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128]},
+     r"weight_block_size is \[128\]; expected two positive integers"),
+    ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]},
+     "activation_scheme is static with weight_block_size"),
+])
+def test_bad_block_fp8_configs_are_refused_before_loading(qconfig: dict[str, Any], message: str) -> None:
+    from loom.plugin_api.quantization import QuantizationError
+    from loom_plugins.quant.fp8 import FP8Config
+
+    with pytest.raises(QuantizationError, match=message):
+        FP8Config.check_checkpoint_config(qconfig)

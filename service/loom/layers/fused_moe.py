@@ -85,25 +85,32 @@ def sort_rows_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch
     return order, counts
 
 
-def dequantize_expert(codes: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_expert(codes: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype,
+                      block: tuple[int, int] | None = None) -> torch.Tensor:
     """One expert's matrix in ``dtype``: itself (dense), or e4m3 ``codes [out, in]`` times their
-    float32 ``scale [out]`` (one per output channel), computed in float32 and rounded once."""
+    float32 scales, computed in float32 and rounded once: ``scale [out]`` one per output channel,
+    or with ``block = (bn, bk)`` ``scale [cdiv(out, bn), cdiv(in, bk)]`` one per block."""
     if scale is None:
         return codes
-    return (codes.float() * scale.float()[:, None]).to(dtype)
+    if block is None:
+        return (codes.float() * scale.float()[:, None]).to(dtype)
+    rows, cols = codes.shape
+    full = scale.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return (codes.float() * full).to(dtype)
 
 
 def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                         topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
-                        w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+                        w2_scale: torch.Tensor | None = None, scale_block: tuple[int, int] | None = None,
+                        ) -> torch.Tensor:
     """``x [T, H]`` through each token's experts, weighted and summed -> ``[T, H]``.
 
     Each expert that has rows runs once on all of them (two matrix products); transformers'
     rounding order: ``down(silu(gate) * up)`` in the activation dtype, times the weight (which
     may be float32), cast back, and added to the token's output expert by expert in increasing
     expert order. Reads the row counts on the host: not for CUDA graphs. ``w13_scale [E, 2I]`` /
-    ``w2_scale [E, H]``: the weights are e4m3 codes, each expert with rows dequantized
-    (:func:`dequantize_expert`) for its products.
+    ``w2_scale [E, H]`` (or per block of ``scale_block``): the weights are e4m3 codes, each expert
+    with rows dequantized (:func:`dequantize_expert`) for its products.
     """
     k = topk_ids.shape[1]
     order, counts = sort_rows_by_expert(topk_ids, w13.shape[0])
@@ -115,8 +122,9 @@ def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
     for expert, n in enumerate(counts.tolist()):
         if n:
             rows = slice(start, start + n)
-            gate_up = dequantize_expert(w13[expert], None if w13_scale is None else w13_scale[expert], x.dtype)
-            down = dequantize_expert(w2[expert], None if w2_scale is None else w2_scale[expert], x.dtype)
+            gate_up = dequantize_expert(w13[expert], None if w13_scale is None else w13_scale[expert], x.dtype,
+                                        scale_block)
+            down = dequantize_expert(w2[expert], None if w2_scale is None else w2_scale[expert], x.dtype, scale_block)
             ys[rows] = F.linear(act(F.linear(xs[rows], gate_up)), down)
             start += n
     weighted = (ys * topk_weights.reshape(-1)[order].unsqueeze(-1)).to(x.dtype)  # [T * k, H]
@@ -135,12 +143,15 @@ def triton_experts_supported(x: torch.Tensor) -> bool:
 class StackedWeights:
     """A layer's experts as the fused kernels read them: ``w13 [E, 2I, H]``, ``w2 [E, H, I]``,
     dense in the activations' dtype (no scales) or e4m3 codes with float32 scales per output
-    channel (``w13_scale [E, 2I]``, ``w2_scale [E, H]``, contiguous)."""
+    channel (``w13_scale [E, 2I]``, ``w2_scale [E, H]``) or, with ``block = (bn, bk)``, per block
+    of bn rows x bk inputs (``[E, cdiv(2I, bn), cdiv(H, bk)]``, ``[E, cdiv(H, bn), cdiv(I, bk)]``);
+    contiguous."""
 
     w13: torch.Tensor
     w2: torch.Tensor
     w13_scale: torch.Tensor | None = None
     w2_scale: torch.Tensor | None = None
+    block: tuple[int, int] | None = None
 
 
 class StackedExpertsMethod(FusedMoEMethod):
@@ -164,7 +175,7 @@ class StackedExpertsMethod(FusedMoEMethod):
         if triton_experts_supported(x):
             return self.expert_outputs(layer, x, topk_weights, topk_ids, layout).combine()
         w = self.stacked(layer)
-        return fused_experts_torch(x, w.w13, w.w2, topk_weights, topk_ids, w.w13_scale, w.w2_scale)
+        return fused_experts_torch(x, w.w13, w.w2, topk_weights, topk_ids, w.w13_scale, w.w2_scale, w.block)
 
     def expert_outputs(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                        layout: moe_routing_triton.ExpertLayout | None) -> fused_moe_triton.ExpertOutputs:
@@ -172,7 +183,8 @@ class StackedExpertsMethod(FusedMoEMethod):
         :func:`triton_experts_supported`)."""
         w = self.stacked(layer)
         return fused_moe_triton.expert_outputs_triton(x, w.w13, w.w2, topk_weights, topk_ids, layout=layout,
-                                                      w13_scale=w.w13_scale, w2_scale=w.w2_scale)
+                                                      w13_scale=w.w13_scale, w2_scale=w.w2_scale,
+                                                      scale_block=w.block)
 
 
 class UnquantizedFusedMoEMethod(StackedExpertsMethod):

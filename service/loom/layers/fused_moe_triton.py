@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -135,11 +136,15 @@ def _gate_up_kernel(
     stride_xt, stride_we, stride_wn, stride_wk, stride_ot, stride_se,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, DIRECT: tl.constexpr, EVEN_K: tl.constexpr,
-    W_SCALE: tl.constexpr = False, X_F16: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    W_SCALE: tl.constexpr = False, X_F16: tl.constexpr = False,
+    SCALE_BN: tl.constexpr = 0, SCALE_BK: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
 ):
     # W_SCALE: w holds e4m3 codes (FP8 experts, weight-only), converted in registers and each
-    # output channel's scale applied once to the sums. X_F16 (bf16 activations with e4m3 codes):
-    # the dots run in fp16, each row of x scaled by a power of two first (dense_gemv's
+    # output channel's scale applied once to the sums. With SCALE_BN / SCALE_BK (> 0) the scales
+    # are per block of SCALE_BN rows x SCALE_BK inputs instead ([E, cdiv(2I, BN), cdiv(K, BK)],
+    # block-wise FP8): each K tile (within one block: BLOCK_K divides SCALE_BK) is dotted on its
+    # own and added to the sums times its blocks' scales. X_F16 (bf16 activations with e4m3
+    # codes): the dots run in fp16, each row of x scaled by a power of two first (dense_gemv's
     # f16_row_scales: e4m3 -> fp16 is one instruction a pair of codes, -> bf16 four).
     if USE_PDL:  # x, the layout and the experts chosen (which weights to read) come from before
         pdl_prologue()
@@ -175,15 +180,23 @@ def _gate_up_kernel(
                 u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             if X_F16:
                 a = (a.to(tl.float32) * up[:, None]).to(tl.float16)
-            acc_g = tl.dot(a, g.to(a.dtype), acc_g, input_precision=PRECISION)  # (.to: codes; dense: a no-op)
-            acc_u = tl.dot(a, u.to(a.dtype), acc_u, input_precision=PRECISION)
+            if SCALE_BK:  # this K tile's sums times its blocks' scales (gate rows n, up rows I + n)
+                blocks = scale_ptr + expert * stride_se + k0 // SCALE_BK
+                cols = tl.cdiv(K, SCALE_BK)
+                s_g = tl.load(blocks + (n // SCALE_BN) * cols, mask=n_ok, other=0.0)
+                s_u = tl.load(blocks + ((INTER + n) // SCALE_BN) * cols, mask=n_ok, other=0.0)
+                acc_g += tl.dot(a, g.to(a.dtype), input_precision=PRECISION) * s_g[None, :]
+                acc_u += tl.dot(a, u.to(a.dtype), input_precision=PRECISION) * s_u[None, :]
+            else:
+                acc_g = tl.dot(a, g.to(a.dtype), acc_g, input_precision=PRECISION)  # (.to: codes; dense: a no-op)
+                acc_u = tl.dot(a, u.to(a.dtype), acc_u, input_precision=PRECISION)
             a_ptrs += BLOCK_K
             g_ptrs += BLOCK_K * stride_wk
             u_ptrs += BLOCK_K * stride_wk
         if X_F16:  # exact: a power of two
             acc_g = acc_g * down[:, None]
             acc_u = acc_u * down[:, None]
-        if W_SCALE:  # one float32 rounding per channel
+        if W_SCALE and not SCALE_BK:  # one float32 rounding per channel
             scales = scale_ptr + expert * stride_se + n
             acc_g = acc_g * tl.load(scales, mask=n_ok, other=0.0)[None, :]
             acc_u = acc_u * tl.load(scales + INTER, mask=n_ok, other=0.0)[None, :]
@@ -208,9 +221,10 @@ def _down_kernel(
     stride_at, stride_we, stride_wn, stride_wk, stride_ot, stride_se,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     DIRECT: tl.constexpr, EVEN_K: tl.constexpr, W_SCALE: tl.constexpr = False, X_F16: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False,
+    SCALE_BN: tl.constexpr = 0, SCALE_BK: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
 ):
-    # W_SCALE, X_F16: as in _gate_up_kernel.
+    # W_SCALE, X_F16, SCALE_BN / SCALE_BK: as in _gate_up_kernel (scales [E, H] or [E, cdiv(H, BN),
+    # cdiv(I, BK)]).
     if USE_PDL:  # the activations, the layout and the experts chosen come from before
         pdl_prologue()
     pid = tl.program_id(0)
@@ -240,12 +254,17 @@ def _down_kernel(
                 b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             if X_F16:
                 a = (a.to(tl.float32) * up[:, None]).to(tl.float16)
-            acc = tl.dot(a, b.to(a.dtype), acc, input_precision=PRECISION)
+            if SCALE_BK:
+                s_b = tl.load(scale_ptr + expert * stride_se + (n // SCALE_BN) * tl.cdiv(K, SCALE_BK) + k0 // SCALE_BK,
+                              mask=n_ok, other=0.0)
+                acc += tl.dot(a, b.to(a.dtype), input_precision=PRECISION) * s_b[None, :]
+            else:
+                acc = tl.dot(a, b.to(a.dtype), acc, input_precision=PRECISION)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K * stride_wk
         if X_F16:
             acc = acc * down[:, None]
-        if W_SCALE:
+        if W_SCALE and not SCALE_BK:
             acc = acc * tl.load(scale_ptr + expert * stride_se + n, mask=n_ok, other=0.0)[None, :]
         tl.store(out_ptr + rows[:, None] * stride_ot + n[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & n_ok[None, :])
@@ -335,34 +354,57 @@ def _even_k(k: int, cfg: MoeBlockConfig, even_k: bool | None) -> bool:
     return whole if even_k is None else even_k and whole
 
 
-def _weight_options(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
-                    rows: int) -> tuple[torch.Tensor, int, dict[str, bool]]:
-    """The scale operand, its expert stride and the kernels' ``W_SCALE`` / ``X_F16`` for weights
-    ``w`` (dense: no scale; e4m3 codes: ``scale [E, rows]`` float32, one per output channel)."""
+def _weight_options(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, rows: int,
+                    block: tuple[int, int] | None) -> tuple[torch.Tensor, int, dict[str, Any]]:
+    """The scale operand, its expert stride and the kernels' ``W_SCALE`` / ``X_F16`` /
+    ``SCALE_BN`` / ``SCALE_BK`` for weights ``w [E, rows, K]`` (dense: no scale; e4m3 codes: float32
+    ``scale [E, rows]``, one per output channel, or with ``block = (bn, bk)`` one per block of
+    ``[E, cdiv(rows, bn), cdiv(K, bk)]``; contiguous)."""
     if scale is None:
         if w.dtype != x.dtype:
             raise ValueError(f"dense experts in {w.dtype} with activations in {x.dtype}")
         return w, 0, {}  # (the scale pointer is never read)
-    if w.dtype != torch.float8_e4m3fn or scale.dtype != torch.float32 or scale.shape != (w.shape[0], rows) \
-            or scale.stride(1) != 1:
-        raise ValueError(f"scaled experts take float8_e4m3fn codes and float32 scales [{w.shape[0]}, {rows}], "
-                         f"got {w.dtype} and {scale.dtype} {tuple(scale.shape)}")
-    return scale, scale.stride(0), {"W_SCALE": True, "X_F16": x.dtype == torch.bfloat16}
+    e, k = w.shape[0], w.shape[2]
+    shape = (e, rows) if block is None else (e, _cdiv(rows, block[0]), _cdiv(k, block[1]))
+    if w.dtype != torch.float8_e4m3fn or scale.dtype != torch.float32 or tuple(scale.shape) != shape \
+            or not scale.is_contiguous():
+        raise ValueError(f"scaled experts take float8_e4m3fn codes and contiguous float32 scales {list(shape)}, "
+                         f"got {w.dtype} and {scale.dtype} {list(scale.shape)}")
+    options: dict[str, Any] = {"W_SCALE": True, "X_F16": x.dtype == torch.bfloat16}
+    if block is not None:
+        options.update(SCALE_BN=block[0], SCALE_BK=block[1])
+    return scale, scale.stride(0), options
+
+
+def _tiles_within_blocks(cfg: MoeBlockConfig, block: tuple[int, int] | None) -> MoeBlockConfig:
+    """``cfg`` with K tiles that each lie within one scale block (the largest power of two at most
+    ``cfg.block_k`` that divides the block's inputs, at least 16: the dot's smallest)."""
+    if block is None or block[1] % cfg.block_k == 0:
+        return cfg
+    tile = cfg.block_k
+    while tile > 16 and block[1] % tile:
+        tile //= 2
+    if block[1] % tile:
+        raise ValueError(f"scale blocks of {block[1]} inputs are not a multiple of 16")
+    return MoeBlockConfig(cfg.block_m, cfg.block_n, tile, cfg.num_warps, cfg.num_stages)
 
 
 def launch_gate_up(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, sorted_ids: torch.Tensor,
                    block_expert: torch.Tensor, num_padded: torch.Tensor, top_k: int, cfg: MoeBlockConfig,
-                   direct: bool, even_k: bool | None = None, scale: torch.Tensor | None = None) -> None:
+                   direct: bool, even_k: bool | None = None, scale: torch.Tensor | None = None,
+                   block: tuple[int, int] | None = None) -> None:
     """``act [N, I] = silu(x w_gate^T) * (x w_up^T)`` for every row of the layout (``direct``:
     ``block_expert`` is the flat ids [N] and the two others are not read). Where every K tile is
     whole the loop has no K mask, which lets Triton pipeline its loads (with a mask that depends
     on the loop index, triton 3.6 compiled plain register loads, no cp.async, for every stage
     count); the same values, so the same bits. ``scale`` (float32 ``[E, 2I]``): ``w13`` holds
-    e4m3 codes and row n of expert e is ``w13[e, n] * scale[e, n]`` (FP8 experts, weight-only)."""
+    e4m3 codes and row n of expert e is ``w13[e, n] * scale[e, n]`` (FP8 experts, weight-only);
+    with ``block = (bn, bk)``, ``scale [E, cdiv(2I, bn), cdiv(H, bk)]`` holds one per block."""
     n, inter = act.shape
     nb = n if direct else block_expert.shape[0]
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # ignored for half-precision inputs
-    scale_arg, stride_se, options = _weight_options(x, w13, scale, 2 * inter)
+    scale_arg, stride_se, options = _weight_options(x, w13, scale, 2 * inter, block)
+    cfg = _tiles_within_blocks(cfg, block)
     _gate_up_kernel[(nb * _cdiv(inter, cfg.block_n),)](
         x, w13, act, sorted_ids, block_expert, num_padded, scale_arg,
         n, x.shape[1], inter,
@@ -375,13 +417,15 @@ def launch_gate_up(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, sorted
 
 def launch_down(act: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, sorted_ids: torch.Tensor,
                 block_expert: torch.Tensor, num_padded: torch.Tensor, cfg: MoeBlockConfig, direct: bool,
-                even_k: bool | None = None, scale: torch.Tensor | None = None) -> None:
+                even_k: bool | None = None, scale: torch.Tensor | None = None,
+                block: tuple[int, int] | None = None) -> None:
     """``y [N, H] = act w_down^T`` for every row of the layout (as :func:`launch_gate_up`;
-    ``scale``: float32 ``[E, H]``)."""
+    ``scale``: float32 ``[E, H]``, or ``[E, cdiv(H, bn), cdiv(I, bk)]`` with ``block``)."""
     n, hidden = y.shape
     nb = n if direct else block_expert.shape[0]
     precision = "ieee" if act.dtype == torch.float32 else "tf32"
-    scale_arg, stride_se, options = _weight_options(act, w2, scale, hidden)
+    scale_arg, stride_se, options = _weight_options(act, w2, scale, hidden, block)
+    cfg = _tiles_within_blocks(cfg, block)
     _down_kernel[(nb * _cdiv(hidden, cfg.block_n),)](
         act, w2, y, sorted_ids, block_expert, num_padded, scale_arg,
         n, act.shape[1], hidden,
@@ -403,13 +447,15 @@ def expert_outputs_triton(
     direct: bool | None = None,
     w13_scale: torch.Tensor | None = None,  # [E, 2I] float32: w13 holds e4m3 codes
     w2_scale: torch.Tensor | None = None,  # [E, H] float32: w2 holds e4m3 codes
+    scale_block: tuple[int, int] | None = None,  # the scales are per block of (rows, inputs)
 ) -> ExpertOutputs:
     """Every token's ``k`` experts, not yet summed: two launches, after the sort's two unless
     ``layout`` (``moe_routing_triton.route_and_sort``'s, for the same ids) is given with the
     block size this step's tiles use, or the step runs ``direct`` (None: :func:`direct_experts`;
     only without a layout). ``config``: both kernels' tiles (None: ``block_config``'s, or at one
     token ``direct_configs``'). ``w13_scale`` / ``w2_scale``: FP8 experts (e4m3 codes, a float32
-    scale per output channel; weight-only: the activations stay in their dtype)."""
+    scale per output channel, or per block of ``scale_block`` rows x inputs; weight-only: the
+    activations stay in their dtype)."""
     T, H = x.shape
     k = topk_ids.shape[1]
     E, two_i, _ = w13.shape
@@ -435,8 +481,10 @@ def expert_outputs_triton(
             layout = ExpertLayout(*align_rows_by_expert(topk_ids, E, cfg_gu.block_m), block_m=cfg_gu.block_m)
         sorted_ids, block_expert, num_padded = layout.sorted_ids, layout.block_expert, layout.num_padded
     act = torch.empty((n, inter), dtype=x.dtype, device=x.device)
-    launch_gate_up(x, w13, act, sorted_ids, block_expert, num_padded, k, cfg_gu, direct, scale=w13_scale)
-    launch_down(act, w2, y, sorted_ids, block_expert, num_padded, cfg_down, direct, scale=w2_scale)
+    launch_gate_up(x, w13, act, sorted_ids, block_expert, num_padded, k, cfg_gu, direct, scale=w13_scale,
+                   block=scale_block)
+    launch_down(act, w2, y, sorted_ids, block_expert, num_padded, cfg_down, direct, scale=w2_scale,
+                block=scale_block)
     return ExpertOutputs(y, topk_weights.contiguous())
 
 
@@ -451,8 +499,9 @@ def fused_experts_triton(
     direct: bool | None = None,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    scale_block: tuple[int, int] | None = None,
 ) -> torch.Tensor:  # [T, H]
     """Every token's ``k`` experts, weighted and summed: :func:`expert_outputs_triton`, then the
     combine (three launches after the sort, or with none at one token: :func:`direct_experts`)."""
     return expert_outputs_triton(x, w13, w2, topk_weights, topk_ids, config, layout, direct,
-                                 w13_scale, w2_scale).combine()
+                                 w13_scale, w2_scale, scale_block).combine()
