@@ -12,7 +12,6 @@ the whole output stays under ``1.5e-2``, the dense bf16 experts' bound (test_fus
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -134,36 +133,13 @@ def test_a_served_fp8_moe_checkpoint_agrees_with_transformers(block: tuple[int, 
     (``weight_block_size``: its linear layers dequantize per call on CUDA, its experts run the
     kernels' block mode). Written by the helper's torch writer (compressed-tensors' arithmetic;
     the package is not on the GPU machine)."""
+    from helpers.graph_engine_runs import check_against_transformers
     from helpers.quant_checkpoints import dense_with, fp8_checkpoint
     from helpers.tiny_models import load_hf_reference
-
-    from loom.config import EngineConfig
-    from loom.engine.llm_engine import LLMEngine
-    from loom.engine.types import EngineRequest, SamplingParams, StoppingParams
 
     dense = tiny_model_dir("qwen3-moe")
     path, expected = fp8_checkpoint(dense, tmp_path / "fp8", per_channel=True, static=False, weight_only=True,
                                     torch_writer=True, layout="fp8" if block else "compressed-tensors", block=block)
-    engine = LLMEngine(EngineConfig(model_id=str(path), device="cuda", dtype="float32", attention_backend="paged",
-                                    block_size=16, max_batch_total_tokens=4096, cuda_graphs=(1, 2, 4)))
-    rng = random.Random(5)
-    prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (33, 4, 17)]
-    for i, p in enumerate(prompts):
-        engine.add_request(EngineRequest(f"r{i}", tuple(p), SamplingParams(),
-                                         StoppingParams(max_new_tokens=16, ignore_eos=True)))
-    outs: dict[str, list[Any]] = {f"r{i}": [] for i in range(len(prompts))}
-    while engine.has_unfinished():
-        for o in engine.step():
-            outs[o.request_id].append(o)
-    runner: Any = engine.worker.runner
-    assert runner.cuda_graphs is not None and runner.cuda_graphs.num_replays > 0
-    hf = load_hf_reference(dense_with(dense, tmp_path / "hf", expected))
-    for i, p in enumerate(prompts):
-        tokens = [t for o in outs[f"r{i}"] for t in o.token_ids]
-        logprobs = [lp for o in outs[f"r{i}"] for lp in o.logprobs]
-        with torch.no_grad():
-            logits = hf(torch.tensor([p + tokens])).logits[0, len(p) - 1: -1].float()
-        chosen = logits[torch.arange(len(tokens)), tokens]
-        assert (logits.max(-1).values - chosen).max().item() <= 2e-3, f"r{i}: a chosen token is not an argmax"
-        ref = logits.log_softmax(-1)[torch.arange(len(tokens)), tokens]
-        assert torch.allclose(torch.tensor(logprobs), ref, atol=2e-3), f"r{i}: logprobs"
+    check_against_transformers(path, load_hf_reference(dense_with(dense, tmp_path / "hf", expected)),
+                               lengths=(33, 4, 17), new_tokens=16, seed=5, cuda_graphs=(1, 2, 4),
+                               label="block-wise" if block else "per-channel")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -356,36 +355,9 @@ LOGPROB_TOL = 2e-3
 def test_models_on_cuda_with_graphs_agree_with_transformers(variant: str,
                                                             tiny_model_dir: Callable[[str], Path]) -> None:
     """The paged backend (windows, Gemma 2's soft cap), the MoE kernels and CUDA-graph decode."""
-    import random
-
+    from helpers.graph_engine_runs import check_against_transformers
     from helpers.tiny_models import load_hf_reference
 
-    from loom.config import EngineConfig
-    from loom.engine.llm_engine import LLMEngine
-    from loom.engine.types import EngineRequest, SamplingParams, StoppingParams
-
     path = tiny_model_dir(variant)
-    engine = LLMEngine(EngineConfig(model_id=str(path), device="cuda", dtype="float32", attention_backend="paged",
-                                    block_size=16, max_batch_total_tokens=4096, cuda_graphs=(1, 2, 4, 8)))
-    rng = random.Random(3)
-    prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (40, 9, 3, 21)]
-    for i, p in enumerate(prompts):
-        engine.add_request(EngineRequest(f"r{i}", tuple(p), SamplingParams(),
-                                         StoppingParams(max_new_tokens=20, ignore_eos=True)))
-    outs: dict[str, list[Any]] = {f"r{i}": [] for i in range(len(prompts))}
-    while engine.has_unfinished():
-        for o in engine.step():
-            outs[o.request_id].append(o)
-    runner: Any = engine.worker.runner
-    assert runner.cuda_graphs is not None and runner.cuda_graphs.num_replays > 0
-    hf = load_hf_reference(path)
-    for i, p in enumerate(prompts):
-        tokens = [t for o in outs[f"r{i}"] for t in o.token_ids]
-        logprobs = [lp for o in outs[f"r{i}"] for lp in o.logprobs]
-        with torch.no_grad():
-            logits = hf(torch.tensor([p + tokens])).logits[0, len(p) - 1: -1].float()  # [20, V]
-        best = logits.max(-1).values
-        chosen = logits[torch.arange(len(tokens)), tokens]
-        assert (best - chosen).max().item() <= TIE_TOL, f"{variant} r{i}: a chosen token is not an argmax"
-        ref = logits.log_softmax(-1)[torch.arange(len(tokens)), tokens]
-        assert torch.allclose(torch.tensor(logprobs), ref, atol=LOGPROB_TOL), f"{variant} r{i}: logprobs"
+    check_against_transformers(path, load_hf_reference(path), lengths=(40, 9, 3, 21), new_tokens=20, seed=3,
+                               cuda_graphs=(1, 2, 4, 8), label=variant, tie_tol=TIE_TOL, logprob_tol=LOGPROB_TOL)

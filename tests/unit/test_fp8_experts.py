@@ -6,6 +6,7 @@ The Triton kernels' FP8 path is checked in ``helpers/moe_interpret_check.py`` an
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -212,37 +213,35 @@ def test_torch_experts_dequantize_only_the_experts_with_rows() -> None:
     assert torch.equal(got, want)
 
 
-def test_a_checkpoint_with_some_experts_unquantized_is_refused(
-    tiny_model_dir: TinyDir, quant_registry: PluginRegistry, tmp_path: Path,
-) -> None:
-    pytest.importorskip("compressed_tensors")
-    from safetensors.torch import save_file
-
-    path, _ = fp8_checkpoint(tiny_model_dir("qwen3-moe"), tmp_path / "fp8", per_channel=True, static=False,
-                             weight_only=True)
-    tensors = dense_tensors(path)
+def _unquantized_expert(tensors: dict[str, torch.Tensor]) -> None:
     stem = "model.layers.2.mlp.experts.3.up_proj"
     tensors[f"{stem}.weight"] = tensors[f"{stem}.weight"].float()
     del tensors[f"{stem}.weight_scale"]
-    save_file(tensors, str(path / "model.safetensors"))
-    with pytest.raises(ModelLoadError, match=f"quantizer fp8: FP8 checkpoint: {stem} has no weight_scale tensor"):
-        load_model(path, torch.float32, "cpu", quant_registry)
 
 
-def test_an_expert_weight_that_is_not_e4m3_is_refused(
-    tiny_model_dir: TinyDir, quant_registry: PluginRegistry, tmp_path: Path,
+def _fp16_expert(tensors: dict[str, torch.Tensor]) -> None:
+    name = "model.layers.2.mlp.experts.5.down_proj.weight"
+    tensors[name] = tensors[name].to(torch.float16)
+
+
+@pytest.mark.parametrize(("mutate", "message"), [
+    (_unquantized_expert, "quantizer fp8: FP8 checkpoint: model.layers.2.mlp.experts.3.up_proj has no weight_scale "
+                          "tensor while other experts"),
+    (_fp16_expert, "quantizer fp8: FP8 model.layers.2.mlp.experts expert 5: a weight is torch.float16 in the "
+                   "checkpoint; expected float8_e4m3fn"),
+], ids=["an-expert-unquantized", "an-expert-not-e4m3"])
+def test_a_checkpoint_with_a_bad_expert_is_refused_naming_it(
+    mutate: Callable[[dict[str, torch.Tensor]], None], message: str, tiny_model_dir: TinyDir,
+    quant_registry: PluginRegistry, tmp_path: Path,
 ) -> None:
-    pytest.importorskip("compressed_tensors")
     from safetensors.torch import save_file
 
     path, _ = fp8_checkpoint(tiny_model_dir("qwen3-moe"), tmp_path / "fp8", per_channel=True, static=False,
-                             weight_only=True)
+                             weight_only=True, torch_writer=True)
     tensors = dense_tensors(path)
-    name = "model.layers.2.mlp.experts.5.down_proj.weight"
-    tensors[name] = tensors[name].to(torch.float16)
+    mutate(tensors)
     save_file(tensors, str(path / "model.safetensors"))
-    with pytest.raises(ModelLoadError, match=r"experts expert 5: a weight is torch.float16 in the checkpoint; "
-                                             "expected float8_e4m3fn"):
+    with pytest.raises(ModelLoadError, match=re.escape(message)):
         load_model(path, torch.float32, "cpu", quant_registry)
 
 
