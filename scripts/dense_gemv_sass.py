@@ -36,14 +36,18 @@ PLANS = [(64, 128, 4, 3, "none"), (64, 128, 4, 3, "fused"), (128, 64, 4, 4, "non
          (16, 256, 4, 4, "none")]
 # The FP8 weight-only GEMV (``--fp8``: e4m3 codes, bf16 activations through the fp16 dot, and fp16
 # ones): the rule's 64 x 256 tile (loom_plugins.quant.fp8_gemv.default_plan) and two neighbours.
+# Last, block-wise FP8 (Qwen3's and DeepSeek's 128 x 128 blocks): fp8_gemv.block_plan's 64 x 128
+# tile, each K tile's sums scaled by its blocks.
 FP8_PLANS = [(64, 256, 4, 3, "fused", "bf16", "fp8e4nv"), (64, 256, 4, 3, "none", "fp16", "fp8e4nv"),
-             (128, 128, 4, 3, "fused", "bf16", "fp8e4nv"), (32, 512, 4, 3, "launch", "bf16", "fp8e4nv")]
+             (128, 128, 4, 3, "fused", "bf16", "fp8e4nv"), (32, 512, 4, 3, "launch", "bf16", "fp8e4nv"),
+             (64, 128, 4, 3, "fused", "bf16", "fp8e4nv", (128, 128))]
 
 
 def count(block_n: int, block_k: int, num_warps: int, num_stages: int, merge: str, dtype: str = "bf16",
-          weight: str | None = None) -> dict[str, Any]:
+          weight: str | None = None, scale_block: tuple[int, int] | None = None) -> dict[str, Any]:
     """``weight``: the weight's Triton dtype when it is not the activations' (``"fp8e4nv"``: the FP8
-    weight-only GEMV, codes converted in registers and a scale per output)."""
+    weight-only GEMV, codes converted in registers and a scale per output; with ``scale_block``
+    one per block)."""
     sys.path.insert(0, str(ROOT / "tests"))
     from helpers.source_tree import make_importable
 
@@ -58,7 +62,8 @@ def count(block_n: int, block_k: int, num_warps: int, num_stages: int, merge: st
     sig = dict(x_ptr=act, w_ptr=f"*{weight}" if weight else act, scale_ptr="*fp32", bias_ptr=act, out_ptr=act, part_ptr="*fp32", counter_ptr="*i32", M="i32",
                N="i32", K="i32", K_SPLIT="i32", SPLIT="i32", stride_xm="i32", stride_wn="i32", stride_om="i32")
     consts = dict(HAS_BIAS=False, PARTIAL=merge != "none", FUSED_REDUCE=merge == "fused", EVEN_K=True, IEEE=False,
-                  W_SCALE=weight is not None, X_F16=weight is not None and dtype == "bf16", MAX_ROWS=dg.MAX_M, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_M=16, BLOCK_S=32)
+                  W_SCALE=weight is not None, X_F16=weight is not None and dtype == "bf16", MAX_ROWS=dg.MAX_M, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_M=16, BLOCK_S=32,
+                  SCALE_BN=scale_block[0] if scale_block else 0, SCALE_BK=scale_block[1] if scale_block else 0)
     names = list(sig)
     # What Triton's launcher sees for Qwen3's and llama's shapes: every pointer 16-byte aligned,
     # N, K, the strides and K_SPLIT (a multiple of block_k) multiples of 16; M (2-4) and SPLIT not.
@@ -69,7 +74,7 @@ def count(block_n: int, block_k: int, num_warps: int, num_stages: int, merge: st
     sass, regs, spills = disassemble(compiled)
     ops = collections.Counter(_OP.findall(_k_loop(sass)))
     weights = block_n * block_k // (32 * num_warps)  # weights a thread handles an iteration
-    kind = f" {dtype} x {weight}" if weight else ""
+    kind = (f" {dtype} x {weight}" if weight else "") + (f" blocks {scale_block[0]}x{scale_block[1]}" if scale_block else "")
     return {"plan": f"{block_n}x{block_k} w{num_warps} s{num_stages} merge {merge}{kind}", "loop_instructions": sum(ops.values()),
             "weights_per_thread": weights, "instructions_per_weight": round(sum(ops.values()) / weights, 2),
             "async_copies": ops.get("LDGSTS", 0), "tensor_core": ops.get("HGMMA", 0) + ops.get("HMMA", 0),
@@ -81,7 +86,8 @@ def main() -> None:
     parser.add_argument("--out", help="write the counts as JSON here")
     parser.add_argument("--fp8", action="store_true", help="the FP8 weight-only GEMV's plans instead")
     args = parser.parse_args()
-    results = [count(*p) for p in (FP8_PLANS if args.fp8 else PLANS)]
+    plans: list[Any] = FP8_PLANS if args.fp8 else PLANS
+    results = [count(*p) for p in plans]
     for r in results:
         print(f"{r['plan']:<28} {r['instructions_per_weight']:5.2f} instructions a weight ({r['loop_instructions']} "
               f"for {r['weights_per_thread']}), {r['async_copies']} LDGSTS, {r['tensor_core']} tensor-core, "

@@ -21,8 +21,9 @@ while loading), computed weight-only; the router stays dense.
 Block-wise FP8 (DeepSeek's and Qwen3's releases: ``weight_block_size`` and ``weight_scale_inv``, one
 scale per block of 128 x 128 weights; LLM Compressor's ``FP8_BLOCK``): :class:`FP8BlockLinearMethod`
 and block-scaled experts, computed weight-only (the checkpoints' dynamic per-group activation
-quantization is not emulated); on CUDA its linear layers dequantize per call (no fused kernel
-yet), its experts run the fused expert kernels. FP8 KV caches in checkpoints are not read.
+quantization is not emulated); on CUDA its linear layers run the FP8 GEMV at 1-4 rows (each K
+tile scaled by its blocks) and dequantize per call past that, its experts run the fused expert
+kernels. FP8 KV caches in checkpoints are not read.
 
 On CUDA (compute capability 8.9 or newer: Ada, Hopper) layers with quantized activations run
 ``torch._scaled_mm`` with the activations quantized by one Triton kernel (``fp8_triton``), except
@@ -289,6 +290,24 @@ class FP8LinearMethod(FP8Forward, DequantLinearMethod):
         return fake_quantize_activations(x, layer.activation_scale if self.scheme.activations == "static" else None)
 
 
+def fp8_block_kernel(layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """A block-scaled layer's CUDA kernel at 1-4 rows (``fp8_gemv.maybe_fp8_block_gemv``: the FP8
+    GEMV scaling each K tile by its blocks); None past that (the dequantizing path serves)."""
+    method = layer.quant_method
+    if not kernel_switches.fused_kernels:
+        return None
+    return fp8_gemv.maybe_fp8_block_gemv(x, layer.weight, getattr(layer, method.scale_name), method.block, bias)
+
+
+def block_warm_up_token_counts(layer: Any, max_tokens: int) -> tuple[int, ...]:
+    """The block GEMV's variants, as :func:`fp8_gemv.layer_warm_up_token_counts` (counts 1 and 2),
+    on a layer whose weight is on a CUDA device."""
+    weight = getattr(layer, "weight", None)
+    if weight is None or not weight.is_cuda or not (kernel_switches.fp8_gemv and kernel_switches.fused_kernels):
+        return ()
+    return tuple(c for c in (1, 2) if c <= max_tokens)
+
+
 def block_scales(scale: torch.Tensor, block: tuple[int, int], rows: int, cols: int) -> torch.Tensor:
     """One scale per block ``[cdiv(rows, bn), cdiv(cols, bk)]`` -> one per weight ``[rows, cols]``."""
     return scale.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
@@ -304,6 +323,9 @@ class FP8BlockLinearMethod(DequantLinearMethod):
     rows (this rank's) must be whole blocks, and a row-parallel rank's inputs too; an unfused
     layer on one rank may end in a partial block (its grid rounded up).
     """
+
+    kernels: ClassVar[dict[str, list[Kernel]]] = {"cuda": [fp8_block_kernel]}
+    warm_ups: ClassVar[tuple[WarmUp, ...]] = (block_warm_up_token_counts,)
 
     def __init__(self, scheme: FP8Scheme) -> None:
         assert scheme.block is not None

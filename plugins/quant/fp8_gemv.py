@@ -117,3 +117,41 @@ def maybe_fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     """The GEMV's result when :func:`plan_for` picks it, else None (the caller's W8A8 path)."""
     plan = plan_for(x, weight)
     return None if plan is None else fp8_gemv(x, weight, scale, bias, plan)
+
+
+# ---- block-wise FP8 (one scale per block of bn rows x bk inputs: Qwen3's and DeepSeek's FP8) ----
+
+
+def block_plan(n: int, k: int, block: tuple[int, int], sms: int) -> dg.GemvPlan:
+    """The rule for a block-scaled layer: :func:`default_plan`'s 64-row tiles and split target,
+    with K tiles that lie within one scale block (the largest power of two up to 256 that divides
+    bk) and the split counted in whole blocks."""
+    tile = 256
+    while tile > 16 and block[1] % tile:
+        tile //= 2
+    split, _ = split_k(-(-n // 64), k, block[1], 4 * sms, 16)
+    return dg.GemvPlan(64, tile, split, 4, 3, fused_reduce=split > 1)
+
+
+def block_plan_for(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]) -> dg.GemvPlan | None:
+    """The plan that serves ``x`` on a block-scaled e4m3 ``weight [N, K]``, or None (the layer's
+    dequantizing path): CUDA, Triton, bf16 / fp16 activations, 1-4 rows, bk a multiple of 16,
+    the switches on (``LOOM_FP8_GEMV=0`` turns it off with the per-channel GEMV)."""
+    if not (kernel_switches.fp8_gemv and kernel_switches.fused_kernels and dg.HAS_TRITON and x.is_cuda
+            and weight.is_cuda) or block[1] % 16:
+        return None
+    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dim() != 2 or weight.stride(1) != 1:
+        return None
+    n, k = weight.shape
+    if x.shape[-1] != k or not 0 < x.numel() // k <= MAX_M:
+        return None
+    index = weight.device.index if weight.device.index is not None else torch.cuda.current_device()
+    return block_plan(n, k, block, _sm_count(index))
+
+
+def maybe_fp8_block_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                         bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``x @ (codes * scale[row // bn, col // bk])^T (+ bias)`` on the GEMV when
+    :func:`block_plan_for` picks it, else None."""
+    plan = block_plan_for(x, weight, block)
+    return None if plan is None else dg.dense_gemv(x, weight, bias, plan, scale=scale, scale_block=block)

@@ -129,3 +129,31 @@ def test_the_fp8_layer_kernel_serves_1_to_4_rows(monkeypatch: pytest.MonkeyPatch
     assert torch.equal(fp8_kernel(layer, x[:3], None), fp8_triton.fp8_linear(x[:3], state, None))
     monkeypatch.setattr(kernel_switches, "fp8_gemv", False)
     assert torch.equal(fp8_kernel(layer, x[:1], None), fp8_triton.fp8_linear(x[:1], state, None))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 14336), (200, 320)], ids=lambda v: str(v))
+def test_block_scaled_gemv_matches_its_reference(n: int, k: int, dtype: torch.dtype) -> None:
+    """Block-wise FP8 (128 x 128 blocks; the last one partial for 200 x 320) through
+    ``fp8_gemv.maybe_fp8_block_gemv`` at 1-4 rows: within float32 accumulation and one rounding of
+    ``x @ (codes * grid[row // 128, col // 128])^T`` in float64, the interpreter check's bound."""
+    gen = torch.Generator(device=CUDA).manual_seed(n + k)
+    w = torch.randn(n, k, generator=gen, device=CUDA) * 0.02
+    rb, cb = -(-n // 128), -(-k // 128)
+    padded = torch.zeros(rb * 128, cb * 128, device=CUDA)
+    padded[:n, :k] = w
+    grid = (padded.reshape(rb, 128, cb, 128).abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12).contiguous()
+    full = grid.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+    codes = (w / full).to(torch.float8_e4m3fn)
+    wd = codes.double() * full.double()
+    x4 = torch.randn(4, k, generator=gen, device=CUDA).to(dtype)
+    for m in range(1, 5):
+        y = fp8_gemv.maybe_fp8_block_gemv(x4[:m], codes, grid, (128, 128), None)
+        assert y is not None and y.shape == (m, n) and y.dtype == dtype
+        xd = x4[:m].double()
+        ref = xd @ wd.t()
+        bound = (k * 2.0**-23) * (xd.abs() @ wd.abs().t()) + U[dtype] * ref.abs()
+        bound += 2.0**-30 * xd.abs().amax(dim=1, keepdim=True) * wd.abs().sum(dim=1)[None, :]
+        assert ((y.double() - ref).abs() - bound).max().item() <= 0, m
+    assert fp8_gemv.maybe_fp8_block_gemv(torch.randn(5, k, device=CUDA).to(dtype), codes, grid, (128, 128),
+                                         None) is None  # past 4 rows: the layer's dequantizing path

@@ -97,6 +97,59 @@ def run_case(n: int, k: int, dtype_name: str, with_bias: bool, plan_args: tuple[
     return errors
 
 
+# Block-wise scales (one per block of bn rows x bk inputs): (N, K, dtype, bias, block, plan)
+BLOCK_CASES = [
+    (40, 96, "float32", False, (16, 32), (16, 32, 1, False)),  # ragged N: a partial row block
+    (48, 160, "bfloat16", True, (16, 32), (16, 32, 3, True)),  # split in whole blocks, merged by the last split
+    (20, 256, "float16", False, (8, 128), (16, 64, 2, False)),  # two K tiles a block, the second launch
+    (24, 208, "bfloat16", False, (8, 64), (16, 32, 2, True)),  # a partial last column block
+]
+
+
+def run_block_case(n: int, k: int, dtype_name: str, with_bias: bool, block: tuple[int, int],
+                   plan_args: tuple[int, int, int, bool]) -> list[str]:
+    """The block-scaled GEMV against ``x @ (codes * grid[row // bn, col // bk])^T`` in float64,
+    within the per-channel cases' bound (each K tile's sums take their blocks' scale once)."""
+    import torch
+
+    from loom.layers import dense_gemv as dg
+
+    dtype = getattr(torch, dtype_name)
+    u = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}[dtype]
+    bn, bk = block
+    plan = dg.GemvPlan(*plan_args[:3], 4, 2, plan_args[3])
+    gen = torch.Generator().manual_seed(n * 100 + k)
+    raw = torch.randint(0, 256, (n, k), generator=gen, dtype=torch.int32)
+    raw = torch.where((raw & 0x7F) == 0x7F, raw - 1, raw).to(torch.uint8)
+    codes = raw.view(torch.float8_e4m3fn)
+    top = -3 if dtype == torch.float16 else -1
+    grid = (10.0 ** (torch.rand(-(-n // bn), -(-k // bk), generator=gen) * 4 - 4 + top)).float()
+    full = grid.double().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    w = codes.double() * full
+    bias = (torch.randn(n, generator=gen) * 0.1).to(dtype) if with_bias else None
+    x4 = torch.randn(4, k, generator=gen)
+    x4[1] *= 30.0 if dtype == torch.float16 else 1e4
+    x4[2] *= 1e-6
+    x4 = x4.to(dtype)
+    errors: list[str] = []
+    for m in (1, 4):
+        x = x4[:m]
+        y = dg.dense_gemv(x, codes, bias, plan, scale=grid, scale_block=block)
+        xd = x.double()
+        ref = xd @ w.t() + (bias.double() if bias is not None else 0.0)
+        bound = (k * 2.0**-23) * (xd.abs() @ w.abs().t()) + u * ref.abs() + torch.finfo(dtype).smallest_normal * u
+        if dtype == torch.bfloat16:
+            bound += 2.0**-30 * xd.abs().amax(dim=1, keepdim=True) * w.abs().sum(dim=1)[None, :]
+        excess = ((y.double() - ref).abs() - bound).max().item()
+        if y.shape != (m, n) or excess > 0:
+            errors.append(f"m={m}: error past the bound by {excess:.3e}")
+        if m == 4:
+            alone = dg.dense_gemv(x4[:1], codes, bias, plan, scale=grid, scale_block=block)
+            if not torch.equal(alone[0], y[0]):
+                errors.append("row 0 of 4 differs from the row alone")
+    return errors
+
+
 def main() -> int:
     _setup()
     failures = 0
@@ -106,7 +159,14 @@ def main() -> int:
         print(f"{'FAIL' if errors else 'ok  '} {case}: {'; '.join(errors) or 'within the bound, rows batch-invariant'}",
               flush=True)
     print(f"{len(CASES) - failures} of {len(CASES)} cases passed")
-    return 1 if failures else 0
+    block_failures = 0
+    for block_case in BLOCK_CASES:
+        errors = run_block_case(*block_case)
+        block_failures += bool(errors)
+        print(f"{'FAIL' if errors else 'ok  '} blocks {block_case}: {'; '.join(errors) or 'within the bound'}",
+              flush=True)
+    print(f"{len(BLOCK_CASES) - block_failures} of {len(BLOCK_CASES)} block cases passed")
+    return 1 if failures or block_failures else 0
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, re
 def test_fp8_gemv_matches_w8a16_reference_in_interpreter() -> None:
     stdout = run_interpreted(str(ROOT / "tests" / "helpers" / "fp8_gemv_interpret_check.py"))
     assert "FAIL" not in stdout and "7 of 7 cases passed" in stdout, stdout
+    assert "4 of 4 block cases passed" in stdout, stdout  # block-wise FP8 (one scale per block)
 
 
 @needs_triton
@@ -39,7 +40,7 @@ def test_fp8_gemv_compiles_for_hopper_with_one_conversion_a_pair(tmp_path: Path)
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())["results"]
-    assert len(rows) == 4
+    assert len(rows) == 5  # the last: block-wise scales (128 x 128)
     for r in rows:
         assert r["spills"] == 0 and r["tensor_core"] > 0, r
         assert r["async_copies"] >= r["weights_per_thread"] // 16, r  # one byte a weight
@@ -162,3 +163,18 @@ def test_fp8_gemm_passes_the_fast_accum_switch(monkeypatch: pytest.MonkeyPatch) 
         for state in states:
             assert fp8_triton.fp8_linear(x, state, None).shape == (8, 32)
     assert seen == [False] * 3 + [True] * 3
+
+
+def test_block_plan_tiles_within_blocks_and_splits_in_whole_blocks() -> None:
+    """Block-wise FP8's GEMV rule: K tiles inside one scale block (128 for 128-input blocks, 64 for
+    64), the split counted in blocks, and no plan on the CPU (the layer dequantizes there)."""
+    from loom_plugins.quant import fp8_gemv
+
+    p = fp8_gemv.block_plan(4096, 4096, (128, 128), 132)
+    assert (p.block_n, p.block_k, p.num_warps, p.num_stages) == (64, 128, 4, 3) and p.fused_reduce == (p.split > 1)
+    assert fp8_gemv.block_plan(4096, 4096, (128, 64), 132).block_k == 64
+    assert fp8_gemv.block_plan(4096, 4096, (128, 96), 132).block_k == 32
+    import torch
+
+    codes = torch.zeros(64, 128, dtype=torch.float8_e4m3fn)
+    assert fp8_gemv.block_plan_for(torch.zeros(1, 128, dtype=torch.bfloat16), codes, (128, 128)) is None

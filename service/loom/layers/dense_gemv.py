@@ -123,12 +123,16 @@ def f16_row_scales(x_rows, m_mask, k_start, k_end, K, BLOCK_K: tl.constexpr, BLO
 @_jit
 def gemv_tile(x_ptr, w_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, pid_n, pid_s,
               EVEN_K: tl.constexpr, IEEE: tl.constexpr, X_F16: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr):
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
+              scale_ptr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr):
     """Program (pid_n, pid_s)'s sums ``acc [BLOCK_N, BLOCK_M]`` (acc[n, m] = out[m, n] over inputs
     [pid_s * K_SPLIT, + K_SPLIT)), with ``offs_n``, ``n_mask`` ([BLOCK_N]) and ``offs_m``, ``m_mask``
     ([BLOCK_M]): the prologue and K loop of :func:`_dense_gemv_kernel` and of
     ``moe_router_gemv._router_route_kernel`` (the same loads and dots: the same bits), inlined
-    into each by Triton. X_F16: see :func:`_dense_gemv_kernel`."""
+    into each by Triton. X_F16: see :func:`_dense_gemv_kernel`. SCALE_BK (> 0, with SCALE_BN):
+    block-wise FP8, ``scale_ptr`` the float32 ``[cdiv(N, SCALE_BN), cdiv(K, SCALE_BK)]`` grid;
+    each K tile (within one block: BLOCK_K divides SCALE_BK, K_SPLIT is whole blocks) is dotted
+    on its own and added times its blocks' scales (0: the sums accumulate in the dot)."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output features
     n_mask = offs_n < N
     offs_m = tl.arange(0, BLOCK_M)  # [BLOCK_M] token rows (M of them real)
@@ -150,7 +154,17 @@ def gemv_tile(x_ptr, w_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, pid_n, pid_s
             k_ok = k < K
             w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_ok[None, :], other=0.0)
             x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_ok[None, :], other=0.0)
-        if X_F16:
+        if SCALE_BK:  # this tile's blocks' scales [BLOCK_N]
+            s = tl.load(scale_ptr + (offs_n // SCALE_BN) * tl.cdiv(K, SCALE_BK) + k0 // SCALE_BK, mask=n_mask,
+                        other=0.0)
+            if X_F16:
+                xh = (x.to(tl.float32) * up[:, None]).to(tl.float16)
+                acc += tl.dot(w.to(tl.float16), tl.trans(xh)) * s[:, None]
+            elif IEEE:
+                acc += tl.dot(w.to(x.dtype), tl.trans(x), input_precision="ieee") * s[:, None]
+            else:
+                acc += tl.dot(w.to(x.dtype), tl.trans(x)) * s[:, None]
+        elif X_F16:
             xh = (x.to(tl.float32) * up[:, None]).to(tl.float16)  # [BLOCK_M, BLOCK_K]
             acc = tl.dot(w.to(tl.float16), tl.trans(xh), acc)
         elif IEEE:  # float32 operands (tests): no TF32 rounding
@@ -169,7 +183,8 @@ def _dense_gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, cou
                        EVEN_K: tl.constexpr, IEEE: tl.constexpr, W_SCALE: tl.constexpr, X_F16: tl.constexpr,
                        MAX_ROWS: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr = False):
+                       BLOCK_S: tl.constexpr, SCALE_BN: tl.constexpr = 0, SCALE_BK: tl.constexpr = 0,
+                       USE_PDL: tl.constexpr = False):
     # One program: outputs offs_n of the M token rows, over inputs [pid_s * K_SPLIT, + K_SPLIT).
     # W_SCALE (FP8 weights, plugins/quant/fp8_gemv.py): w holds e4m3 codes, converted in registers
     # (exactly: every e4m3 value is a bf16 and an fp16 value), and each output channel's float32
@@ -185,8 +200,9 @@ def _dense_gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, cou
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     acc, offs_n, n_mask, offs_m, m_mask = gemv_tile(x_ptr, w_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, pid_n,
-                                                    pid_s, EVEN_K, IEEE, X_F16, BLOCK_N, BLOCK_K, BLOCK_M)
-    if W_SCALE:  # acc[n, m] * scale[n]: one float32 rounding, in the same place whatever the split
+                                                    pid_s, EVEN_K, IEEE, X_F16, BLOCK_N, BLOCK_K, BLOCK_M,
+                                                    scale_ptr, SCALE_BN, SCALE_BK)
+    if W_SCALE and not SCALE_BK:  # acc[n, m] * scale[n]: one float32 rounding, in the same place whatever the split
         acc = acc * tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
     mask = n_mask[:, None] & m_mask[None, :]
     if PARTIAL:
@@ -209,10 +225,12 @@ def _next_pow2(x: int) -> int:
 
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: GemvPlan,
-               scale: torch.Tensor | None = None) -> torch.Tensor:
+               scale: torch.Tensor | None = None, scale_block: tuple[int, int] | None = None) -> torch.Tensor:
     """``x [..., K] @ weight[N, K]^T (+ bias)`` in ``x``'s dtype for at most ``MAX_M`` rows of x.
     With ``scale`` (float32 ``[N]``, contiguous) the weight may be float8_e4m3fn codes and row n
-    of W is ``weight[n] * scale[n]``: the FP8 weight-only GEMV (``loom_plugins.quant.fp8_gemv``)."""
+    of W is ``weight[n] * scale[n]``: the FP8 weight-only GEMV (``loom_plugins.quant.fp8_gemv``).
+    With ``scale_block = (bn, bk)`` the scale is one per block (``[cdiv(N, bn), cdiv(K, bk)]``):
+    block-wise FP8 (``plan.block_k`` must divide bk; the K split is cut at whole blocks)."""
     n, k = weight.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
@@ -223,11 +241,19 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         raise ValueError(f"the dense GEMV serves 1..{MAX_M} rows, got {m}")
     if weight.stride(1) != 1:
         raise ValueError("the dense GEMV reads weight rows contiguous along K")
-    if scale is not None and (scale.dtype != torch.float32 or scale.numel() != n or scale.stride(-1) != 1):
+    if scale_block is not None:
+        bn, bk = scale_block
+        grid = (-(-n // bn), -(-k // bk))
+        if scale is None or scale.dtype != torch.float32 or tuple(scale.shape) != grid or not scale.is_contiguous():
+            raise ValueError(f"the GEMV's block scales must be a contiguous float32 grid {list(grid)}")
+        if bk % plan.block_k:
+            raise ValueError(f"the GEMV's K tile {plan.block_k} does not divide the scale blocks' {bk} inputs")
+    elif scale is not None and (scale.dtype != torch.float32 or scale.numel() != n or scale.stride(-1) != 1):
         raise ValueError(f"the GEMV's weight scale must be {n} contiguous float32 values")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    k_blocks = -(-k // plan.block_k)
-    k_split = -(-k_blocks // max(1, plan.split)) * plan.block_k
+    unit = plan.block_k if scale_block is None else scale_block[1]  # a split holds whole units
+    k_blocks = -(-k // unit)
+    k_split = -(-k_blocks // max(1, plan.split)) * unit
     split = -(-k // k_split)  # no empty piece
     tiles = triton.cdiv(n, plan.block_n)
     partial = split > 1
@@ -243,6 +269,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         X_F16=scale is not None and x.dtype == torch.bfloat16 and weight.dtype != torch.bfloat16,
         MAX_ROWS=MAX_M, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
         BLOCK_M=_TOKENS, BLOCK_S=_next_pow2(split), num_warps=plan.num_warps, num_stages=plan.num_stages,
+        **({} if scale_block is None else {"SCALE_BN": scale_block[0], "SCALE_BK": scale_block[1]}),
         **pdl_launch(x.device))
     if partial and not fused:
         split_sum_kernel[(m, triton.cdiv(n, _REDUCE_BLOCK))](part, b, out, n, split, part.stride(0), part.stride(1),

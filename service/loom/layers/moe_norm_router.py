@@ -116,7 +116,8 @@ def _norm_router_route_kernel(x_ptr, res_ptr, norm_w_ptr, normed_ptr, res_out_pt
                 tl.store(res_out_ptr + r * K + cols, h.to(dtype), mask=mine)
     tl.debug_barrier()  # the split's normed columns, stored by every thread, read below by the tile's loads
     acc, offs_n, n_mask, offs_m, m_mask = gemv_tile(xs_ptr, w_ptr, M, N, K, K_SPLIT, K, stride_wn, pid_n, pid_s,
-                                                    EVEN_K, IEEE, False, BLOCK_N, BLOCK_K, BLOCK_M)
+                                                    EVEN_K, IEEE, False, BLOCK_N, BLOCK_K, BLOCK_M,
+                                                    w_ptr, 0, 0)  # (dense: no block scales)
     _merge_and_route(acc, offs_n, n_mask, offs_m, m_mask, logits_ptr, part_ptr, counter_ptr, weights_ptr, ids_ptr,
                      M, N, SPLIT, TILES, stride_l, pid_n, pid_s, MAX_ROWS, BLOCK_S, TOP_K, ROUTE_T, BLOCK_TK, BLOCK_E,
                      RENORMALIZE)

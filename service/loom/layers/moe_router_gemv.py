@@ -71,7 +71,8 @@ def _router_route_kernel(x_ptr, w_ptr, logits_ptr, part_ptr, counter_ptr, weight
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     acc, offs_n, n_mask, offs_m, m_mask = gemv_tile(x_ptr, w_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, pid_n,
-                                                    pid_s, EVEN_K, IEEE, False, BLOCK_N, BLOCK_K, BLOCK_M)
+                                                    pid_s, EVEN_K, IEEE, False, BLOCK_N, BLOCK_K, BLOCK_M,
+                                                    w_ptr, 0, 0)  # (dense: no block scales)
     _merge_and_route(acc, offs_n, n_mask, offs_m, m_mask, logits_ptr, part_ptr, counter_ptr, weights_ptr, ids_ptr,
                      M, N, SPLIT, TILES, stride_l, pid_n, pid_s, MAX_ROWS, BLOCK_S, TOP_K, ROUTE_T, BLOCK_TK, BLOCK_E,
                      RENORMALIZE)
