@@ -24,6 +24,10 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # (imported in the functions: after the interpreter is set up)
+    import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,6 +51,30 @@ CASES = [
 ]
 
 
+def _codes(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """e4m3 codes ``[n, k]`` over the whole range (NaN 0x7f / 0xff excluded), subnormals included."""
+    import torch
+
+    raw = torch.randint(0, 256, (n, k), generator=gen, dtype=torch.int32)
+    raw = torch.where((raw & 0x7F) == 0x7F, raw - 1, raw).to(torch.uint8)
+    return raw.view(torch.float8_e4m3fn)
+
+
+def _excess(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+            u: float) -> float:
+    """How far ``y`` is past the bound around the float64 reference ``x @ w^T (+ bias)``: ``(K 2^-23)
+    (|x| @ |W|^T) + u |ref|`` + half the output dtype's smallest subnormal (fp16 outputs of the
+    tiny scales round there), + for bf16 the fp16 rounding of a row's values far below its largest."""
+    import torch
+
+    xd = x.double()
+    ref = xd @ w.t() + (bias.double() if bias is not None else 0.0)
+    bound = (x.shape[-1] * 2.0**-23) * (xd.abs() @ w.abs().t()) + u * ref.abs() + torch.finfo(x.dtype).smallest_normal * u
+    if x.dtype == torch.bfloat16:
+        bound += 2.0**-30 * xd.abs().amax(dim=1, keepdim=True) * w.abs().sum(dim=1)[None, :]
+    return float(((y.double() - ref).abs() - bound).max().item())
+
+
 def run_case(n: int, k: int, dtype_name: str, with_bias: bool, plan_args: tuple[int, int, int, bool]) -> list[str]:
     import torch
 
@@ -59,10 +87,7 @@ def run_case(n: int, k: int, dtype_name: str, with_bias: bool, plan_args: tuple[
     bn, bk, split, fused = plan_args
     plan = dg.GemvPlan(bn, bk, split, 4, 2, fused)
     gen = torch.Generator().manual_seed(n * 1000 + k)
-    # codes over the whole e4m3 range (NaN 0x7f / 0xff excluded), subnormals included
-    raw = torch.randint(0, 256, (n, k), generator=gen, dtype=torch.int32)
-    raw = torch.where((raw & 0x7F) == 0x7F, raw - 1, raw).to(torch.uint8)
-    codes = raw.view(torch.float8_e4m3fn)
+    codes = _codes(n, k, gen)
     # 1e-7 .. 1e-1 (fp16: .. 1e-3, and the large row 30 instead of 1e4, inside fp16's range)
     top = -3 if dtype == torch.float16 else -1
     scale = (10.0 ** (torch.rand(n, generator=gen) * 6 - 6 + top)).float()
@@ -77,13 +102,7 @@ def run_case(n: int, k: int, dtype_name: str, with_bias: bool, plan_args: tuple[
     for m in range(1, dg.MAX_M + 1):
         x = x4[:m]
         y = fp8_gemv.fp8_gemv(x, codes, scale, bias, plan)
-        xd = x.double()
-        ref = xd @ w.t() + (bias.double() if bias is not None else 0.0)
-        # + half the output dtype's smallest subnormal (fp16 outputs of the tiny scales round there)
-        bound = (k * 2.0**-23) * (xd.abs() @ w.abs().t()) + u * ref.abs() + torch.finfo(dtype).smallest_normal * u
-        if dtype == torch.bfloat16:
-            bound += 2.0**-30 * xd.abs().amax(dim=1, keepdim=True) * w.abs().sum(dim=1)[None, :]
-        excess = ((y.double() - ref).abs() - bound).max().item()
+        excess = _excess(y, x, w, bias, u)
         if y.shape != (m, n) or y.dtype != dtype or excess > 0:
             errors.append(f"m={m}: shape {tuple(y.shape)} {y.dtype}, error past the bound by {excess:.3e}")
         ctr = counters(x.device)
@@ -119,9 +138,7 @@ def run_block_case(n: int, k: int, dtype_name: str, with_bias: bool, block: tupl
     bn, bk = block
     plan = dg.GemvPlan(*plan_args[:3], 4, 2, plan_args[3])
     gen = torch.Generator().manual_seed(n * 100 + k)
-    raw = torch.randint(0, 256, (n, k), generator=gen, dtype=torch.int32)
-    raw = torch.where((raw & 0x7F) == 0x7F, raw - 1, raw).to(torch.uint8)
-    codes = raw.view(torch.float8_e4m3fn)
+    codes = _codes(n, k, gen)
     top = -3 if dtype == torch.float16 else -1
     grid = (10.0 ** (torch.rand(-(-n // bn), -(-k // bk), generator=gen) * 4 - 4 + top)).float()
     full = grid.double().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
@@ -135,12 +152,7 @@ def run_block_case(n: int, k: int, dtype_name: str, with_bias: bool, block: tupl
     for m in (1, 4):
         x = x4[:m]
         y = dg.dense_gemv(x, codes, bias, plan, scale=grid, scale_block=block)
-        xd = x.double()
-        ref = xd @ w.t() + (bias.double() if bias is not None else 0.0)
-        bound = (k * 2.0**-23) * (xd.abs() @ w.abs().t()) + u * ref.abs() + torch.finfo(dtype).smallest_normal * u
-        if dtype == torch.bfloat16:
-            bound += 2.0**-30 * xd.abs().amax(dim=1, keepdim=True) * w.abs().sum(dim=1)[None, :]
-        excess = ((y.double() - ref).abs() - bound).max().item()
+        excess = _excess(y, x, w, bias, u)
         if y.shape != (m, n) or excess > 0:
             errors.append(f"m={m}: error past the bound by {excess:.3e}")
         if m == 4:
