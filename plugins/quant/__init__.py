@@ -5,7 +5,8 @@
 - ``gptq``: GPTQ checkpoints (v1 "gptq" and ``gptq_v2``; 2/4/8 bits, any group size that tiles
   the input, act-order), or ``--quantize gptq`` on a random-weight model (benchmarks);
 - ``awq``: AWQ GEMM checkpoints (4-bit with zero points);
-- ``fp8``: FP8 e4m3 checkpoints (vLLM / compressed-tensors), or ``--quantize fp8`` while loading;
+- ``fp8``: FP8 e4m3 checkpoints (vLLM / compressed-tensors; per-tensor, per-channel or block-wise
+  scales), or ``--quantize fp8`` while loading; Mixture-of-Experts experts too (``fp8_moe``);
 - ``wna16``: compressed-tensors ``pack-quantized`` integer weights (LLM Compressor's W4A16 / W8A16);
 - ``nf4``: bitsandbytes NF4 checkpoints (with or without double quantization), or ``--quantize
   nf4`` while loading.
@@ -45,8 +46,8 @@ QUANTIZERS: list[QuantizerSpec] = [
     QuantizerSpec(
         name="fp8",
         summary="FP8 e4m3 checkpoints (vLLM fp8, compressed-tensors; per-tensor or per-channel scales, static or "
-                "dynamic activations) or --quantize fp8 while loading; torch._scaled_mm on CUDA (compute "
-                "capability 8.9+), W8A8 emulated on the CPU",
+                "dynamic activations; block-wise scales, weight-only) or --quantize fp8 while loading, MoE "
+                "experts included; torch._scaled_mm on CUDA (compute capability 8.9+), W8A8 emulated on the CPU",
         load=lazy_import(__name__, ".fp8", "FP8Config"),
         check=lazy_call(__name__, ".fp8", "unsupported_reason"),
     ),
