@@ -45,7 +45,7 @@ from torch import nn
 from loom import kernel_switches
 from loom.layers.fused_moe import FusedMoE
 from loom.layers.linear import LinearBase
-from loom.layers.quantized_input import FP8_MAX, row_scales  # noqa: F401  (FP8_MAX: the writers' and tests')
+from loom.layers.quantized_input import FP8_MAX, expand_block_scales, row_scales  # noqa: F401  (FP8_MAX: the writers' and tests')
 from loom.layers.quantized_input import to_e4m3 as quantize_fp8
 from loom.plugin_api.moe import FusedMoEMethod
 from loom.plugin_api.quantization import (
@@ -308,11 +308,6 @@ def block_warm_up_token_counts(layer: Any, max_tokens: int) -> tuple[int, ...]:
     return tuple(c for c in (1, 2) if c <= max_tokens)
 
 
-def block_scales(scale: torch.Tensor, block: tuple[int, int], rows: int, cols: int) -> torch.Tensor:
-    """One scale per block ``[cdiv(rows, bn), cdiv(cols, bk)]`` -> one per weight ``[rows, cols]``."""
-    return scale.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
-
-
 class FP8BlockLinearMethod(DequantLinearMethod):
     """A block-wise FP8 checkpoint's layer (DeepSeek's and Qwen3's FP8 releases: ``weight``
     e4m3 and ``weight_scale_inv``, one float32 per block of bn rows x bk inputs; LLM Compressor's
@@ -369,7 +364,7 @@ class FP8BlockLinearMethod(DequantLinearMethod):
 
     def dequantize(self, layer: Any, dtype: torch.dtype) -> torch.Tensor:
         w = layer.weight
-        return (w.float() * block_scales(getattr(layer, self.scale_name), self.block, *w.shape)).to(dtype)
+        return (w.float() * expand_block_scales(getattr(layer, self.scale_name), self.block, *w.shape)).to(dtype)
 
 
 class FP8WhileLoadingMethod(FP8Forward, QuantizeWhileLoading):

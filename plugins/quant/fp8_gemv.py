@@ -122,15 +122,13 @@ def maybe_fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 # ---- block-wise FP8 (one scale per block of bn rows x bk inputs: Qwen3's and DeepSeek's FP8) ----
 
 
+@functools.cache
 def block_plan(n: int, k: int, block: tuple[int, int], sms: int) -> dg.GemvPlan:
     """The rule for a block-scaled layer: :func:`default_plan`'s 64-row tiles and split target,
     with K tiles that lie within one scale block (the largest power of two up to 256 that divides
-    bk) and the split counted in whole blocks."""
-    tile = 256
-    while tile > 16 and block[1] % tile:
-        tile //= 2
+    bk: ``dense_gemv.tile_within_block``) and the split counted in whole blocks."""
     split, _ = split_k(-(-n // 64), k, block[1], 4 * sms, 16)
-    return dg.GemvPlan(64, tile, split, 4, 3, fused_reduce=split > 1)
+    return dg.GemvPlan(64, dg.tile_within_block(256, block[1]), split, 4, 3, fused_reduce=split > 1)
 
 
 def block_plan_for(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]) -> dg.GemvPlan | None:

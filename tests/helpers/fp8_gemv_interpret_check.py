@@ -164,21 +164,17 @@ def run_block_case(n: int, k: int, dtype_name: str, with_bias: bool, block: tupl
 
 def main() -> int:
     _setup()
-    failures = 0
-    for case in CASES:
-        errors = run_case(*case)
-        failures += bool(errors)
-        print(f"{'FAIL' if errors else 'ok  '} {case}: {'; '.join(errors) or 'within the bound, rows batch-invariant'}",
-              flush=True)
-    print(f"{len(CASES) - failures} of {len(CASES)} cases passed")
-    block_failures = 0
-    for block_case in BLOCK_CASES:
-        errors = run_block_case(*block_case)
-        block_failures += bool(errors)
-        print(f"{'FAIL' if errors else 'ok  '} blocks {block_case}: {'; '.join(errors) or 'within the bound'}",
-              flush=True)
-    print(f"{len(BLOCK_CASES) - block_failures} of {len(BLOCK_CASES)} block cases passed")
-    return 1 if failures or block_failures else 0
+    failed = 0
+    for label, cases, run, passing in (("", CASES, run_case, "within the bound, rows batch-invariant"),
+                                       ("block ", BLOCK_CASES, run_block_case, "within the bound")):
+        failures = 0
+        for case in cases:
+            errors = run(*case)  # type: ignore[operator]
+            failures += bool(errors)
+            print(f"{'FAIL' if errors else 'ok  '} {label}{case}: {'; '.join(errors) or passing}", flush=True)
+        print(f"{len(cases) - failures} of {len(cases)} {label}cases passed")
+        failed += failures
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

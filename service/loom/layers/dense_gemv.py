@@ -91,6 +91,18 @@ def default_plan(n: int, k: int, sms: int) -> GemvPlan:
     return GemvPlan(bn, bk, split, 4, 3)
 
 
+def tile_within_block(limit: int, block_inputs: int) -> int:
+    """The largest power of two at most ``limit`` (and at least 16, the dot's smallest) that divides
+    ``block_inputs``: a K tile that lies within one block of block-wise scales, so each tile's sums
+    take one scale a row. ValueError when the blocks are not a multiple of 16 inputs."""
+    if block_inputs % 16:
+        raise ValueError(f"scale blocks of {block_inputs} inputs are not a multiple of 16")
+    tile = limit
+    while block_inputs % tile:
+        tile //= 2
+    return tile
+
+
 def table_plan(n: int, k: int, m: int, sms: int) -> GemvPlan | None:
     """The measured plan of an ``n x k`` layer at ``m`` rows on a GPU of ``sms`` SMs, or None
     (cuBLAS) when the table has none or the entry serves fewer rows."""

@@ -49,6 +49,7 @@ from . import fused_moe_triton, moe_norm_router, moe_router_gemv, moe_routing_tr
 from .activation import SiluAndMul
 from .dense_gemv import GemvPlan
 from .linear import ReplicatedLinear, WeightShapeError, default_weight_loader, divide, load_slice
+from .quantized_input import expand_block_scales
 
 if TYPE_CHECKING:
     from .norm import RMSNorm
@@ -94,9 +95,7 @@ def dequantize_expert(codes: torch.Tensor, scale: torch.Tensor | None, dtype: to
         return codes
     if block is None:
         return (codes.float() * scale.float()[:, None]).to(dtype)
-    rows, cols = codes.shape
-    full = scale.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
-    return (codes.float() * full).to(dtype)
+    return (codes.float() * expand_block_scales(scale, block, *codes.shape)).to(dtype)
 
 
 def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

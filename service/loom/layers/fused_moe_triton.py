@@ -53,7 +53,7 @@ import torch
 from loom import kernel_switches
 
 from . import moe_plan_table
-from .dense_gemv import f16_row_scales
+from .dense_gemv import f16_row_scales, tile_within_block
 from .moe_routing_triton import HAS_TRITON as HAS_TRITON  # the layer asks this module
 from .moe_routing_triton import ExpertLayout, _cdiv, _jit, _next_pow2, align_rows_by_expert
 from .triton_jit import pdl_launch, pdl_prologue
@@ -381,12 +381,8 @@ def _tiles_within_blocks(cfg: MoeBlockConfig, block: tuple[int, int] | None) -> 
     ``cfg.block_k`` that divides the block's inputs, at least 16: the dot's smallest)."""
     if block is None or block[1] % cfg.block_k == 0:
         return cfg
-    tile = cfg.block_k
-    while tile > 16 and block[1] % tile:
-        tile //= 2
-    if block[1] % tile:
-        raise ValueError(f"scale blocks of {block[1]} inputs are not a multiple of 16")
-    return MoeBlockConfig(cfg.block_m, cfg.block_n, tile, cfg.num_warps, cfg.num_stages)
+    return MoeBlockConfig(cfg.block_m, cfg.block_n, tile_within_block(cfg.block_k, block[1]), cfg.num_warps,
+                          cfg.num_stages)
 
 
 def launch_gate_up(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, sorted_ids: torch.Tensor,

@@ -57,6 +57,12 @@ def row_scales(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return (amax / torch.full_like(amax, FP8_MAX)).clamp(min=TINY_SCALE)
 
 
+def expand_block_scales(scale: torch.Tensor, block: tuple[int, int], rows: int, cols: int) -> torch.Tensor:
+    """Block-wise FP8's scales, one per block ``[cdiv(rows, bn), cdiv(cols, bk)]``, as one per
+    weight ``[rows, cols]`` in float32 (a partial last block keeps its scale)."""
+    return scale.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+
+
 def to_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x / scale`` rounded to e4m3 (saturating at +-448); ``scale`` broadcasts against ``x``."""
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
