@@ -12,7 +12,7 @@ run grouped by expert, and their outputs are summed with the routing weights.
   :class:`UnquantizedFusedMoEMethod` unless a quantization config serves the layer) keeps and
   applies them. Methods whose experts are stacked tensors the fused kernels read
   (:class:`StackedExpertsMethod`: the dense one, and the fp8 quantizer's e4m3 experts with
-  per-channel scales) share the kernels, the routing's sort and the unsummed rows for the norm.
+  scales per channel or per block) share the kernels, the routing's sort and the unsummed rows for the norm.
 * :class:`SparseMoeBlock`: the router (``gate``, a dense linear layer) and the experts.
 
 The dense experts run on CUDA as the Triton kernels of ``fused_moe_triton`` (one launch for
@@ -155,7 +155,7 @@ class StackedWeights:
 
 class StackedExpertsMethod(FusedMoEMethod):
     """A method whose experts are stacked tensors the fused kernels read (:meth:`stacked`): the
-    dense experts, and e4m3 experts with per-channel scales (the fp8 quantizer's). Such a layer
+    dense experts, and e4m3 experts with scales per channel or per block (the fp8 quantizer's). Such a layer
     takes the routing's sort by expert, and hands its rows back unsummed to the norm after it
     (:meth:`FusedMoE.forward_uncombined`), as dense experts do."""
 
